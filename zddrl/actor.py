@@ -1,0 +1,210 @@
+"""Actor host: steps N gymnasium envs with the newest policy and pushes one trajectory per rollout.
+
+An actor needs only the broker address. It learns the run spec (env, model, rollout length, seed,
+mode) from the welcome and the weights from parameter broadcasts, which its ``BrokerLink`` thread
+receives, verifies and decodes off the stepping path. Every trajectory is stamped with the policy
+version and parameter hash it was produced with. In sync mode the actor waits for a new version
+after each rollout; in async/impala modes it never waits and swaps versions between rollouts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+from loguru import logger
+
+from . import protocol as P
+from .client import BrokerLink, hello_fields
+from .config import Config
+from .envs import VecEnv, env_factory
+from .policy import NumpyPolicy
+
+WELCOME_TIMEOUT_S = 3600.0
+"""An actor may be started long before any learner; it waits (heartbeating) for a run."""
+STATS_EVERY_S = 1.0
+SEND_POLL_MS = 100
+
+
+def env_seeds(base_seed: int, actor_id: int, num_envs: int) -> list[int]:
+    """Seed stream of each env: ``base_seed + actor_id * 1000 + env_index``."""
+    return [base_seed + actor_id * 1000 + i for i in range(num_envs)]
+
+
+def action_rng(base_seed: int, actor_id: int) -> np.random.Generator:
+    """The actor's own generator for action sampling, independent of the env streams."""
+    return np.random.default_rng([base_seed + actor_id * 1000, 0xAC7])
+
+
+@dataclass
+class ActorTimers:
+    """Where an actor's wall time goes; the basis of its comm-share and waiting figures."""
+
+    started: float = field(default_factory=time.monotonic)
+    env_steps: int = 0
+    step_s: float = 0.0
+    wait_params_s: float = 0.0
+    send_s: float = 0.0
+    rollouts: int = 0
+
+    def stats(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self.started, 1e-9)
+        return {"env_steps": self.env_steps, "sps": self.env_steps / wall, "rollouts": self.rollouts,
+                "wait_params_s": self.wait_params_s, "send_s": self.send_s,
+                "comm_share": (self.wait_params_s + self.send_s) / wall}
+
+
+class Rollout:
+    """Preallocated time-major buffers for one rollout of ``T`` steps of ``N`` envs."""
+
+    def __init__(self, T: int, vec: VecEnv) -> None:
+        N, spec = vec.num_envs, vec.spec
+        self.T, self.N = T, N
+        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=np.float32)
+        self.actions = np.zeros((T, N) if spec.discrete else (T, N, spec.action_dim),
+                                dtype=np.int64 if spec.discrete else np.float32)
+        self.logp = np.zeros((T, N), dtype=np.float32)
+        self.values = np.zeros((T, N), dtype=np.float32)
+        self.rewards = np.zeros((T, N), dtype=np.float32)
+        self.terminated = np.zeros((T, N), dtype=bool)
+        self.truncated = np.zeros((T, N), dtype=bool)
+
+
+def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
+            slowdown: float = 1.0) -> dict[str, np.ndarray]:
+    """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory arrays (docs/protocol.md)."""
+    buf = Rollout(T, vec)
+    trunc_idx, trunc_obs = [], []
+    vec.finished.clear()
+    for t in range(T):
+        t0 = time.perf_counter()
+        obs = vec.obs
+        out = policy.act(obs, rng)
+        buf.obs[t] = obs
+        buf.actions[t], buf.logp[t], buf.values[t] = out.actions, out.logp, out.values
+        _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
+        for i, fo in final_obs.items():
+            if buf.truncated[t, i] and not buf.terminated[t, i]:
+                trunc_idx.append(t * vec.num_envs + i)
+                trunc_obs.append(fo)
+        if slowdown > 1.0:  # testing knob: this host is `slowdown` times slower per step
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+    obs_shape = vec.spec.obs_shape
+    trunc_obs_arr = np.stack(trunc_obs) if trunc_obs else np.zeros((0, *obs_shape), dtype=np.float32)
+    returns = np.array([r for r, _ in vec.finished], dtype=np.float32)
+    lengths = np.array([n for _, n in vec.finished], dtype=np.int32)
+    return {
+        "obs": buf.obs, "actions": buf.actions, "logp": buf.logp, "values": buf.values, "rewards": buf.rewards,
+        "terminated": buf.terminated, "truncated": buf.truncated,
+        "next_obs": vec.obs.copy(), "next_value": policy.value(vec.obs).astype(np.float32),
+        "trunc_idx": np.array(trunc_idx, dtype=np.int64), "trunc_obs": trunc_obs_arr,
+        "trunc_value": (policy.value(trunc_obs_arr) if trunc_obs else np.zeros(0)).astype(np.float32),
+        "ep_returns": returns, "ep_lengths": lengths,
+    }
+
+
+class ActorHost:
+    """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done."""
+
+    def __init__(self, connect: str, actor_id: int, num_envs: int | None = None, *, peer_id: str | None = None,
+                 slowdown: float = 1.0, max_steps: int | None = None, context: zmq.Context | None = None) -> None:
+        self.connect = connect
+        self.actor_id = actor_id
+        self.num_envs = num_envs
+        self.peer_id = peer_id or f"actor-{actor_id}"
+        self.slowdown = slowdown
+        self.max_steps = max_steps
+        self.ctx = context or zmq.Context.instance()
+        self.log = logger.bind(role="actor", peer=self.peer_id)
+        self.timers = ActorTimers()
+        self.seq = 0
+
+    def run(self, stop: threading.Event) -> None:
+        hello = P.Hello(role="actor", peer_id=self.peer_id, num_envs=self.num_envs or 0, **hello_fields())
+        link = BrokerLink(self.connect, hello, subscribe_params=True, context=self.ctx).start()
+        try:
+            while not stop.is_set() and not self._done():
+                welcome = link.wait_welcome(timeout_s=1.0, need_run=True)
+                if welcome is None or welcome.run is None:
+                    continue
+                self._serve_run(link, Config.from_dict(welcome.run), welcome.run_id, stop)
+        finally:
+            link.close(reason="actor stopping")
+
+    def _done(self) -> bool:
+        return self.max_steps is not None and self.timers.env_steps >= self.max_steps
+
+    def _serve_run(self, link: BrokerLink, config: Config, run_id: str, stop: threading.Event) -> None:
+        """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
+        num_envs = self.num_envs or config.env.num_envs
+        seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
+        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps), seeds)
+        rng = action_rng(config.env.seed, self.actor_id)
+        self.log.info(f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, "
+                      f"mode {config.algo.mode}")
+        generation, push = link.generation, self._push(link)
+        params, policy = None, None
+        next_stats = 0.0
+        try:
+            while not stop.is_set() and not self._done():
+                if link.welcome is None or link.welcome.run_id != run_id:
+                    return
+                if link.generation != generation:  # re-welcomed: ports may have moved
+                    push.close(linger=0)
+                    generation, push = link.generation, self._push(link)
+                newest = self._next_params(link, params, config.algo.mode)
+                if newest is None:
+                    continue
+                if params is None or newest.policy_version != params.policy_version:
+                    params = newest
+                    policy = NumpyPolicy(params.arrays["flat"], params.layout, config.model.activation,
+                                         vec.spec.discrete, params.arrays.get("obs_mean"),
+                                         params.arrays.get("obs_var"))
+                T = int(params.meta.get("rollout_len", config.env.rollout_len))
+                t0 = time.monotonic()
+                arrays = collect(vec, policy, rng, T, self.slowdown)
+                self.timers.step_s += time.monotonic() - t0
+                self._send(push, run_id, params, arrays, T * num_envs, stop)
+                if time.monotonic() >= next_stats:
+                    link.send(P.Stats(sender=self.peer_id, role="actor",
+                                      stats={**self.timers.stats(), "policy_version": params.policy_version,
+                                             "param_hash": params.param_hash, "reconnects": link.reconnects}))
+                    next_stats = time.monotonic() + STATS_EVERY_S
+        finally:
+            push.close(linger=0)
+            vec.close()
+
+    def _next_params(self, link: BrokerLink, current: P.Parameters | None, mode: str) -> P.Parameters | None:
+        """Sync: wait for a version newer than the last one used. Async: the newest held, no waiting."""
+        if mode != "sync" and current is not None:
+            return link.latest_params()
+        t0 = time.monotonic()
+        newest = link.wait_params(newer_than=-1 if current is None else current.policy_version, timeout_s=0.5)
+        self.timers.wait_params_s += time.monotonic() - t0
+        return newest
+
+    def _push(self, link: BrokerLink) -> zmq.Socket:
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 4)
+        push.connect(link.endpoint("trajectories"))
+        return push
+
+    def _send(self, push: zmq.Socket, run_id: str, params: P.Parameters, arrays: dict[str, np.ndarray],
+              env_steps: int, stop: threading.Event) -> None:
+        self.timers.env_steps += env_steps
+        self.timers.rollouts += 1
+        msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
+                           param_hash=params.param_hash, env_steps=env_steps, arrays=arrays,
+                           info={"actor_id": self.actor_id, "num_envs": int(arrays["rewards"].shape[1]),
+                                 "total_env_steps": self.timers.env_steps})
+        self.seq += 1
+        frames = P.encode(msg)
+        t0 = time.monotonic()
+        while not stop.is_set():  # blocks under backpressure, but stays stoppable
+            if push.poll(SEND_POLL_MS, zmq.POLLOUT):
+                push.send_multipart(frames, copy=False)
+                break
+        self.timers.send_s += time.monotonic() - t0

@@ -1,0 +1,178 @@
+"""The ``zddrl`` command line (click). Every command has ``--help``; ZDDRL_* env vars give defaults."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+from loguru import logger
+
+from . import __version__
+from .config import ConfigError, load_broker_config, load_config, parse_override
+from .logs import configure
+
+CONNECT_HELP = "Broker control endpoint, the only address a client needs."
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGINT/SIGTERM only set the returned event; loops check it and shut down cleanly."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        logger.info(f"{signal.Signals(signum).name} received: stopping")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
+    out = dict(parse_override(s) for s in sets)
+    out.update({k: v for k, v in named.items() if v is not None})
+    return out
+
+
+def _load(config_path: str | None, overrides: dict[str, Any]):
+    try:
+        return load_config(config_path, overrides)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+set_option = click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
+                          help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "ZDDRL"})
+@click.version_option(__version__, prog_name="zddrl")
+@click.option("--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR.")
+@click.option("--log-file", default=None, help="Also log to this file (rotated at 50 MB, 5 kept).")
+@click.pass_context
+def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
+    """zddrl: distributed deep RL on a ZeroMQ bus (broker, actors, learners)."""
+    configure(log_level, log_file, role=ctx.invoked_subcommand or "main")
+
+
+@main.command()
+@click.option("--bind", default=None, help="Public control endpoint, tcp://ADDR:PORT (port * = random).  "
+                                           "[default: profile's, else tcp://127.0.0.1:5555]")
+@click.option("--profile", type=click.Path(dir_okay=False), default=None, help="Broker profile TOML (see brokers/).")
+@click.option("--trajectory-port", type=int, default=None, help="Trajectory PULL port (default control+1).")
+@click.option("--learner-port", type=int, default=None, help="Learner ROUTER port (default control+2).")
+@click.option("--params-port", type=int, default=None, help="Parameter PUB port (default control+3).")
+@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+              help="Write the bound ports as JSON here once serving (for scripts and tests).")
+def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
+    """Run the broker: routes trajectories to learners and parameters to actors."""
+    from .broker import Broker
+
+    try:
+        config = load_broker_config(profile, {"bind": bind, "trajectory_port": trajectory_port,
+                                              "learner_port": learner_port, "params_port": params_port})
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    stop = stop_on_signals()
+    b = Broker(config)
+    try:
+        ports = b.bind()
+        if ready_file:
+            Path(ready_file).write_text(json.dumps(ports))
+        b.run(stop)
+    finally:
+        b.close()
+
+
+@main.command()
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
+@click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
+@click.option("--slowdown", type=float, default=1.0, show_default=True,
+              help="Testing knob: make this host FACTOR times slower per env step.")
+@click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
+def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
+    """Run an actor host: step envs with the newest policy, push trajectories."""
+    from .actor import ActorHost
+
+    if envs is not None and envs < 1:
+        raise click.UsageError("--envs must be >= 1")
+    ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps).run(stop_on_signals())
+
+
+@main.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (default: train.run_dir/NAME-TIME).")
+@click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
+@click.option("--seed", type=int, default=None, help="Overrides env.seed.")
+@click.option("--t0", type=float, default=None, hidden=True, help="Epoch time the whole command started.")
+@set_option
+def learner(config_path, connect, run_dir, mode, seed, t0, sets) -> None:
+    """Run the learner on CONFIG: publish the run, train, publish parameters."""
+    from .learner import LearnerNode
+    from .train import default_run_dir
+
+    config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed}))
+    summary = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0).run(stop_on_signals())
+    click.echo(json.dumps(summary))
+
+
+@main.command()
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.option("--actors", type=int, default=None, help="Actor processes (overrides train.actors).")
+@click.option("--seed", type=int, default=None, help="Overrides env.seed.")
+@click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
+@click.option("--until-return", type=float, default=None, help="Stop at this mean return of the last 20 episodes.")
+@click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
+@click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Exact run directory to write.")
+@set_option
+def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, sets) -> None:
+    """Run broker, actors and learner on this machine until the first limit is reached."""
+    from .train import run_training
+
+    config = _load(config_path, _overrides(sets, **{
+        "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
+        "train.max_steps": max_steps, "train.max_seconds": max_seconds}))
+    summary = run_training(config, run_dir=run_dir)
+    click.echo(json.dumps(summary))
+    sys.exit(0 if summary.get("ok", True) else 1)
+
+
+@main.command("eval")
+@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.option("--episodes", type=int, default=10, show_default=True)
+@click.option("--seed", type=int, default=10_000, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
+    """Deterministic evaluation of a checkpoint: mean/std return over episodes."""
+    from .evaluate import evaluate
+
+    result = evaluate(checkpoint, episodes, seed)
+    click.echo(json.dumps(result) if as_json else
+               f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} "
+               f"+- {result['std']:.2f}")
+
+
+@main.command()
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the broker's status as JSON.")
+@click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the broker.")
+def status(connect, as_json, timeout) -> None:
+    """Print the broker's counters, members and drops."""
+    from .status import format_status, request_status
+
+    body = request_status(connect, timeout)
+    if body is None:
+        raise click.ClickException(f"no answer from a broker at {connect} within {timeout} s")
+    click.echo(json.dumps(body, indent=2) if as_json else format_status(body))
+
+
+from .bench.cli import bench  # noqa: E402  (registers the `bench` group)
+
+main.add_command(bench)

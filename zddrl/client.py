@@ -1,0 +1,245 @@
+"""The client side of the bus, shared by actor hosts and learner shards.
+
+``BrokerLink`` runs the control conversation in a background thread so that it never sits on the
+stepping or training path: hello/welcome, heartbeats both ways, reconnect with capped exponential
+backoff when the broker goes away, and (for actors) receiving, verifying and keeping the newest
+parameters (latest wins). ZeroMQ sockets are not thread-safe, so the link's sockets live in its
+thread only; data sockets (PUSH for actors, DEALER for learners) belong to the caller's thread and
+are rebuilt whenever ``generation`` changes (a new welcome).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+from loguru import logger
+
+from . import protocol as P
+from .config import split_endpoint
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Until the welcome says otherwise."""
+HEARTBEAT_LIVENESS = 3
+RECONNECT_INITIAL_S = 0.25
+RECONNECT_MAX_S = 8.0
+
+
+class BrokerLink:
+    """Control link to the broker. ``start()``, then ``wait_welcome()``; ``close()`` at the end.
+
+    Usage (actor)::
+
+        link = BrokerLink("tcp://host:5555", P.Hello(role="actor", peer_id="actor-0"), subscribe_params=True)
+        link.start(); welcome = link.wait_welcome(timeout_s=30)
+        params = link.wait_params(newer_than=-1, timeout_s=30)
+    """
+
+    def __init__(self, connect: str, hello: P.Hello, *, subscribe_params: bool = False,
+                 context: zmq.Context | None = None) -> None:
+        self.host, port = split_endpoint(connect)
+        self.connect = connect
+        self.hello = hello
+        self.subscribe_params = subscribe_params
+        self.ctx = context or zmq.Context.instance()
+        self.log = logger.bind(role=hello.role, peer=hello.peer_id)
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._outbox: queue.SimpleQueue[P.Message] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"link-{hello.peer_id}", daemon=True)
+        self.welcome: P.Welcome | None = None
+        self.generation = 0
+        self.params: P.Parameters | None = None
+        self.reconnects = 0
+        self.params_rejected = 0
+        self.last_broker_beat = 0.0
+
+    # ---------------------------------------------------------------- caller side
+    def start(self) -> BrokerLink:
+        self._thread.start()
+        return self
+
+    def endpoint(self, port_name: str) -> str:
+        assert self.welcome is not None, "no welcome yet"
+        return f"tcp://{self.host}:{self.welcome.ports[port_name]}"
+
+    def wait_welcome(self, timeout_s: float, need_run: bool = False) -> P.Welcome | None:
+        """Block until a welcome (with a run spec if ``need_run``) arrived, or the timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.welcome is not None and (self.welcome.run is not None or not need_run)
+                                or self._stop.is_set(), timeout_s)
+            return self.welcome
+
+    def wait_params(self, newer_than: int, timeout_s: float) -> P.Parameters | None:
+        """Block until parameters with version > ``newer_than`` of the current run are held."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._newer(newer_than) or self._stop.is_set(), timeout_s)
+            return self.params if self._newer(newer_than) else None
+
+    def latest_params(self) -> P.Parameters | None:
+        with self._cond:
+            return self.params
+
+    def _newer(self, version: int) -> bool:
+        return self.params is not None and self.params.policy_version > version
+
+    def send(self, msg: P.Message) -> None:
+        """Queue a control message (stats, bye) for the link thread to send."""
+        self._outbox.put(msg)
+
+    def close(self, reason: str = "") -> None:
+        if self._thread.is_alive():
+            self.send(P.Bye(peer_id=self.hello.peer_id, reason=reason))
+            self._stop.set()
+            self._thread.join(timeout=5)
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    # ---------------------------------------------------------------- link thread
+    def _run(self) -> None:
+        backoff = RECONNECT_INITIAL_S
+        while not self._stop.is_set():
+            control, sub = self._open()
+            try:
+                served = self._serve(control, sub)
+            except Exception:  # a bug in the link must not hang its owner silently
+                self.log.exception("control link failed")
+                served = False
+            finally:
+                control.close(linger=0)
+                if sub is not None:
+                    sub.close(linger=0)
+            if self._stop.is_set():
+                break
+            backoff = RECONNECT_INITIAL_S if served else min(backoff * 2, RECONNECT_MAX_S)
+            self.reconnects += 1
+            self.log.warning(f"broker at {self.connect} silent; reconnecting in {backoff:.2f} s")
+            self._stop.wait(backoff)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        control = self.ctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 0)
+        control.connect(self.connect)
+        control.send_multipart(P.encode(self.hello))
+        return control, None
+
+    def _serve(self, control: zmq.Socket, sub: zmq.Socket | None) -> bool:
+        """Talk to the broker until it is silent for too long; True if a welcome was received."""
+        interval, liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+        deadline = time.monotonic() + interval * liveness
+        next_beat = time.monotonic() + interval
+        welcomed = False
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        while not self._stop.is_set():
+            self._flush_outbox(control)
+            events = dict(poller.poll(min(100, interval * 1000)))
+            if control in events:
+                for msg in self._drain(control):
+                    deadline = time.monotonic() + interval * liveness
+                    if isinstance(msg, P.Welcome):
+                        welcomed = True
+                        interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
+                        if sub is None and self.subscribe_params:
+                            sub = self._subscribe(msg)
+                            poller.register(sub, zmq.POLLIN)
+                        self._on_welcome(msg)
+                    elif isinstance(msg, P.Reject):
+                        self.log.warning(f"broker rejected us: {msg.reason}")
+                        if msg.rehello:
+                            control.send_multipart(P.encode(self.hello))
+                    elif isinstance(msg, P.Parameters):
+                        self._on_params(msg)
+                    elif isinstance(msg, P.Heartbeat):
+                        self.last_broker_beat = time.time()
+            if sub is not None and sub in events:
+                for msg in self._drain(sub):
+                    if isinstance(msg, P.Parameters):
+                        self._on_params(msg)
+            now = time.monotonic()
+            if now >= next_beat:
+                version = self.params.policy_version if self.params is not None else -1
+                control.send_multipart(P.encode(P.Heartbeat(peer_id=self.hello.peer_id, policy_version=version)))
+                next_beat = now + interval
+            if now > deadline:
+                if sub is not None:
+                    sub.close(linger=0)
+                return welcomed
+        self._flush_outbox(control)
+        if sub is not None:
+            sub.close(linger=0)
+        return welcomed
+
+    def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
+        sub.connect(f"tcp://{self.host}:{welcome.ports['params']}")
+        return sub
+
+    def _drain(self, sock: zmq.Socket) -> list[P.Message]:
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            try:
+                out.append(P.decode(frames))
+            except P.ProtocolError as exc:
+                self.log.warning(f"dropped a malformed message from the broker: {exc}")
+
+    def _flush_outbox(self, control: zmq.Socket) -> None:
+        while True:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                control.send_multipart(P.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                return  # the broker is not there; stats are best effort
+
+    def _on_welcome(self, msg: P.Welcome) -> None:
+        with self._cond:
+            if self.welcome is None or msg.run_id != self.welcome.run_id:
+                self.params = None  # versions restart with a new run: never compare across runs
+            self.welcome = msg
+            self.generation += 1
+            self._cond.notify_all()
+        self.log.info(f"welcomed by broker: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
+
+    def _on_params(self, msg: P.Parameters) -> None:
+        """Verify and keep the newest parameters; never go back to an older version."""
+        if self.welcome is None or msg.run_id != self.welcome.run_id:
+            return
+        flat = msg.arrays.get("flat")
+        if flat is None or P.param_hash(flat) != msg.param_hash:
+            self.params_rejected += 1
+            self.log.warning(f"rejected parameters version {msg.policy_version}: hash mismatch or no flat buffer")
+            return
+        with self._cond:
+            if self.params is None or msg.policy_version > self.params.policy_version:
+                self.params = msg
+                self._cond.notify_all()
+
+
+def default_peer_id(role: str, index: int | str | None = None) -> str:
+    suffix = f"{index}" if index is not None else f"{os.getpid()}"
+    return f"{role}-{socket.gethostname()}-{suffix}"
+
+
+def hello_fields() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}

@@ -1,0 +1,310 @@
+"""Typed configuration: frozen dataclasses, loaded from TOML, overridden from the CLI.
+
+This module is the one source of defaults. A run config has four sections::
+
+    [env]    what the actors step          [algo]   how the learner learns
+    [model]  the policy/value network      [train]  limits of `zddrl train`
+
+``load_config(path, overrides)`` reads a TOML file, applies dotted ``section.key=value`` overrides
+and validates everything; an unknown key or a bad value is a :class:`ConfigError` whose text names
+the key. The run spec that actors receive from the broker is ``config.to_dict()`` and is rebuilt
+on their side with ``Config.from_dict`` (same validation).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MODES = ("sync", "async", "impala")
+SCHEDULES = ("constant", "linear")
+ACTIVATIONS = ("tanh", "relu")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the text names the key and the reason."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    id: str = "CartPole-v1"
+    """A registered gymnasium id, or ``package.module:callable`` returning a gymnasium.Env."""
+    num_envs: int = 4
+    """Envs per actor host (an actor's ``--envs`` overrides it)."""
+    rollout_len: int = 32
+    """Steps per env per trajectory message. In sync mode the learner adapts it to keep batch_size fixed."""
+    seed: int = 1
+    """Base seed: env ``i`` of actor ``a`` uses ``seed + a * 1000 + i``."""
+    max_episode_steps: int = 0
+    """Time limit override; 0 keeps the env's registered limit."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.id), "env.id must name a gymnasium env or a 'module:callable'")
+        _require(self.num_envs >= 1, f"env.num_envs must be >= 1, got {self.num_envs}")
+        _require(self.rollout_len >= 1, f"env.rollout_len must be >= 1, got {self.rollout_len}")
+        _require(self.max_episode_steps >= 0, "env.max_episode_steps must be >= 0")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hidden: tuple[int, ...] = (64, 64)
+    """Hidden layer sizes of the policy and of the (separate) value network."""
+    activation: str = "tanh"
+    log_std_init: float = 0.0
+    """Initial log standard deviation of the Gaussian policy (Box action spaces)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden", tuple(self.hidden))
+        _require(len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), "model.hidden must be positive sizes")
+        _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}")
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    mode: str = "sync"
+    """sync (distributed PPO) | async (PPO with truncated IS) | impala (V-trace)."""
+    batch_size: int = 256
+    """Env steps per update, summed over all actors; fixed whatever the number of actors."""
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    epochs: int = 10
+    minibatches: int = 4
+    lr: float = 3e-4
+    lr_schedule: str = "constant"
+    """constant | linear (to 0 at total_steps)."""
+    clip: float = 0.2
+    clip_schedule: str = "constant"
+    vf_coef: float = 0.5
+    ent_coef: float = 0.0
+    max_grad_norm: float = 0.5
+    norm_adv: bool = True
+    clip_vloss: bool = False
+    normalize_obs: bool = False
+    """Running mean/std of observations, applied by actors; the statistics travel with the parameters."""
+    normalize_reward: bool = False
+    """Scale rewards by the running std of the discounted return (learner side, per env stream)."""
+    total_steps: int = 100_000
+    """Horizon of the linear schedules (env steps)."""
+    straggler_factor: float = 3.0
+    """Sync mode: a round that takes longer than this times the median round closes without the stragglers."""
+    min_round_timeout_s: float = 0.2
+    """Sync mode: never close a round on the straggler rule sooner than this."""
+    max_staleness: int = 4
+    """async/impala: trajectories older than this many versions are dropped (counted)."""
+    publish_every: int = 1
+    """async/impala: publish parameters every k updates."""
+    rho_bar: float = 1.0
+    c_bar: float = 1.0
+    torch_threads: int = 1
+    """Intra-op threads of the learner (small MLPs run fastest on one)."""
+
+    def __post_init__(self) -> None:
+        _require(self.mode in MODES, f"algo.mode must be one of {MODES}, got {self.mode!r}")
+        _require(self.batch_size >= 1, "algo.batch_size must be >= 1")
+        _require(0.0 < self.gamma <= 1.0, "algo.gamma must be in (0, 1]")
+        _require(0.0 <= self.gae_lambda <= 1.0, "algo.gae_lambda must be in [0, 1]")
+        _require(self.epochs >= 1 and self.minibatches >= 1, "algo.epochs and algo.minibatches must be >= 1")
+        _require(self.lr > 0, "algo.lr must be > 0")
+        _require(self.lr_schedule in SCHEDULES and self.clip_schedule in SCHEDULES,
+                 f"algo.lr_schedule and algo.clip_schedule must be one of {SCHEDULES}")
+        _require(self.clip > 0, "algo.clip must be > 0")
+        _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
+        _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
+        _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
+        _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
+        _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
+        _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    actors: int = 2
+    """Actor processes `zddrl train` starts."""
+    until_return: float = math.inf
+    """Stop once the mean return of the last 20 training episodes reaches this."""
+    max_steps: int = 1_000_000
+    max_seconds: float = 600.0
+    run_dir: str = "runs"
+    """Parent folder of run directories (each run gets its own sub-folder)."""
+
+    def __post_init__(self) -> None:
+        _require(self.actors >= 1, "train.actors must be >= 1")
+        _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "run"
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["model"]["hidden"] = list(self.model.hidden)
+        if math.isinf(self.train.until_return):
+            d["train"]["until_return"] = None  # TOML and msgpack-friendly
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return _build(cls, data, "")
+
+    def replace(self, overrides: dict[str, Any]) -> Config:
+        """A copy with dotted-key overrides applied (``{"algo.lr": 1e-3}``), validated."""
+        data = self.to_dict()
+        for key, value in overrides.items():
+            _set_dotted(data, key, value)
+        return Config.from_dict(data)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint) or hint
+    if origin is float:
+        if value is None and key == "train.until_return":
+            return math.inf
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key} must be a number")
+        return float(value)
+    if origin is int:
+        _require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer")
+        return value
+    if origin is bool:
+        _require(isinstance(value, bool), f"{key} must be true or false")
+        return value
+    if origin is str:
+        _require(isinstance(value, str), f"{key} must be a string")
+        return value
+    if origin is tuple:
+        _require(isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value),
+                 f"{key} must be a list of integers")
+        return tuple(value)
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    _require(isinstance(data, dict), f"{prefix or 'config'} must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    _require(not unknown, f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+                          f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
+        raise ConfigError(str(exc)) from None
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    _require(len(parts) in (1, 2), f"override {key!r} must be 'section.key' or a top-level key")
+    if len(parts) == 2:
+        _require(parts[0] in _SECTIONS and parts[0] != "name", f"unknown config section {parts[0]!r}")
+        data.setdefault(parts[0], {})[parts[1]] = value
+    else:
+        data[parts[0]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"algo.lr=1e-3"`` -> ``("algo.lr", 0.001)``; the value is read as a TOML value, else a string."""
+    key, sep, raw = text.partition("=")
+    _require(bool(sep) and bool(key.strip()), f"override {text!r} must look like section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read a TOML config (or the defaults when ``path`` is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        _require(p.is_file(), f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    config = Config.from_dict(data)
+    return config.replace(overrides) if overrides else config
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Settings of `zddrl broker`; the `[broker]` table of a profile in brokers/."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """Public control endpoint. Port ``*`` binds random free ports for every socket."""
+    trajectory_port: int = 0
+    """Port actors PUSH trajectories to; 0 = control port + 1."""
+    learner_port: int = 0
+    """Port learner shards connect their DEALER to; 0 = control port + 2."""
+    params_port: int = 0
+    """Port of the parameter PUB socket; 0 = control port + 3."""
+    trajectory_hwm: int = 16
+    """Trajectory messages queued per connection before senders block (backpressure)."""
+    params_hwm: int = 4
+    """Parameter messages queued per subscriber; older ones are superseded anyway (latest wins)."""
+    max_message_bytes: int = 1 << 28
+    """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
+    heartbeat_interval_s: float = 1.0
+    heartbeat_liveness: int = 3
+    """Beats a peer may miss before it is expired."""
+
+    def __post_init__(self) -> None:
+        _require(self.bind.startswith("tcp://") and ":" in self.bind[6:],
+                 f"broker.bind must look like tcp://HOST:PORT, got {self.bind!r}")
+        for name in ("trajectory_port", "learner_port", "params_port"):
+            _require(0 <= getattr(self, name) < 65536, f"broker.{name} must be a port number or 0")
+        _require(self.trajectory_hwm >= 1 and self.params_hwm >= 1, "broker HWMs must be >= 1")
+        _require(self.max_message_bytes >= 1024, "broker.max_message_bytes must be >= 1024")
+        _require(self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
+                 "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1")
+
+
+def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | None = None) -> BrokerConfig:
+    """Read the ``[broker]`` table of a profile (or defaults) and apply non-None overrides."""
+    data: dict[str, Any] = {}
+    if profile is not None:
+        p = Path(profile)
+        _require(p.is_file(), f"broker profile {str(p)!r} does not exist")
+        try:
+            doc = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        _require(set(doc) <= {"broker"}, f"{p}: a broker profile holds one [broker] table")
+        data = dict(doc.get("broker", {}))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return _build(BrokerConfig, data, "broker.")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``tcp://host:port`` -> ``("host", "port")`` (port may be ``*``)."""
+    _require(endpoint.startswith("tcp://") and ":" in endpoint[6:], f"endpoint {endpoint!r} must be tcp://HOST:PORT")
+    host, _, port = endpoint[6:].rpartition(":")
+    return host, port

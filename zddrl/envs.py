@@ -1,0 +1,125 @@
+"""Environment construction, space checks and the actor's vectorised stepping.
+
+Env ids are registered gymnasium ids or ``package.module:callable`` factories. Only Box and
+Discrete observation/action spaces are supported; anything else is a clear error at start-up.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+import gymnasium as gym
+import numpy as np
+
+
+class EnvError(ValueError):
+    """An env that cannot be built or whose spaces zddrl cannot handle."""
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What the policy network needs to know about an env."""
+
+    obs_shape: tuple[int, ...]
+    discrete: bool
+    action_dim: int
+    """Number of actions (Discrete) or the action vector length (Box)."""
+    action_low: tuple[float, ...] = ()
+    action_high: tuple[float, ...] = ()
+
+
+def env_factory(env_id: str, max_episode_steps: int = 0) -> Callable[[], gym.Env]:
+    """A zero-argument constructor for ``env_id``; raises EnvError for unknown ids or bad factories."""
+    module_name, _, attr = env_id.partition(":")
+    if attr.isidentifier():  # "pkg.module:make_env"; gymnasium's "module:Env-v0" has a dash
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise EnvError(f"env factory {env_id!r} cannot be imported: {exc}") from None
+        if not callable(fn):
+            raise EnvError(f"env factory {env_id!r} is not callable")
+        return lambda: _with_limit(fn(), max_episode_steps)
+    try:
+        gym.spec(env_id)
+    except gym.error.Error as exc:
+        raise EnvError(f"unknown gymnasium env id {env_id!r}: {exc}") from None
+    kwargs = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
+    return lambda: gym.make(env_id, **kwargs)
+
+
+def _with_limit(env: gym.Env, max_episode_steps: int) -> gym.Env:
+    if not isinstance(env, gym.Env):
+        raise EnvError(f"env factory returned {type(env).__name__}, not a gymnasium.Env")
+    return gym.wrappers.TimeLimit(env, max_episode_steps) if max_episode_steps else env
+
+
+def env_spec(env: gym.Env) -> EnvSpec:
+    obs, act = env.observation_space, env.action_space
+    if not isinstance(obs, gym.spaces.Box):
+        raise EnvError(f"observation space {obs} is not supported (Box only)")
+    if isinstance(act, gym.spaces.Discrete):
+        return EnvSpec(obs_shape=tuple(obs.shape), discrete=True, action_dim=int(act.n))
+    if isinstance(act, gym.spaces.Box) and len(act.shape) == 1:
+        return EnvSpec(obs_shape=tuple(obs.shape), discrete=False, action_dim=int(act.shape[0]),
+                       action_low=tuple(float(x) for x in act.low), action_high=tuple(float(x) for x in act.high))
+    raise EnvError(f"action space {act} is not supported (Discrete or 1-D Box only)")
+
+
+def probe_spec(env_id: str, max_episode_steps: int = 0) -> EnvSpec:
+    """Build one env to read its spaces (the learner never steps it)."""
+    env = env_factory(env_id, max_episode_steps)()
+    try:
+        return env_spec(env)
+    finally:
+        env.close()
+
+
+class VecEnv:
+    """N envs stepped in one process with same-step auto-reset.
+
+    ``step`` returns the next observations (already reset where an episode ended), rewards,
+    terminated and truncated flags, and for each env whose episode ended the *final* observation of
+    that episode (needed to bootstrap at truncation). Finished episodes' returns and lengths are
+    collected in ``finished``. Env ``i`` is seeded with ``seeds[i]`` on its first reset; later
+    resets continue that env's own generator, so each env has its own seed stream.
+    """
+
+    def __init__(self, make: Callable[[], gym.Env], seeds: list[int]) -> None:
+        self.envs = [make() for _ in seeds]
+        self.spec = env_spec(self.envs[0])
+        self.num_envs = len(self.envs)
+        self.obs = np.stack([np.asarray(env.reset(seed=s)[0], dtype=np.float32) for env, s in zip(self.envs, seeds)])
+        self.ep_return = np.zeros(self.num_envs, dtype=np.float64)
+        self.ep_length = np.zeros(self.num_envs, dtype=np.int64)
+        self.finished: list[tuple[float, int]] = []
+        if self.spec.discrete:
+            self._to_env = lambda a: int(a)
+        else:
+            low, high = np.asarray(self.spec.action_low), np.asarray(self.spec.action_high)
+            self._to_env = lambda a: np.clip(a, low, high)
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        n = self.num_envs
+        rewards = np.empty(n, dtype=np.float32)
+        terminated = np.empty(n, dtype=bool)
+        truncated = np.empty(n, dtype=bool)
+        final_obs: dict[int, np.ndarray] = {}
+        next_obs = self.obs.copy()
+        for i, env in enumerate(self.envs):
+            obs, r, term, trunc, _ = env.step(self._to_env(actions[i]))
+            rewards[i], terminated[i], truncated[i] = r, term, trunc
+            self.ep_return[i] += r
+            self.ep_length[i] += 1
+            if term or trunc:
+                final_obs[i] = np.asarray(obs, dtype=np.float32)
+                self.finished.append((float(self.ep_return[i]), int(self.ep_length[i])))
+                self.ep_return[i], self.ep_length[i] = 0.0, 0
+                obs, _ = env.reset()
+            next_obs[i] = obs
+        self.obs = next_obs
+        return next_obs, rewards, terminated, truncated, final_obs
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()

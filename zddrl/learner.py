@@ -1,0 +1,252 @@
+"""Learner node: the transport shell around the PPO core.
+
+It announces the run (hello with the run spec), publishes version-0 parameters, then runs rounds.
+Sync mode (distributed PPO): a round collects trajectories of the current version until the
+batch is full (``algo.batch_size`` env steps summed over actors) or the round has taken more than
+``straggler_factor`` times the median round; then one PPO update and version v+1 is published.
+Late data for a closed version is dropped, counted per actor and logged, never trained on.
+The next round's per-env rollout length is ``ceil(batch_size / envs that reported)``, so the
+total batch stays fixed when actors join or leave.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+from loguru import logger
+
+from . import protocol as P
+from .client import BrokerLink, hello_fields
+from .config import Config
+from .envs import probe_spec
+from .ppo import PPOLearner
+from .runlog import RunLog
+
+CREDIT_WINDOW = 16
+"""Trajectories the learner lets the broker send ahead of what it has consumed."""
+RECV_POLL_MS = 20
+WELCOME_TIMEOUT_S = 60.0
+RETURN_WINDOW = 20
+MEDIAN_WINDOW = 20
+
+
+class DataChannel:
+    """The shard's DEALER on the broker's learner socket: credit out, trajectories in, parameters out."""
+
+    def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the credit we grant
+        self.sock.connect(link.endpoint("learners"))
+        self.peer_id = peer_id
+        self.max_message_bytes = max_message_bytes
+        self.generation = link.generation
+        self.grant(CREDIT_WINDOW)
+
+    def grant(self, n: int) -> None:
+        self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
+
+    def send(self, msg: P.Message) -> None:
+        self.sock.send_multipart(P.encode(msg), copy=False)
+
+    def recv(self, timeout_ms: int) -> P.Message | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        try:
+            return P.decode(frames, self.max_message_bytes)
+        except P.ProtocolError as exc:
+            logger.warning(f"dropped a malformed message on the learner channel: {exc}")
+            return None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class LearnerNode:
+    """``LearnerNode(connect, config, run_dir).run(stop) -> summary``."""
+
+    def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
+                 peer_id: str = "learner-0", context: zmq.Context | None = None) -> None:
+        self.connect = connect
+        self.config = config
+        self.algo = config.algo
+        self.t0 = t0 if t0 is not None else time.time()
+        self.peer_id = peer_id
+        self.ctx = context or zmq.Context.instance()
+        self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+        self.log = logger.bind(role="learner", peer=peer_id)
+        self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
+        self.core = PPOLearner(config, self.spec)
+        self.runlog = RunLog(run_dir, config.to_dict())
+        self.version = 0
+        self.param_hash = ""
+        self.published: P.Parameters | None = None
+        self.hashes: dict[int, str] = {}
+        self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
+        self.episodes = 0
+        self.actor_steps: dict[str, int] = {}
+        self.dropped_late: dict[str, int] = defaultdict(int)
+        self.round_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
+        self.rollout_len = config.env.rollout_len
+        self.updates = 0
+        self.target: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- main loop
+    def run(self, stop: threading.Event) -> dict[str, Any]:
+        hello = P.Hello(role="learner", peer_id=self.peer_id, run_id=self.run_id, run=self.config.to_dict(),
+                        **hello_fields())
+        link = BrokerLink(self.connect, hello, context=self.ctx).start()
+        channel = None
+        try:
+            if link.wait_welcome(WELCOME_TIMEOUT_S) is None:
+                raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
+            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes)
+            self._publish(channel)
+            self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
+                          f"batch {self.algo.batch_size} steps, version 0 published")
+            while not stop.is_set() and not self._finished():
+                channel = self._reconnect_if_needed(link, channel)
+                self._round(channel, stop)
+        finally:
+            summary = self._summary()
+            self.runlog.summary(summary)
+            self.runlog.checkpoint(self._checkpoint_state())
+            self.runlog.close()
+            if channel is not None:
+                channel.close()
+            link.close(reason="learner finished")
+        return summary
+
+    def _reconnect_if_needed(self, link: BrokerLink, channel: DataChannel) -> DataChannel:
+        if link.generation == channel.generation:
+            return channel
+        self.log.warning("re-welcomed by the broker: reopening the data channel and re-publishing parameters")
+        channel.close()
+        channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes)
+        if self.published is not None:
+            channel.send(self.published)
+        return channel
+
+    # ---------------------------------------------------------------- one sync round
+    def _round(self, channel: DataChannel, stop: threading.Event) -> None:
+        started = time.monotonic()
+        batch: list[P.Trajectory] = []
+        steps, envs_reported = 0, 0
+        while not stop.is_set() and steps < self.algo.batch_size:
+            msg = channel.recv(RECV_POLL_MS)
+            if msg is None:
+                if batch and time.monotonic() - started > self._straggler_timeout():
+                    self.log.info(f"round {self.version} closed by the straggler rule with {steps} of "
+                                  f"{self.algo.batch_size} steps")
+                    break
+                if self._finished():
+                    return
+                continue
+            channel.grant(1)
+            if not isinstance(msg, P.Trajectory):
+                continue
+            self._account(msg)
+            if msg.policy_version != self.version:
+                self._drop_late(msg)
+                continue
+            batch.append(msg)
+            steps += msg.env_steps
+            envs_reported += msg.arrays["rewards"].shape[1]
+        if not batch or stop.is_set():
+            return
+        round_s = time.monotonic() - started
+        t_update = time.monotonic()
+        figures = self.core.update(batch)
+        update_s = time.monotonic() - t_update
+        self.round_times.append(round_s)
+        self.updates += 1
+        self.version += 1
+        self.rollout_len = max(1, math.ceil(self.algo.batch_size / max(envs_reported, 1)))
+        self._publish(channel)
+        self._log_update(figures, round_s, update_s, len({t.sender for t in batch}))
+
+    def _straggler_timeout(self) -> float:
+        if len(self.round_times) < 3:
+            return math.inf  # no baseline yet: wait for the whole batch
+        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.round_times))
+
+    def _account(self, msg: P.Trajectory) -> None:
+        """Every received trajectory counts toward env steps and episode returns, accepted or not."""
+        total = msg.info.get("total_env_steps")
+        self.actor_steps[msg.sender] = max(self.actor_steps.get(msg.sender, 0),
+                                           total if isinstance(total, int) else msg.env_steps)
+        expected = self.hashes.get(msg.policy_version)
+        if expected is not None and msg.param_hash != expected:
+            self.log.error(f"actor {msg.sender} acts with parameters {msg.param_hash} that were never published "
+                           f"for version {msg.policy_version} (published {expected})")
+        for r in msg.arrays["ep_returns"]:
+            self.returns.append(float(r))
+            self.episodes += 1
+
+    def _drop_late(self, msg: P.Trajectory) -> None:
+        self.dropped_late[msg.sender] += 1
+        n = self.dropped_late[msg.sender]
+        if n == 1 or n % 100 == 0:
+            self.log.warning(f"dropped late data from {msg.sender}: version {msg.policy_version}, round "
+                             f"{self.version} ({n} so far from this actor)")
+
+    # ---------------------------------------------------------------- publishing and reporting
+    def _publish(self, channel: DataChannel) -> None:
+        flat, layout, extra = self.core.params()
+        self.param_hash = P.param_hash(flat)
+        self.hashes[self.version] = self.param_hash
+        self.published = P.Parameters(run_id=self.run_id, sender=self.peer_id, policy_version=self.version,
+                                      param_hash=self.param_hash, layout=layout, arrays={"flat": flat, **extra},
+                                      meta={"rollout_len": self.rollout_len})
+        channel.send(self.published)
+
+    def total_env_steps(self) -> int:
+        return sum(self.actor_steps.values())
+
+    def return_mean(self) -> float:
+        return float(np.mean(self.returns)) if len(self.returns) >= RETURN_WINDOW else math.nan
+
+    def _log_update(self, figures: dict[str, float], round_s: float, update_s: float, actors: int) -> None:
+        wall = time.time() - self.t0
+        steps = self.total_env_steps()
+        ret = self.return_mean()
+        row = {**figures, "wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
+               "return_mean_20": ret, "episodes": self.episodes, "staleness_mean": 0.0, "staleness_max": 0,
+               "dropped_late": sum(self.dropped_late.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "round_s": round_s, "update_s": update_s}
+        self.runlog.write(row)
+        if not self.target and ret >= self.config.train.until_return:
+            self.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
+            self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "
+                          f"steps, {wall:.2f} s")
+
+    def _finished(self) -> bool:
+        t = self.config.train
+        return bool(self.target) or self.total_env_steps() >= t.max_steps or time.time() - self.t0 >= t.max_seconds
+
+    def _summary(self) -> dict[str, Any]:
+        wall = time.time() - self.t0
+        steps = self.total_env_steps()
+        target = self.config.train.until_return
+        return {"target_return": None if math.isinf(target) else target, "reached": bool(self.target),
+                "wall_s_to_target": self.target.get("wall_s_to_target"),
+                "env_steps_to_target": self.target.get("env_steps_to_target"), "total_env_steps": steps,
+                "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
+                "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
+                "episodes": self.episodes, "policy_version": self.version, "updates": self.updates,
+                "dropped_late": dict(self.dropped_late), "mode": self.algo.mode, "seed": self.config.env.seed,
+                "run_id": self.run_id}
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        return {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
+                "env_steps": self.total_env_steps()}

@@ -1,0 +1,215 @@
+"""Advantage and return estimators: GAE, V-trace, truncated importance weights.
+
+Conventions (all functions):
+
+* **Time-major.** Per-step inputs are ``[T, B]`` (T steps of B parallel envs); per-env bootstrap
+  values are ``[B]``. Row ``t`` describes one ``env.step``: the reward it returned, the value of
+  the observation it acted on, and whether the episode ended *after* it.
+* **Gymnasium episode ends.** ``terminated[t]`` means the MDP ended: the next state has value 0.
+  ``truncated[t]`` (time limit etc.) means the episode was cut: the next state still has a value,
+  namely V(final observation) returned by step ``t`` before the auto-reset, and row ``t + 1``
+  belongs to a new episode. If both are set, termination wins.
+* **Pure and detached.** Inputs may be numpy arrays or torch tensors (bool masks allowed); outputs
+  are float32 tensors on the device of ``rewards``, computed under ``torch.no_grad()``. Bad
+  shapes or arguments raise :class:`ValueError` naming the offending argument.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "GAEReturns",
+    "VTraceReturns",
+    "gae",
+    "vtrace",
+    "vtrace_discounts_and_rewards",
+    "truncated_importance_weights",
+]
+
+
+class GAEReturns(NamedTuple):
+    advantages: torch.Tensor  # [T, B]
+    returns: torch.Tensor  # [T, B], advantages + values (the value-function target)
+
+
+class VTraceReturns(NamedTuple):
+    vs: torch.Tensor  # [T, B], V-trace value targets
+    pg_advantages: torch.Tensor  # [T, B], rho_t * (r_t + discount_t * vs_{t+1} - V(x_t))
+    rhos: torch.Tensor  # [T, B], clipped importance weights min(rho_bar, pi/mu), for logging
+
+
+def _f32(x, name: str, device=None) -> torch.Tensor:
+    try:
+        t = torch.as_tensor(x, device=device)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name}: cannot convert to a tensor ({e})") from None
+    return t.to(dtype=torch.float32, device=device)
+
+
+def _time_major(names_values: dict, device=None) -> tuple[list[torch.Tensor], int, int]:
+    """Converts ``[T, B]`` inputs to float32 and checks that they all share one shape, T >= 1."""
+    out, shape = [], None
+    for name, x in names_values.items():
+        t = _f32(x, name, device)
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be time-major [T, B], got shape {tuple(t.shape)}")
+        if shape is None:
+            shape = t.shape
+            if shape[0] < 1:
+                raise ValueError(f"{name} has T = 0 steps; need at least one")
+        elif t.shape != shape:
+            first = next(iter(names_values))
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
+                             f"(the shape of {first})")
+        out.append(t)
+    return out, shape[0], shape[1]
+
+
+def _device(x) -> torch.device:
+    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
+
+
+def _per_env(x, name: str, B: int, device) -> torch.Tensor:
+    t = _f32(x, name, device)
+    if t.shape != (B,):
+        raise ValueError(f"{name} must have shape [B] = ({B},), got {tuple(t.shape)}")
+    return t
+
+
+def _check_unit(x: float, name: str) -> None:
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {x}")
+
+
+def gae(rewards, values, terminated, truncated, bootstrap_value, truncation_value=None,
+        gamma: float = 0.99, gae_lambda: float = 0.95) -> GAEReturns:
+    """Generalized Advantage Estimation (Schulman et al. 2016) with gymnasium episode ends.
+
+    Args: ``rewards, values, terminated, truncated`` are ``[T, B]``; ``values[t]`` = V(s_t).
+    ``bootstrap_value`` ``[B]`` is V(s_T), the value of the observation after the last step (used
+    where the rollout cuts an episode). ``truncation_value`` ``[T, B]`` or None (= zeros) holds, at
+    rows where ``truncated`` is set, V(final observation of the truncated episode); it is ignored
+    (even if NaN) elsewhere.
+
+    With next value ``nv_t`` = 0 if terminated[t], truncation_value[t] if truncated[t], else
+    values[t+1] (bootstrap_value at t = T-1), and ``continue_t = 1 - (terminated_t or truncated_t)``::
+
+        delta_t = r_t + gamma * nv_t - V_t
+        A_t     = delta_t + gamma * lambda * continue_t * A_{t+1},   A_T = 0
+        returns = A + values
+
+    ``gae_lambda = 1`` gives bootstrapped Monte-Carlo returns; ``gae_lambda = 0`` one-step TD.
+    """
+    _check_unit(gamma, "gamma")
+    _check_unit(gae_lambda, "gae_lambda")
+    device = _device(rewards)
+    with torch.no_grad():
+        args = {"rewards": rewards, "values": values, "terminated": terminated,
+                "truncated": truncated}
+        if truncation_value is not None:
+            args["truncation_value"] = truncation_value
+        ts, T, B = _time_major(args, device)
+        r, v, term, trunc = ts[:4]
+        tv = ts[4] if truncation_value is not None else torch.zeros_like(r)
+        boot = _per_env(bootstrap_value, "bootstrap_value", B, device)
+        is_term, is_trunc = term != 0, trunc != 0
+        next_values = torch.cat([v[1:], boot[None]], dim=0)
+        nv = torch.where(is_trunc, tv, next_values)  # where(): a NaN elsewhere never leaks in
+        nv = torch.where(is_term, torch.zeros_like(nv), nv)
+        cont = (~(is_term | is_trunc)).to(torch.float32)
+        deltas = r + gamma * nv - v
+        adv = torch.empty_like(r)
+        last = torch.zeros(B, dtype=torch.float32, device=device)
+        for t in range(T - 1, -1, -1):
+            last = deltas[t] + gamma * gae_lambda * cont[t] * last
+            adv[t] = last
+        return GAEReturns(adv, adv + v)
+
+
+def vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_value,
+           rho_bar: float = 1.0, c_bar: float = 1.0) -> VTraceReturns:
+    """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, IMPALA, eq. 1).
+
+    Inputs are ``[T, B]``; ``bootstrap_value`` ``[B]`` is V(x_T). ``discounts[t]`` is the discount
+    applied after step t: ``gamma`` normally, ``0`` once the episode has ended (so nothing from the
+    next episode leaks back). With ``rho_t = min(rho_bar, pi/mu)``, ``c_t = min(c_bar, pi/mu)``::
+
+        delta_t = rho_t * (r_t + discount_t * V(x_{t+1}) - V(x_t))
+        vs_t    = V(x_t) + delta_t + discount_t * c_t * (vs_{t+1} - V(x_{t+1})),  vs_T = V(x_T)
+        pg_advantages_t = rho_t * (r_t + discount_t * vs_{t+1} - V(x_t))
+
+    Note the policy-gradient weight is clipped at ``rho_bar`` too (the paper allows a separate
+    clip there; we use the same one).
+
+    Truncation (time limits) is the caller's job, done by :func:`vtrace_discounts_and_rewards`:
+    at a truncated step t it adds ``gamma * V(final obs)`` to ``r_t`` and sets ``discount_t = 0``.
+    This is exact for the bootstrap term: the target becomes ``r_t + gamma * V(final obs)``, which
+    is precisely what V-trace does when a rollout ends at a state (vs_T = V(x_T)), and the trace is
+    cut so the next episode does not leak back.
+    """
+    if not (rho_bar > 0 and c_bar > 0):
+        raise ValueError(f"rho_bar and c_bar must be > 0, got rho_bar={rho_bar}, c_bar={c_bar}")
+    device = _device(rewards)
+    with torch.no_grad():
+        (mu, pi, r, d, v), T, B = _time_major(
+            {"behaviour_logp": behaviour_logp, "target_logp": target_logp, "rewards": rewards,
+             "discounts": discounts, "values": values}, device)
+        boot = _per_env(bootstrap_value, "bootstrap_value", B, device)
+        ratios = torch.exp(pi - mu)
+        rhos = torch.clamp(ratios, max=rho_bar)
+        cs = torch.clamp(ratios, max=c_bar)
+        values_tp1 = torch.cat([v[1:], boot[None]], dim=0)
+        deltas = rhos * (r + d * values_tp1 - v)
+        vs_minus_v = torch.empty_like(v)
+        acc = torch.zeros(B, dtype=torch.float32, device=device)
+        for t in range(T - 1, -1, -1):
+            acc = deltas[t] + d[t] * cs[t] * acc
+            vs_minus_v[t] = acc
+        vs = vs_minus_v + v
+        vs_tp1 = torch.cat([vs[1:], boot[None]], dim=0)
+        pg_advantages = rhos * (r + d * vs_tp1 - v)
+        return VTraceReturns(vs, pg_advantages, rhos)
+
+
+def vtrace_discounts_and_rewards(rewards, terminated, truncated, truncation_value,
+                                 gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Folds gymnasium episode ends into the ``(rewards, discounts)`` that :func:`vtrace` takes.
+
+    ``discounts = gamma * (1 - (terminated or truncated))``; at truncated-but-not-terminated steps
+    ``rewards' = rewards + gamma * truncation_value`` (V of the final observation, ``[T, B]``; None
+    means zeros; ignored elsewhere). Terminated steps get no bootstrap. Returns ``(rewards',
+    discounts)``, both ``[T, B]`` float32.
+    """
+    _check_unit(gamma, "gamma")
+    device = _device(rewards)
+    with torch.no_grad():
+        args = {"rewards": rewards, "terminated": terminated, "truncated": truncated}
+        if truncation_value is not None:
+            args["truncation_value"] = truncation_value
+        ts, _, _ = _time_major(args, device)
+        r, term, trunc = ts[:3]
+        tv = ts[3] if truncation_value is not None else torch.zeros_like(r)
+        is_term, is_trunc = term != 0, trunc != 0
+        bootstrap = torch.where(is_trunc & ~is_term, tv, torch.zeros_like(tv))
+        discounts = gamma * (~(is_term | is_trunc)).to(torch.float32)
+        return r + gamma * bootstrap, discounts
+
+
+def truncated_importance_weights(target_logp, behaviour_logp, clip: float) -> torch.Tensor:
+    """``min(clip, exp(target_logp - behaviour_logp))``, elementwise, as a detached weight.
+
+    Computed under ``torch.no_grad()``: gradients never flow through the weight, only through
+    whatever it multiplies. Both inputs must have the same shape; ``clip`` must be > 0.
+    """
+    if not clip > 0:
+        raise ValueError(f"clip must be > 0, got {clip}")
+    device = _device(target_logp)
+    with torch.no_grad():
+        pi = _f32(target_logp, "target_logp", device)
+        mu = _f32(behaviour_logp, "behaviour_logp", device)
+        if pi.shape != mu.shape:
+            raise ValueError(f"target_logp shape {tuple(pi.shape)} != behaviour_logp shape "
+                             f"{tuple(mu.shape)}")
+        return torch.clamp(torch.exp(pi - mu), max=clip)

@@ -1,0 +1,97 @@
+"""The run directory: resolved config, metrics.csv, summary.json and checkpoints.
+
+Layout (names that scripts and CI rely on; docs/run-directory.md documents each column)::
+
+    RUN_DIR/config.toml        the resolved config
+    RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
+    RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
+    RUN_DIR/checkpoints/final.pt   model, optimizer, version, normalisation statistics, config
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRIC_COLUMNS = (
+    "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
+    "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm", "lr",
+    "staleness_mean", "staleness_max", "dropped_late", "actors", "rollout_len", "round_s", "update_s",
+)
+SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "total_env_steps", "wall_s",
+                "sps", "return_mean_20", "episodes", "policy_version", "updates", "dropped_late", "mode", "seed")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else ('inf' if value > 0 else '-inf')
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A config dict (``Config.to_dict()``) as TOML: top-level scalars, then one table per section."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    for section, table in config.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+class RunLog:
+    """Writes one run directory. Only the learner (shard 0) owns one."""
+
+    def __init__(self, run_dir: str | Path, config: dict[str, Any]) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.toml").write_text(to_toml(config))
+        self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
+        self._csv_file.flush()
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_bytes(self.dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+    def checkpoint(self, state: dict[str, Any], name: str = "final.pt") -> Path:
+        path = self.dir / "checkpoints" / name
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def close(self) -> None:
+        self._csv_file.close()
+
+
+def _fmt(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return "" if value is None else value
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint without unpickling arbitrary objects (``weights_only=True``)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
