@@ -7,8 +7,11 @@ without it.
 """
 from __future__ import annotations
 
+import time as _time
 from typing import Any
 
+STARTED_AT = _time.time()
+"""When this process imported zddrl: `zddrl train` measures wall_s_to_target from here."""
 __version__ = "0.1.0"
 __all__ = ["__version__", "gae", "vtrace"]
 

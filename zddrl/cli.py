@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import click
 from loguru import logger
 
-from . import __version__
+from . import STARTED_AT, __version__
 from .config import ConfigError, load_broker_config, load_config, parse_override
 from .logs import configure
 
@@ -139,9 +138,8 @@ def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds,
     config = _load(config_path, _overrides(sets, **{
         "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
         "train.max_steps": max_steps, "train.max_seconds": max_seconds}))
-    summary = run_training(config, run_dir=run_dir)
+    summary = run_training(config, run_dir=run_dir, t0=STARTED_AT)
     click.echo(json.dumps(summary))
-    sys.exit(0 if summary.get("ok", True) else 1)
 
 
 @main.command("eval")

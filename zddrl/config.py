@@ -13,6 +13,7 @@ on their side with ``Config.from_dict`` (same validation).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 import typing
@@ -238,6 +239,26 @@ def parse_override(text: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw.strip()
     return key.strip(), value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else ('inf' if value > 0 else '-inf')
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A config dict (``Config.to_dict()``) as TOML: top-level scalars, then one table per section."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    for section, table in config.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:

@@ -166,6 +166,7 @@ class LearnerNode:
             return
         round_s = time.monotonic() - started
         t_update = time.monotonic()
+        batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch)
         update_s = time.monotonic() - t_update
         self.round_times.append(round_s)

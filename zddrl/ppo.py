@@ -16,6 +16,7 @@ import torch
 from .config import Config
 from .envs import EnvSpec
 from .model import ActorCritic, flatten_params
+from .optim import Adam
 from .protocol import Trajectory
 from .returns import gae
 
@@ -90,7 +91,7 @@ class PPOLearner:
         self.config = config
         self.algo = config.algo
         self.model = ActorCritic(spec, config.model)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
+        self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
         self.obs_rms = RunningMeanStd(spec.obs_shape) if config.algo.normalize_obs else None
         self.reward_scaler = RewardScaler(config.algo.gamma) if config.algo.normalize_reward else None
         self.steps_trained = 0
@@ -185,8 +186,8 @@ class PPOLearner:
         with torch.no_grad():
             approx_kl = ((ratio - 1) - log_ratio).mean()  # k3 estimator (Schulman)
             clipfrac = ((ratio - 1).abs() > clip).float().mean()
-        return {"policy_loss": float(policy_loss), "value_loss": float(value_loss), "entropy": float(entropy_mean),
-                "approx_kl": float(approx_kl), "clipfrac": float(clipfrac), "grad_norm": float(grad_norm)}
+        return {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
+                "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item(), "grad_norm": grad_norm.item()}
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:

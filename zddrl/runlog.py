@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .config import to_toml
+
 METRIC_COLUMNS = (
     "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
     "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm", "lr",
@@ -25,26 +27,6 @@ METRIC_COLUMNS = (
 )
 SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "total_env_steps", "wall_s",
                 "sps", "return_mean_20", "episodes", "policy_version", "updates", "dropped_late", "mode", "seed")
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value) if math.isfinite(value) else ('inf' if value > 0 else '-inf')
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))
-
-
-def to_toml(config: dict[str, Any]) -> str:
-    """A config dict (``Config.to_dict()``) as TOML: top-level scalars, then one table per section."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
-    for section, table in config.items():
-        if isinstance(table, dict):
-            lines.append(f"\n[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-    return "\n".join(lines) + "\n"
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

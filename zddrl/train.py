@@ -21,8 +21,7 @@ from typing import Any
 import click
 from loguru import logger
 
-from .config import Config
-from .runlog import to_toml
+from .config import Config, to_toml
 
 SHUTDOWN_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.5
@@ -92,9 +91,13 @@ def _progress(metrics: Path, t0: float) -> str | None:
             f"return {ret:>7}  version {r['policy_version']}")
 
 
-def run_training(config: Config, run_dir: str | Path | None = None, show_progress: bool = True) -> dict[str, Any]:
-    """Run the whole system locally until the learner stops; return its summary (plus ``ok``)."""
-    t0 = time.time()
+def run_training(config: Config, run_dir: str | Path | None = None, show_progress: bool = True,
+                 t0: float | None = None) -> dict[str, Any]:
+    """Run the whole system locally until the learner stops; return its summary.
+
+    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it.
+    """
+    t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
