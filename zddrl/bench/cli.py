@@ -3,7 +3,16 @@ from __future__ import annotations
 
 import click
 
+from .bus import bus
+from .sample import sample
+from .train import train
+
 
 @click.group()
 def bench() -> None:
     """Benchmarks: bus, sample, train. Each prints a table, or JSON with --json."""
+
+
+bench.add_command(bus)
+bench.add_command(sample)
+bench.add_command(train)

@@ -1,0 +1,103 @@
+"""Shared test fixtures: real zddrl processes on 127.0.0.1, free ports, bounded waits, always cleaned up."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from zddrl.train import free_ports
+
+
+def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
+    """Wait until ``condition()`` is truthy (returning it) or fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+class Procs:
+    """Starts `python -m zddrl ...` processes; ``stop_all()`` terminates, then kills, every one of them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen([sys.executable, "-m", "zddrl", *args], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env)
+        log.close()
+        proc.name = name  # type: ignore[attr-defined]
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop(self, proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            self.stop(proc)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.stop_all()
+
+
+class BrokerHandle:
+    def __init__(self, procs: Procs, tmp_path: Path) -> None:
+        self.procs = procs
+        self.ports = free_ports(4)
+        self.connect = f"tcp://127.0.0.1:{self.ports[0]}"
+        self.ready = tmp_path / "broker-ready.json"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> BrokerHandle:
+        self.ready.unlink(missing_ok=True)
+        c, t, l, p = self.ports
+        self.proc = self.procs.start("broker", "broker", "--bind", self.connect, "--trajectory-port", str(t),
+                                     "--learner-port", str(l), "--params-port", str(p), "--ready-file", str(self.ready))
+        wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
+        assert self.proc.poll() is None, self.procs.log("broker")
+        return self
+
+    @property
+    def bound_ports(self) -> dict[str, int]:
+        return json.loads(self.ready.read_text())
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.procs.stop(self.proc)
+
+
+@pytest.fixture
+def broker(procs: Procs, tmp_path: Path) -> BrokerHandle:
+    """A real `zddrl broker` process on free loopback ports."""
+    return BrokerHandle(procs, tmp_path).start()

@@ -1,0 +1,11 @@
+"""`zddrl bench bus` (placeholder until written)."""
+from __future__ import annotations
+
+import click
+
+
+@click.command("bus")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def bus(as_json: bool) -> None:
+    """Not written yet."""
+    raise click.ClickException("not written yet")
