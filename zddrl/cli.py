@@ -36,10 +36,16 @@ def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
     return out
 
 
-def _load(config_path: str | None, overrides: dict[str, Any]):
+def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
+    """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
+    from .envs import EnvError, probe_spec
+
     try:
-        return load_config(config_path, overrides)
-    except ConfigError as exc:
+        config = load_config(config_path, overrides)
+        if check_env:
+            probe_spec(config.env.id, config.env.max_episode_steps)
+        return config
+    except (ConfigError, EnvError) as exc:
         raise click.UsageError(str(exc)) from None
 
 

@@ -5,8 +5,9 @@ Sync mode (distributed PPO): a round collects trajectories of the current versio
 batch is full (``algo.batch_size`` env steps summed over actors) or the round has taken more than
 ``straggler_factor`` times the median round; then one PPO update and version v+1 is published.
 Late data for a closed version is dropped, counted per actor and logged, never trained on.
-The next round's per-env rollout length is ``ceil(batch_size / envs that reported)``, so the
-total batch stays fixed when actors join or leave.
+Each round, the learner asks the broker which actors are connected; the next round's per-env
+rollout length is ``ceil(batch_size / envs of all actors)``, so the total batch stays fixed when
+actors join or leave, and a round also closes as soon as every connected actor has reported.
 """
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ from .config import Config
 from .envs import probe_spec
 from .ppo import PPOLearner
 from .runlog import RunLog
+from .status import request_status
 
 CREDIT_WINDOW = 16
 """Trajectories the learner lets the broker send ahead of what it has consumed."""
 RECV_POLL_MS = 20
 WELCOME_TIMEOUT_S = 60.0
+FIRST_ROUNDS_TIMEOUT_S = 10.0
+"""Straggler timeout until three rounds give a median to scale."""
+FLEET_QUERY_TIMEOUT_S = 1.0
 RETURN_WINDOW = 20
 MEDIAN_WINDOW = 20
 
@@ -98,6 +103,8 @@ class LearnerNode:
         self.dropped_late: dict[str, int] = defaultdict(int)
         self.round_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         self.rollout_len = config.env.rollout_len
+        self.fleet: dict[str, int] = {}
+        """Connected actors and their env counts, as the broker last reported them."""
         self.updates = 0
         self.target: dict[str, Any] = {}
 
@@ -111,6 +118,7 @@ class LearnerNode:
             if link.wait_welcome(WELCOME_TIMEOUT_S) is None:
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
             channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes)
+            self._refresh_fleet()
             self._publish(channel)
             self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
                           f"batch {self.algo.batch_size} steps, version 0 published")
@@ -139,16 +147,24 @@ class LearnerNode:
 
     # ---------------------------------------------------------------- one sync round
     def _round(self, channel: DataChannel, stop: threading.Event) -> None:
+        """Collect version-v data until the batch is full, every actor of the fleet reported, or the
+        straggler timeout; then update and publish v+1."""
         started = time.monotonic()
         batch: list[P.Trajectory] = []
-        steps, envs_reported = 0, 0
-        while not stop.is_set() and steps < self.algo.batch_size:
+        steps, reported = 0, set()
+        timeout = self._straggler_timeout()
+        while not stop.is_set():
+            if steps >= self.algo.batch_size:
+                break
+            if batch and self.fleet and reported >= self.fleet.keys():
+                break  # in sync mode each actor sends one rollout per version: nothing more will come
+            if batch and time.monotonic() - started > timeout:
+                missing = sorted(self.fleet.keys() - reported)
+                self.log.info(f"round {self.version} closed by the straggler rule after {timeout:.2f} s with "
+                              f"{steps} of {self.algo.batch_size} steps; waiting for {missing}")
+                break
             msg = channel.recv(RECV_POLL_MS)
             if msg is None:
-                if batch and time.monotonic() - started > self._straggler_timeout():
-                    self.log.info(f"round {self.version} closed by the straggler rule with {steps} of "
-                                  f"{self.algo.batch_size} steps")
-                    break
                 if self._finished():
                     return
                 continue
@@ -160,8 +176,8 @@ class LearnerNode:
                 self._drop_late(msg)
                 continue
             batch.append(msg)
+            reported.add(msg.sender)
             steps += msg.env_steps
-            envs_reported += msg.arrays["rewards"].shape[1]
         if not batch or stop.is_set():
             return
         round_s = time.monotonic() - started
@@ -172,14 +188,26 @@ class LearnerNode:
         self.round_times.append(round_s)
         self.updates += 1
         self.version += 1
-        self.rollout_len = max(1, math.ceil(self.algo.batch_size / max(envs_reported, 1)))
+        self._refresh_fleet(fallback_envs=sum(t.arrays["rewards"].shape[1] for t in batch))
         self._publish(channel)
-        self._log_update(figures, round_s, update_s, len({t.sender for t in batch}))
+        self._log_update(figures, round_s, update_s, len(reported))
 
     def _straggler_timeout(self) -> float:
         if len(self.round_times) < 3:
-            return math.inf  # no baseline yet: wait for the whole batch
+            return FIRST_ROUNDS_TIMEOUT_S  # no baseline yet
         return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.round_times))
+
+    def _refresh_fleet(self, fallback_envs: int = 0) -> None:
+        """Ask the broker which actors are connected and how many envs each steps; derive the next
+        rollout length so that one rollout from every actor makes exactly one batch."""
+        body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
+        if body is not None:
+            default = self.config.env.num_envs
+            self.fleet = {peer: m["num_envs"] or default for peer, m in body["members"].items()
+                          if m["role"] == "actor"}
+        envs = sum(self.fleet.values()) or fallback_envs
+        if envs:
+            self.rollout_len = max(1, math.ceil(self.algo.batch_size / envs))
 
     def _account(self, msg: P.Trajectory) -> None:
         """Every received trajectory counts toward env steps and episode returns, accepted or not."""

@@ -82,6 +82,31 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
     return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
 
 
+def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, value: torch.Tensor,
+             old_value: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor, clip: float, vf_coef: float,
+             ent_coef: float, clip_vloss: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate + value loss - entropy bonus (Schulman et al. 2017, eq. 7 and 9).
+
+    All inputs ``[B]``. Returns the scalar loss to minimise and its parts as floats (plus the
+    k3 estimate of KL(old || new) and the fraction of clipped ratios).
+    """
+    log_ratio = logp - old_logp
+    ratio = log_ratio.exp()
+    policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+    if clip_vloss:
+        v_clipped = old_value + (value - old_value).clamp(-clip, clip)
+        value_loss = 0.5 * torch.max((value - returns) ** 2, (v_clipped - returns) ** 2).mean()
+    else:
+        value_loss = 0.5 * ((value - returns) ** 2).mean()
+    entropy_mean = entropy.mean()
+    loss = policy_loss + vf_coef * value_loss - ent_coef * entropy_mean
+    with torch.no_grad():
+        approx_kl = ((ratio - 1) - log_ratio).mean()
+        clipfrac = ((ratio - 1).abs() > clip).float().mean()
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
+                  "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item()}
+
+
 class PPOLearner:
     """``update(trajectories) -> figures``; ``params() -> (flat, layout, extra arrays)``."""
 
@@ -168,26 +193,13 @@ class PPOLearner:
         adv = batch.advantages[idx]
         if a.norm_adv and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        log_ratio = logp - batch.logp[idx]
-        ratio = log_ratio.exp()
-        policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
-        if a.clip_vloss:
-            v_clipped = batch.values[idx] + (value - batch.values[idx]).clamp(-clip, clip)
-            value_loss = 0.5 * torch.max((value - batch.returns[idx]) ** 2,
-                                         (v_clipped - batch.returns[idx]) ** 2).mean()
-        else:
-            value_loss = 0.5 * ((value - batch.returns[idx]) ** 2).mean()
-        entropy_mean = entropy.mean()
-        loss = policy_loss + a.vf_coef * value_loss - a.ent_coef * entropy_mean
+        loss, figures = ppo_loss(logp, batch.logp[idx], adv, value, batch.values[idx], batch.returns[idx], entropy,
+                                 clip, a.vf_coef, a.ent_coef, a.clip_vloss)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
         self.optimizer.step()
-        with torch.no_grad():
-            approx_kl = ((ratio - 1) - log_ratio).mean()  # k3 estimator (Schulman)
-            clipfrac = ((ratio - 1).abs() > clip).float().mean()
-        return {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
-                "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item(), "grad_norm": grad_norm.item()}
+        return {**figures, "grad_norm": grad_norm.item()}
 
     # ---------------------------------------------------------------- checkpoints
     def state(self) -> dict:

@@ -1,11 +1,211 @@
-"""`zddrl bench sample` (placeholder until written)."""
+"""`zddrl bench sample`: sampling throughput through the whole pipeline vs plain local loops.
+
+Measured in one run, phases alternating so that machine noise hits both alike:
+
+* **plain**: ``--actors`` processes side by side, each a plain loop of ``--envs`` vectorised
+  CartPole envs + the same numpy MLP inference the actors use, no communication at all;
+* **pipeline**: a real broker process, ``--actors`` real `zddrl actor` processes and a learner
+  that only consumes, decodes and counts (async mode, so actors never wait for parameters);
+* **gym+torch** (context only): the loop most people write, gymnasium's SyncVectorEnv with
+  torch inference under ``no_grad``.
+
+The figure is pipeline env steps/s divided by the summed plain loops' env steps/s.
+"""
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
 import click
+import numpy as np
+import zmq
+
+from .. import protocol as P
+from ..actor import action_rng, env_seeds
+from ..client import BrokerLink, hello_fields
+from ..config import Config
+from ..envs import VecEnv, env_factory, probe_spec
+from ..learner import DataChannel
+from ..train import free_ports
+
+WARMUP_S = 1.0
+
+
+def _config(env_id: str, envs: int, rollout_len: int) -> Config:
+    return Config(name="bench-sample").replace({"env.id": env_id, "env.num_envs": envs, "env.rollout_len": rollout_len,
+                                                "algo.mode": "async", "algo.max_staleness": 1_000_000})
+
+
+def _params(config: Config) -> tuple[np.ndarray, list]:
+    from ..model import ActorCritic, flatten_params
+
+    return flatten_params(ActorCritic(probe_spec(config.env.id), config.model))
+
+
+def _plain_loop(env_id: str, envs: int, actor_id: int, flat: np.ndarray, layout: list, seconds: float,
+                out: mp.Queue) -> None:
+    """What an actor does minus the bus: step, infer, store nothing."""
+    from ..policy import NumpyPolicy
+
+    vec = VecEnv(env_factory(env_id), env_seeds(1, actor_id, envs))
+    policy = NumpyPolicy(flat, layout, "tanh", vec.spec.discrete)
+    rng = action_rng(1, actor_id)
+    steps, start = 0, time.monotonic()
+    begin = start + WARMUP_S
+    while True:
+        now = time.monotonic()
+        if now >= begin + seconds:
+            break
+        vec.step(policy.act(vec.obs, rng).actions)
+        if now >= begin:
+            steps += envs
+    out.put(steps / seconds)
+
+
+def _gym_torch_loop(env_id: str, envs: int, actor_id: int, seconds: float, out: mp.Queue) -> None:
+    import gymnasium as gym
+    import torch
+
+    torch.set_num_threads(1)
+    vec = gym.vector.SyncVectorEnv([env_factory(env_id)] * envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    obs, _ = vec.reset(seed=env_seeds(1, actor_id, envs))
+    n_in, n_out = vec.single_observation_space.shape[0], vec.single_action_space.n
+    net = torch.nn.Sequential(torch.nn.Linear(n_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                              torch.nn.Linear(64, n_out))
+    steps, start = 0, time.monotonic()
+    begin = start + WARMUP_S
+    while time.monotonic() < begin + seconds:
+        with torch.no_grad():
+            logits = net(torch.as_tensor(obs, dtype=torch.float32))
+            actions = torch.distributions.Categorical(logits=logits).sample().numpy()
+        obs, *_ = vec.step(actions)
+        if time.monotonic() >= begin:
+            steps += envs
+    out.put(steps / seconds)
+
+
+def _side_by_side(target, args_for, n: int, seconds: float) -> float:
+    """Run n loop processes at once; their summed env steps/s."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    workers = [ctx.Process(target=target, args=(*args_for(i), seconds, out), daemon=True) for i in range(n)]
+    for w in workers:
+        w.start()
+    try:
+        return sum(out.get(timeout=seconds + 60) for _ in workers)
+    finally:
+        for w in workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+
+
+class CountingLearner:
+    """A learner shard that publishes version 0 and then only consumes, decodes and counts."""
+
+    def __init__(self, connect: str, config: Config, flat: np.ndarray, layout: list) -> None:
+        self.ctx = zmq.Context.instance()
+        hello = P.Hello(role="learner", peer_id="bench-learner", run_id=f"bench-{time.time_ns()}",
+                        run=config.to_dict(), **hello_fields())
+        self.link = BrokerLink(connect, hello, context=self.ctx).start()
+        if self.link.wait_welcome(30) is None:
+            raise click.ClickException(f"no broker at {connect}")
+        self.channel = DataChannel(self.ctx, self.link, "bench-learner", self.link.welcome.max_message_bytes)
+        self.channel.send(P.Parameters(run_id=hello.run_id, sender="bench-learner", policy_version=0,
+                                       param_hash=P.param_hash(flat), layout=layout, arrays={"flat": flat}))
+
+    def count(self, seconds: float, actors: int, start_timeout_s: float = 60.0) -> float:
+        """Env steps/s received over ``seconds``, counted from a warm-up after every actor has sent data."""
+        senders: set[str] = set()
+        deadline = time.monotonic() + start_timeout_s
+        while len(senders) < actors:
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"only {len(senders)} of {actors} actors sent data in {start_timeout_s} s")
+            msg = self.channel.recv(50)
+            if msg is not None:
+                self.channel.grant(1)
+                senders.add(getattr(msg, "sender", ""))
+        begin = time.monotonic() + WARMUP_S
+        steps = 0
+        while (now := time.monotonic()) < begin + seconds:
+            msg = self.channel.recv(50)
+            if msg is None:
+                continue
+            self.channel.grant(1)
+            if isinstance(msg, P.Trajectory) and now >= begin:
+                steps += msg.env_steps
+        return steps / seconds
+
+    def close(self) -> None:
+        self.channel.close()
+        self.link.close()
+
+
+def _pipeline(config: Config, actors: int, seconds: float, flat: np.ndarray, layout: list) -> dict[str, Any]:
+    ports = free_ports(4)
+    connect = f"tcp://127.0.0.1:{ports[0]}"
+    cmd = [sys.executable, "-m", "zddrl", "--log-level", "WARNING"]
+    procs = [subprocess.Popen([*cmd, "broker", "--bind", connect, "--trajectory-port", str(ports[1]),
+                               "--learner-port", str(ports[2]), "--params-port", str(ports[3])])]
+    learner = None
+    try:
+        learner = CountingLearner(connect, config, flat, layout)
+        procs += [subprocess.Popen([*cmd, "actor", "--connect", connect, "--actor-id", str(i)]) for i in range(actors)]
+        sps = learner.count(seconds, actors)
+        return {"sps": sps}
+    finally:
+        if learner is not None:
+            learner.close()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id: str = "CartPole-v1",
+                     rollout_len: int = 32) -> dict[str, Any]:
+    config = _config(env_id, envs, rollout_len)
+    flat, layout = _params(config)
+    plain, pipe, gym_torch = [], [], []
+    for _ in range(rounds):
+        plain.append(_side_by_side(_plain_loop, lambda i: (env_id, envs, i, flat, layout), actors, seconds))
+        pipe.append(_pipeline(config, actors, seconds, flat, layout)["sps"])
+    gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
+    ratios = [p / q for p, q in zip(pipe, plain)]
+    return {"env_id": env_id, "actors": actors, "envs_per_actor": envs, "rollout_len": rollout_len,
+            "seconds": seconds, "rounds": rounds,
+            "plain_sps": statistics.median(plain), "pipeline_sps": statistics.median(pipe),
+            "gym_torch_sps": statistics.median(gym_torch), "ratio": statistics.median(ratios),
+            "ratios": ratios, "target_ratio": 0.7}
 
 
 @click.command("sample")
+@click.option("--seconds", type=float, default=5.0, show_default=True, help="Measured window per phase.")
+@click.option("--actors", type=int, default=2, show_default=True)
+@click.option("--envs", type=int, default=4, show_default=True, help="Envs per actor.")
+@click.option("--rollout-len", type=int, default=32, show_default=True)
+@click.option("--rounds", type=int, default=2, show_default=True, help="Alternating plain/pipeline rounds.")
+@click.option("--env-id", default="CartPole-v1", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def sample(as_json: bool) -> None:
-    """Not written yet."""
-    raise click.ClickException("not written yet")
+def sample(seconds, actors, envs, rollout_len, rounds, env_id, as_json) -> None:
+    """Pipeline env steps/s (broker + actors + counting learner) vs plain loops side by side."""
+    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len)
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"{actors} actors x {envs} {env_id}, rollouts of {rollout_len}, {seconds:.0f} s windows, "
+               f"{rounds} rounds (medians)")
+    click.echo(f"  plain loops (VecEnv + numpy MLP), summed : {result['plain_sps']:>9,.0f} env steps/s")
+    click.echo(f"  pipeline actor -> broker -> learner      : {result['pipeline_sps']:>9,.0f} env steps/s")
+    click.echo(f"  gym SyncVectorEnv + torch MLP, summed    : {result['gym_torch_sps']:>9,.0f} env steps/s")
+    click.echo(f"  pipeline / plain = {result['ratio']:.2f}  (target >= {result['target_ratio']})")
+
+

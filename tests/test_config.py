@@ -1,0 +1,59 @@
+"""Typed config: one source of defaults, TOML loading, dotted overrides, clear errors."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from zddrl.config import Config, ConfigError, load_config, parse_override, to_toml
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.toml")), ids=lambda p: p.name)
+def test_examples_load_and_round_trip_through_toml(path: Path, tmp_path: Path) -> None:
+    config = load_config(path)
+    out = tmp_path / "resolved.toml"
+    out.write_text(to_toml(config.to_dict()))
+    assert load_config(out) == config
+
+
+def test_defaults_and_overrides() -> None:
+    config = load_config(None, {"algo.lr": 1e-3, "env.num_envs": 8, "train.until_return": 400})
+    assert config.algo.lr == 1e-3 and config.env.num_envs == 8 and config.train.until_return == 400.0
+    assert config.algo.gamma == Config().algo.gamma
+    assert math.isinf(Config().train.until_return)
+    assert Config.from_dict(Config().to_dict()) == Config()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"algo.lrr": 1.0}, "unknown config key"),
+    ({"algo.mode": "turbo"}, "algo.mode must be one of"),
+    ({"env.num_envs": 0}, "env.num_envs must be >= 1"),
+    ({"algo.lr": "fast"}, "algo.lr must be a number"),
+    ({"algo.norm_adv": 1}, "must be true or false"),
+    ({"nosuch.key": 1}, "unknown config section"),
+    ({"model.hidden": [64, "x"]}, "model.hidden must be a list of integers"),
+])
+def test_bad_values_name_the_key(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[algo\nlr = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_parse_override_reads_toml_values() -> None:
+    assert parse_override("algo.lr=1e-3") == ("algo.lr", 1e-3)
+    assert parse_override("algo.norm_adv=false") == ("algo.norm_adv", False)
+    assert parse_override("model.hidden=[32, 32]") == ("model.hidden", [32, 32])
+    assert parse_override("env.id=CartPole-v1") == ("env.id", "CartPole-v1")
+    with pytest.raises(ConfigError):
+        parse_override("no-equals-sign")

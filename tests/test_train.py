@@ -1,0 +1,127 @@
+"""End to end: `zddrl train` and hand-started broker/learner/actor processes learning CartPole for real."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import BrokerHandle, Procs, wait_for
+from zddrl.runlog import METRIC_COLUMNS, SUMMARY_KEYS
+
+ROOT = Path(__file__).resolve().parent.parent
+CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
+
+
+def zddrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def train(run_dir: Path, *args: str) -> dict:
+    done = zddrl("train", CARTPOLE, "--run-dir", str(run_dir), "--max-seconds", "90", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention ``text`` (to catch orphans)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            found.append(cmd)
+    return found
+
+
+def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = train(run_dir, "--until-return", "475")
+    assert summary["reached"] is True and summary["return_mean_20"] >= 475
+    assert summary["env_steps_to_target"] <= 100_000
+    assert set(SUMMARY_KEYS) <= set(summary)
+    rows = metrics(run_dir)
+    assert list(rows[0]) == list(METRIC_COLUMNS)
+    versions = [int(r["policy_version"]) for r in rows]
+    assert versions == list(range(1, len(rows) + 1))
+    assert all(int(r["batch_steps"]) == 256 for r in rows)  # fixed total batch
+    assert (run_dir / "config.toml").exists() and (run_dir / "checkpoints" / "final.pt").exists()
+    assert processes_mentioning(str(run_dir)) == []
+    done = zddrl("eval", str(run_dir / "checkpoints" / "final.pt"), "--episodes", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["mean"] >= 195
+
+
+def test_same_seed_and_one_actor_reproduce_a_run(tmp_path: Path) -> None:
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run_dir in runs:
+        train(run_dir, "--actors", "1", "--max-steps", "3000", "--seed", "5")
+    columns = ("env_steps", "policy_version", "policy_loss", "value_loss", "entropy", "approx_kl", "return_mean_20")
+    a, b = ([{k: r[k] for k in columns} for r in metrics(d)] for d in runs)
+    assert len(a) >= 10 and a == b
+
+
+def test_scaling_1_2_4_actors_learn_alike_at_a_fixed_total_batch(tmp_path: Path) -> None:
+    steps = {}
+    for actors in (1, 2, 4):
+        summary = train(tmp_path / f"a{actors}", "--actors", str(actors), "--until-return", "195",
+                        "--max-steps", "80000")
+        assert summary["reached"], f"{actors} actors did not reach 195: {summary}"
+        batches = sorted(int(r["batch_steps"]) for r in metrics(tmp_path / f"a{actors}"))
+        # 256 once the whole fleet is known; while actors are still joining, rollouts round up a little
+        assert batches[len(batches) // 2] == 256 and batches[0] >= 256 and batches[-1] < 256 + 4 * actors * 8
+        steps[actors] = summary["env_steps_to_target"]
+    # Same learning per env step whatever the fleet: within the seed-to-seed spread of CartPole PPO.
+    assert max(steps.values()) <= 2.5 * min(steps.values()), steps
+
+
+def test_bad_config_and_env_are_clear_cli_errors(tmp_path: Path) -> None:
+    done = zddrl("train", CARTPOLE, "--set", "env.id=NoSuchEnv-v0", "--run-dir", str(tmp_path / "x"), timeout=30)
+    assert done.returncode == 2 and "unknown gymnasium env id 'NoSuchEnv-v0'" in done.stderr
+    done = zddrl("train", CARTPOLE, "--set", "algo.lrr=1", timeout=30)
+    assert done.returncode == 2 and "unknown config key(s) algo.lrr" in done.stderr
+
+
+def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
+                             "--max-steps", "10000000", "--max-seconds", "600"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) > 3, 60, "training to start")
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every child process to exit")
+
+
+def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--run-dir", str(run_dir),
+                          "--set", "train.max_steps=12000", "--set", "train.until_return=1e9")
+    for i in range(2):
+        procs.start(f"actor-{i}", "actor", "--connect", broker.connect, "--actor-id", str(i))
+    procs.start("slow", "actor", "--connect", broker.connect, "--actor-id", "2", "--slowdown", "40")
+    learner.wait(timeout=120)
+    assert learner.returncode == 0, procs.log("learner")[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dropped_late"].get("actor-2", 0) >= 1, summary
+    assert "actor-0" not in summary["dropped_late"] and "actor-1" not in summary["dropped_late"]
+    assert summary["updates"] >= 20
+    assert "dropped late data from actor-2" in procs.log("learner")
+    assert all(int(r["batch_steps"]) >= 256 for r in metrics(run_dir))
