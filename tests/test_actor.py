@@ -74,3 +74,13 @@ def dict_obs_env() -> gym.Env:
         action_space = gym.spaces.Discrete(2)
 
     return DictObs()
+
+
+def test_actor_and_broker_processes_do_not_import_torch() -> None:
+    """Actor hosts and the broker start in a fraction of a second and stay small without torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, zddrl.actor, zddrl.broker, zddrl.cli, zddrl.status; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

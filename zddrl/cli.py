@@ -123,7 +123,11 @@ def learner(config_path, connect, run_dir, mode, seed, t0, sets) -> None:
     from .train import default_run_dir
 
     config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed}))
-    summary = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0).run(stop_on_signals())
+    try:
+        node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    summary = node.run(stop_on_signals())
     click.echo(json.dumps(summary))
 
 

@@ -65,6 +65,7 @@ class ModelConfig:
     hidden: tuple[int, ...] = (64, 64)
     """Hidden layer sizes of the policy and of the (separate) value network."""
     activation: str = "tanh"
+    """tanh | relu."""
     log_std_init: float = 0.0
     """Initial log standard deviation of the Gaussian policy (Box action spaces)."""
 
@@ -81,19 +82,31 @@ class AlgoConfig:
     batch_size: int = 256
     """Env steps per update, summed over all actors; fixed whatever the number of actors."""
     gamma: float = 0.99
+    """Discount factor."""
     gae_lambda: float = 0.95
+    """GAE lambda (1 = Monte-Carlo returns, 0 = one-step TD)."""
     epochs: int = 10
+    """Passes over each batch."""
     minibatches: int = 4
+    """Minibatches per epoch (minibatch size = batch / minibatches)."""
     lr: float = 3e-4
+    """Adam learning rate (start value of the schedule)."""
     lr_schedule: str = "constant"
     """constant | linear (to 0 at total_steps)."""
     clip: float = 0.2
+    """PPO ratio clip epsilon (start value of its schedule); also the value-clip range."""
     clip_schedule: str = "constant"
+    """constant | linear (to 0 at total_steps)."""
     vf_coef: float = 0.5
+    """Weight of the value loss."""
     ent_coef: float = 0.0
+    """Weight of the entropy bonus."""
     max_grad_norm: float = 0.5
+    """Global gradient-norm clip."""
     norm_adv: bool = True
+    """Normalise advantages per minibatch."""
     clip_vloss: bool = False
+    """Clip the value update like the policy ratio."""
     normalize_obs: bool = False
     """Running mean/std of observations, applied by actors; the statistics travel with the parameters."""
     normalize_reward: bool = False
@@ -109,7 +122,9 @@ class AlgoConfig:
     publish_every: int = 1
     """async/impala: publish parameters every k updates."""
     rho_bar: float = 1.0
+    """Truncation of importance weights (async PPO and V-trace rho-bar)."""
     c_bar: float = 1.0
+    """V-trace trace-cutting c-bar."""
     torch_threads: int = 1
     """Intra-op threads of the learner (small MLPs run fastest on one)."""
 
@@ -138,7 +153,9 @@ class TrainConfig:
     until_return: float = math.inf
     """Stop once the mean return of the last 20 training episodes reaches this."""
     max_steps: int = 1_000_000
+    """Stop after this many env steps (summed over actors)."""
     max_seconds: float = 600.0
+    """Stop after this many seconds since the command started."""
     run_dir: str = "runs"
     """Parent folder of run directories (each run gets its own sub-folder)."""
 
@@ -150,6 +167,7 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Config:
     name: str = "run"
+    """Run name: prefix of the run id and of the default run directory."""
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -294,6 +312,7 @@ class BrokerConfig:
     max_message_bytes: int = 1 << 28
     """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
     heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats, both ways (clients take it from the welcome)."""
     heartbeat_liveness: int = 3
     """Beats a peer may miss before it is expired."""
 

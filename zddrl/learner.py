@@ -25,15 +25,14 @@ import zmq
 from loguru import logger
 
 from . import protocol as P
+from .channel import DataChannel
 from .client import BrokerLink, hello_fields
-from .config import Config
+from .config import Config, ConfigError
 from .envs import probe_spec
 from .ppo import PPOLearner
 from .runlog import RunLog
 from .status import request_status
 
-CREDIT_WINDOW = 16
-"""Trajectories the learner lets the broker send ahead of what it has consumed."""
 RECV_POLL_MS = 20
 WELCOME_TIMEOUT_S = 60.0
 FIRST_ROUNDS_TIMEOUT_S = 10.0
@@ -43,45 +42,13 @@ RETURN_WINDOW = 20
 MEDIAN_WINDOW = 20
 
 
-class DataChannel:
-    """The shard's DEALER on the broker's learner socket: credit out, trajectories in, parameters out."""
-
-    def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
-        self.sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the credit we grant
-        self.sock.connect(link.endpoint("learners"))
-        self.peer_id = peer_id
-        self.max_message_bytes = max_message_bytes
-        self.generation = link.generation
-        self.grant(CREDIT_WINDOW)
-
-    def grant(self, n: int) -> None:
-        self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
-
-    def send(self, msg: P.Message) -> None:
-        self.sock.send_multipart(P.encode(msg), copy=False)
-
-    def recv(self, timeout_ms: int) -> P.Message | None:
-        if not self.sock.poll(timeout_ms):
-            return None
-        frames = self.sock.recv_multipart(copy=False)
-        try:
-            return P.decode(frames, self.max_message_bytes)
-        except P.ProtocolError as exc:
-            logger.warning(f"dropped a malformed message on the learner channel: {exc}")
-            return None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 class LearnerNode:
     """``LearnerNode(connect, config, run_dir).run(stop) -> summary``."""
 
     def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
                  peer_id: str = "learner-0", context: zmq.Context | None = None) -> None:
+        if config.algo.mode != "sync":
+            raise ConfigError(f"algo.mode = {config.algo.mode!r} is not available yet; use 'sync'")
         self.connect = connect
         self.config = config
         self.algo = config.algo

@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .envs import EnvSpec
+from .policy import unflatten
 
 
 
@@ -88,17 +89,6 @@ def flatten_params(module: nn.Module) -> tuple[np.ndarray, list]:
         chunks.append(flat)
         offset += flat.numel()
     return torch.cat(chunks).numpy(), layout
-
-
-def unflatten(flat: np.ndarray, layout: list) -> dict[str, np.ndarray]:
-    """Layout rows -> named arrays (views into ``flat``). Raises ValueError if they do not fit."""
-    out = {}
-    for name, dtype, shape, offset in layout:
-        size = int(np.prod(shape))
-        if dtype != "float32" or offset < 0 or offset + size > flat.size:
-            raise ValueError(f"layout entry {name!r} does not fit a flat buffer of {flat.size} elements")
-        out[name] = flat[offset:offset + size].reshape(shape)
-    return out
 
 
 def load_flat(module: nn.Module, flat: np.ndarray, layout: list) -> None:

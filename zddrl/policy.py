@@ -10,10 +10,21 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .model import unflatten
 
 OBS_CLIP = 10.0
 _ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
+
+
+def unflatten(flat: np.ndarray, layout: list) -> dict[str, np.ndarray]:
+    """Layout rows -> named arrays (views into ``flat``). Raises ValueError if they do not fit."""
+    out = {}
+    for name, dtype, shape, offset in layout:
+        size = int(np.prod(shape))
+        if dtype != "float32" or offset < 0 or offset + size > flat.size:
+            raise ValueError(f"layout entry {name!r} does not fit a flat buffer of {flat.size} elements")
+        out[name] = flat[offset:offset + size].reshape(shape)
+    return out
+
 
 
 class ActOutput(NamedTuple):

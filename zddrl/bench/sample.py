@@ -30,7 +30,7 @@ from ..actor import action_rng, env_seeds
 from ..client import BrokerLink, hello_fields
 from ..config import Config
 from ..envs import VecEnv, env_factory, probe_spec
-from ..learner import DataChannel
+from ..channel import DataChannel
 from ..train import free_ports
 
 WARMUP_S = 1.0

@@ -1,0 +1,44 @@
+"""The docs stay true: every config key is documented with its default; README commands exist."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from zddrl import config as C
+from zddrl.runlog import METRIC_COLUMNS, SUMMARY_KEYS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("cls", [C.Config, C.EnvConfig, C.ModelConfig, C.AlgoConfig, C.TrainConfig, C.BrokerConfig])
+def test_every_config_key_is_documented_with_its_default(cls: type) -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    for f in dataclasses.fields(cls):
+        if f.name in ("env", "model", "algo", "train"):
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if isinstance(default, float) and math.isinf(default):
+            default = "inf"
+        if isinstance(default, tuple):
+            default = list(default)
+        row = re.search(rf"^\| `{f.name}` \| `([^`]*)` \| (.+) \|$", text, re.M)
+        assert row, f"{cls.__name__}.{f.name} is not documented in docs/configuration.md"
+        assert row.group(1) == str(default), f"{f.name}: documented default {row.group(1)}, real {default}"
+
+
+def test_run_directory_names_are_documented() -> None:
+    text = (ROOT / "docs" / "run-directory.md").read_text()
+    for name in (*METRIC_COLUMNS, *SUMMARY_KEYS):
+        assert f"`{name}`" in text, f"{name} is not documented in docs/run-directory.md"
+
+
+def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    test_cmd = re.search(r"^(python3 -m venv .venv && .+pytest.*)$", readme, re.M)
+    assert test_cmd and test_cmd.group(1) in ci
+    assert re.search(r"^python3 -m venv .venv && .+zddrl train examples/cartpole_ppo.toml$", readme, re.M)
