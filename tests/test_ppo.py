@@ -8,7 +8,8 @@ import torch
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.optim import Adam
-from zddrl.ppo import PPOLearner, RewardScaler, RunningMeanStd, ppo_loss, schedule
+from zddrl.core import RewardScaler, RunningMeanStd, schedule
+from zddrl.ppo import PPOLearner, ppo_loss
 from zddrl.protocol import Trajectory
 
 

@@ -121,6 +121,8 @@ class AlgoConfig:
     """async/impala: trajectories older than this many versions are dropped (counted)."""
     publish_every: int = 1
     """async/impala: publish parameters every k updates."""
+    staleness_lr_decay: float = 0.0
+    """async/impala: learning rate divided by (1 + this * mean staleness of the batch)."""
     rho_bar: float = 1.0
     """Truncation of importance weights (async PPO and V-trace rho-bar)."""
     c_bar: float = 1.0
@@ -143,6 +145,7 @@ class AlgoConfig:
         _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
         _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
         _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
+        _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
 
 

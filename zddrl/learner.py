@@ -27,8 +27,10 @@ from loguru import logger
 from . import protocol as P
 from .channel import DataChannel
 from .client import BrokerLink, hello_fields
-from .config import Config, ConfigError
+from .config import Config
 from .envs import probe_spec
+from .core import LearnerCore
+from .impala import ImpalaLearner
 from .ppo import PPOLearner
 from .runlog import RunLog
 from .status import request_status
@@ -38,6 +40,9 @@ WELCOME_TIMEOUT_S = 60.0
 FIRST_ROUNDS_TIMEOUT_S = 10.0
 """Straggler timeout until three rounds give a median to scale."""
 FLEET_QUERY_TIMEOUT_S = 1.0
+LAG_WINDOW = 20
+"""Updates over which a steadily growing median actor lag raises a warning."""
+STATS_EVERY_S = 1.0
 RETURN_WINDOW = 20
 MEDIAN_WINDOW = 20
 
@@ -47,8 +52,6 @@ class LearnerNode:
 
     def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
                  peer_id: str = "learner-0", context: zmq.Context | None = None) -> None:
-        if config.algo.mode != "sync":
-            raise ConfigError(f"algo.mode = {config.algo.mode!r} is not available yet; use 'sync'")
         self.connect = connect
         self.config = config
         self.algo = config.algo
@@ -58,7 +61,7 @@ class LearnerNode:
         self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
         self.log = logger.bind(role="learner", peer=peer_id)
         self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
-        self.core = PPOLearner(config, self.spec)
+        self.core: LearnerCore = (ImpalaLearner if config.algo.mode == "impala" else PPOLearner)(config, self.spec)
         self.runlog = RunLog(run_dir, config.to_dict())
         self.version = 0
         self.param_hash = ""
@@ -68,6 +71,11 @@ class LearnerNode:
         self.episodes = 0
         self.actor_steps: dict[str, int] = {}
         self.dropped_late: dict[str, int] = defaultdict(int)
+        self.dropped_stale: dict[str, int] = defaultdict(int)
+        self.lag: dict[str, int] = {}
+        """Per actor: staleness of its newest trajectory (learner version - its version)."""
+        self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
+        self.next_stats = 0.0
         self.round_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         self.rollout_len = config.env.rollout_len
         self.fleet: dict[str, int] = {}
@@ -89,9 +97,11 @@ class LearnerNode:
             self._publish(channel)
             self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
                           f"batch {self.algo.batch_size} steps, version 0 published")
+            step = self._round if self.algo.mode == "sync" else self._stream
             while not stop.is_set() and not self._finished():
                 channel = self._reconnect_if_needed(link, channel)
-                self._round(channel, stop)
+                step(channel, stop)
+                self._report(link)
         finally:
             summary = self._summary()
             self.runlog.summary(summary)
@@ -159,6 +169,78 @@ class LearnerNode:
         self._publish(channel)
         self._log_update(figures, round_s, update_s, len(reported))
 
+    # ---------------------------------------------------------------- async / impala
+    def _stream(self, channel: DataChannel, stop: threading.Event) -> None:
+        """Take data as it arrives; drop what is more than ``max_staleness`` versions old; update once
+        a batch is full; publish every ``publish_every`` updates. Actors never wait."""
+        started = time.monotonic()
+        batch: list[P.Trajectory] = []
+        steps = 0
+        while not stop.is_set() and steps < self.algo.batch_size:
+            msg = channel.recv(RECV_POLL_MS)
+            if msg is None:
+                if self._finished():
+                    return
+                continue
+            channel.grant(1)
+            if not isinstance(msg, P.Trajectory):
+                continue
+            self._account(msg)
+            staleness = self.version - msg.policy_version
+            if not 0 <= staleness <= self.algo.max_staleness:
+                self._drop_stale(msg, staleness)
+                continue
+            batch.append(msg)
+            steps += msg.env_steps
+        if not batch or stop.is_set():
+            return
+        round_s = time.monotonic() - started
+        staleness = np.repeat([self.version - t.policy_version for t in batch], [t.env_steps for t in batch])
+        t_update = time.monotonic()
+        batch.sort(key=lambda t: (t.sender, t.seq))
+        figures = self.core.update(batch, staleness=float(staleness.mean()))
+        update_s = time.monotonic() - t_update
+        self.updates += 1
+        self.version += 1
+        if self.updates % self.algo.publish_every == 0:
+            self._publish(channel)
+        hist = np.bincount(staleness)
+        figures.update(staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
+                       staleness_hist=" ".join(f"{v}:{n}" for v, n in enumerate(hist) if n))
+        self._watch_lag()
+        self._log_update(figures, round_s, update_s, len({t.sender for t in batch}))
+
+    def _drop_stale(self, msg: P.Trajectory, staleness: int) -> None:
+        self.dropped_stale[msg.sender] += 1
+        n = self.dropped_stale[msg.sender]
+        if n == 1 or n % 100 == 0:
+            self.log.warning(f"dropped stale data from {msg.sender}: version {msg.policy_version} is {staleness} "
+                             f"behind {self.version} (max_staleness {self.algo.max_staleness}; {n} so far)")
+
+    def _watch_lag(self) -> None:
+        """Warn when the median actor lag keeps growing: the 'actors never get new parameters' failure."""
+        if not self.lag:
+            return
+        self.lag_medians.append(float(np.median(list(self.lag.values()))))
+        m = list(self.lag_medians)
+        if len(m) == LAG_WINDOW and all(b >= a for a, b in zip(m, m[1:])) and m[-1] - m[0] >= 3:
+            self.log.warning(f"median actor lag keeps growing ({m[0]:.0f} -> {m[-1]:.0f} versions over "
+                             f"{LAG_WINDOW} updates): are parameters reaching the actors?")
+            self.lag_medians.clear()
+
+    def _report(self, link: BrokerLink) -> None:
+        """Stats for `zddrl status`, at most once per STATS_EVERY_S."""
+        now = time.monotonic()
+        if now < self.next_stats:
+            return
+        self.next_stats = now + STATS_EVERY_S
+        ret = self.return_mean()
+        link.send(P.Stats(sender=self.peer_id, role="learner", stats={
+            "policy_version": self.version, "updates": self.updates, "env_steps": self.total_env_steps(),
+            "return_mean_20": None if math.isnan(ret) else ret,
+            **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
+            "dropped_late": sum(self.dropped_late.values()), "dropped_stale": sum(self.dropped_stale.values())}))
+
     def _straggler_timeout(self) -> float:
         if len(self.round_times) < 3:
             return FIRST_ROUNDS_TIMEOUT_S  # no baseline yet
@@ -178,6 +260,7 @@ class LearnerNode:
 
     def _account(self, msg: P.Trajectory) -> None:
         """Every received trajectory counts toward env steps and episode returns, accepted or not."""
+        self.lag[msg.sender] = self.version - msg.policy_version
         total = msg.info.get("total_env_steps")
         self.actor_steps[msg.sender] = max(self.actor_steps.get(msg.sender, 0),
                                            total if isinstance(total, int) else msg.env_steps)
@@ -216,9 +299,10 @@ class LearnerNode:
         wall = time.time() - self.t0
         steps = self.total_env_steps()
         ret = self.return_mean()
-        row = {**figures, "wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
+        row = {"wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
                "return_mean_20": ret, "episodes": self.episodes, "staleness_mean": 0.0, "staleness_max": 0,
-               "dropped_late": sum(self.dropped_late.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.dropped_late.values()),
+               "dropped_stale": sum(self.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
         if not self.target and ret >= self.config.train.until_return:
@@ -240,7 +324,8 @@ class LearnerNode:
                 "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
                 "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
                 "episodes": self.episodes, "policy_version": self.version, "updates": self.updates,
-                "dropped_late": dict(self.dropped_late), "mode": self.algo.mode, "seed": self.config.env.seed,
+                "dropped_late": dict(self.dropped_late), "dropped_stale": dict(self.dropped_stale),
+                "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
                 "run_id": self.run_id}
 
     def _checkpoint_state(self) -> dict[str, Any]:

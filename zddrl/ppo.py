@@ -2,8 +2,16 @@
 
 ``PPOLearner.update(trajectories)`` takes the decoded trajectory messages of one update, computes
 GAE per trajectory with ``zddrl.gae`` (termination, truncation bootstrap and rollout cuts handled
-there), runs the PPO epochs and returns the update's figures. ``params()`` gives the flat
-parameter buffer, layout and normalisation statistics that travel to the actors.
+there), runs the PPO epochs and returns the update's figures.
+
+Sync mode trains on data of the current version: the ratio is taken against the behaviour
+log-probs the actors sent, exactly PPO. Async mode trains on data up to ``max_staleness``
+versions old and corrects for it with the decoupled objective of Hilton et al. (2021, "Batch
+size-invariance for policy optimization"): values are recomputed with the current network for
+GAE, the ratio r = pi_theta / pi_prox is clipped around the proximal policy (the network at the
+start of the update), and each sample is weighted by the truncated importance weight
+w = min(rho_bar, pi_prox / mu) against the behaviour policy mu that produced it. With fresh data
+pi_prox = mu, w = 1 and this is PPO again.
 """
 from __future__ import annotations
 
@@ -13,52 +21,9 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from .config import Config
-from .envs import EnvSpec
-from .model import ActorCritic, flatten_params
-from .optim import Adam
+from .core import LearnerCore, explained_variance, schedule
 from .protocol import Trajectory
-from .returns import gae
-
-
-class RunningMeanStd:
-    """Running mean and variance over the leading axis (Chan et al. parallel update)."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.mean = np.zeros(shape, dtype=np.float64)
-        self.var = np.ones(shape, dtype=np.float64)
-        self.count = 1e-4
-
-    def update(self, x: np.ndarray) -> None:
-        if len(x) == 0:
-            return
-        mean, var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
-        delta, total = mean - self.mean, self.count + n
-        self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + var * n + delta ** 2 * self.count * n / total) / total
-        self.count = total
-
-
-class RewardScaler:
-    """Divides rewards by the running std of the discounted return, tracked per (actor, env) stream."""
-
-    def __init__(self, gamma: float) -> None:
-        self.gamma = gamma
-        self.rms = RunningMeanStd(())
-        self.returns: dict[str, np.ndarray] = {}
-
-    def __call__(self, sender: str, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
-        ret = self.returns.get(sender)
-        if ret is None or ret.shape[0] != rewards.shape[1]:
-            ret = np.zeros(rewards.shape[1])
-        seen = np.empty(rewards.shape)
-        for t in range(rewards.shape[0]):
-            ret = ret * self.gamma + rewards[t]
-            seen[t] = ret
-            ret = np.where(done[t], 0.0, ret)
-        self.returns[sender] = ret
-        self.rms.update(seen.reshape(-1))
-        return (rewards / np.sqrt(self.rms.var + 1e-8)).astype(np.float32)
+from .returns import gae, truncated_importance_weights
 
 
 class Batch(NamedTuple):
@@ -67,32 +32,28 @@ class Batch(NamedTuple):
     obs: torch.Tensor
     actions: torch.Tensor
     logp: torch.Tensor
+    """Log-probs the ratio is taken against: behaviour (sync) or proximal (async)."""
+    weights: torch.Tensor
+    """Truncated importance weights min(rho_bar, pi_prox / mu): ones in sync mode."""
     values: torch.Tensor
     advantages: torch.Tensor
     returns: torch.Tensor
 
 
-def schedule(value: float, kind: str, progress: float) -> float:
-    """``constant``, or ``linear`` from ``value`` to 0 as ``progress`` goes 0 -> 1."""
-    return value * max(0.0, 1.0 - progress) if kind == "linear" else value
-
-
-def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
-    var = target.var()
-    return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
-
-
 def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, value: torch.Tensor,
              old_value: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor, clip: float, vf_coef: float,
-             ent_coef: float, clip_vloss: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+             ent_coef: float, clip_vloss: bool = False,
+             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate + value loss - entropy bonus (Schulman et al. 2017, eq. 7 and 9).
 
-    All inputs ``[B]``. Returns the scalar loss to minimise and its parts as floats (plus the
-    k3 estimate of KL(old || new) and the fraction of clipped ratios).
+    All inputs ``[B]``. ``weights`` (optional, no grad) scale each sample's surrogate: the truncated
+    importance weights of the decoupled objective. Returns the scalar loss to minimise and its
+    parts as floats (plus the k3 estimate of KL(old || new) and the fraction of clipped ratios).
     """
     log_ratio = logp - old_logp
     ratio = log_ratio.exp()
-    policy_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)).mean()
+    surrogate = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
+    policy_loss = (surrogate if weights is None else weights * surrogate).mean()
     if clip_vloss:
         v_clipped = old_value + (value - old_value).clamp(-clip, clip)
         value_loss = 0.5 * torch.max((value - returns) ** 2, (v_clipped - returns) ** 2).mean()
@@ -107,38 +68,14 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, valu
                   "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item()}
 
 
-class PPOLearner:
-    """``update(trajectories) -> figures``; ``params() -> (flat, layout, extra arrays)``."""
-
-    def __init__(self, config: Config, spec: EnvSpec, seed_offset: int = 0) -> None:
-        torch.manual_seed(config.env.seed + seed_offset)
-        torch.set_num_threads(config.algo.torch_threads)
-        self.config = config
-        self.algo = config.algo
-        self.model = ActorCritic(spec, config.model)
-        self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
-        self.obs_rms = RunningMeanStd(spec.obs_shape) if config.algo.normalize_obs else None
-        self.reward_scaler = RewardScaler(config.algo.gamma) if config.algo.normalize_reward else None
-        self.steps_trained = 0
-
-    # ---------------------------------------------------------------- parameters for the actors
-    def params(self) -> tuple[np.ndarray, list, dict[str, np.ndarray]]:
-        flat, layout = flatten_params(self.model)
-        extra = {}
-        if self.obs_rms is not None:
-            extra = {"obs_mean": self.obs_rms.mean.astype(np.float32), "obs_var": self.obs_rms.var.astype(np.float32)}
-        return flat, layout, extra
-
-    def _normalize(self, obs: np.ndarray) -> np.ndarray:
-        if self.obs_rms is None:
-            return obs
-        std = np.sqrt(self.obs_rms.var + 1e-8)
-        return np.clip((obs - self.obs_rms.mean) / std, -10.0, 10.0).astype(np.float32)
+class PPOLearner(LearnerCore):
+    """``update(trajectories) -> figures`` for sync and async PPO (see the module docstring)."""
 
     # ---------------------------------------------------------------- batch
     def make_batch(self, trajectories: Sequence[Trajectory]) -> Batch:
         """GAE per trajectory (each ``[T, N]``), then everything flattened to ``[M]``."""
         a = self.algo
+        recompute = a.mode != "sync"  # stale data: values and log-probs of the current network
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
         for traj in trajectories:
             x = traj.arrays
@@ -146,30 +83,41 @@ class PPOLearner:
             rewards = x["rewards"]
             if self.reward_scaler is not None:
                 rewards = self.reward_scaler(traj.sender, rewards, x["terminated"] | x["truncated"])
+            obs_flat = x["obs"].reshape(T * N, *x["obs"].shape[2:])
+            if recompute:
+                values = self.value(obs_flat).reshape(T, N)
+                next_value, trunc_values = self.value(x["next_obs"]), self.value(x["trunc_obs"])
+            else:
+                values, next_value, trunc_values = x["values"], x["next_value"], x["trunc_value"]
             trunc_value = np.zeros((T, N), dtype=np.float32)
-            trunc_value.reshape(-1)[x["trunc_idx"]] = x["trunc_value"]
-            adv, ret = gae(rewards, x["values"], x["terminated"], x["truncated"], x["next_value"], trunc_value,
+            trunc_value.reshape(-1)[x["trunc_idx"]] = trunc_values
+            adv, ret = gae(rewards, values, x["terminated"], x["truncated"], next_value, trunc_value,
                            gamma=a.gamma, gae_lambda=a.gae_lambda)
-            parts["obs"].append(x["obs"].reshape(T * N, *x["obs"].shape[2:]))
+            parts["obs"].append(obs_flat)
             parts["actions"].append(x["actions"].reshape(T * N, *x["actions"].shape[2:]))
-            for key in ("logp", "values"):
-                parts[key].append(x[key].reshape(-1))
+            parts["logp"].append(x["logp"].reshape(-1))
+            parts["values"].append(np.asarray(values, dtype=np.float32).reshape(-1))
             parts["advantages"].append(adv.numpy().reshape(-1))
             parts["returns"].append(ret.numpy().reshape(-1))
         cat = {k: np.concatenate(v) for k, v in parts.items()}
-        obs = self._normalize(cat["obs"])  # with the statistics the actors used for this version
+        obs = torch.as_tensor(self.normalize(cat["obs"]))  # the statistics the actors used for this data
         if self.obs_rms is not None:
             self.obs_rms.update(cat["obs"])
-        return Batch(*(torch.as_tensor(cat[k] if k != "obs" else obs) for k in Batch._fields))
+        actions, behaviour = torch.as_tensor(cat["actions"]), torch.as_tensor(cat["logp"])
+        logp, weights = behaviour, torch.ones_like(behaviour)
+        if recompute:
+            with torch.no_grad():
+                logp = self.model.evaluate(obs, actions)[0]  # proximal policy: this update's start
+            weights = truncated_importance_weights(logp, behaviour, a.rho_bar)
+        return Batch(obs, actions, logp, weights, *(torch.as_tensor(cat[k]) for k in ("values", "advantages",
+                                                                                       "returns")))
 
     # ---------------------------------------------------------------- update
-    def update(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    def update(self, trajectories: Sequence[Trajectory], staleness: float = 0.0) -> dict[str, float]:
         batch = self.make_batch(trajectories)
         a = self.algo
-        progress = self.steps_trained / a.total_steps
-        lr, clip = schedule(a.lr, a.lr_schedule, progress), schedule(a.clip, a.clip_schedule, progress)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self.set_lr(staleness)
+        clip = schedule(a.clip, a.clip_schedule, self.steps_trained / a.total_steps)
         M = batch.obs.shape[0]
         mb_size = max(1, M // a.minibatches)
         sums: dict[str, float] = defaultdict(float)
@@ -182,10 +130,9 @@ class PPOLearner:
                     sums[k] += v
                 n += 1
         self.steps_trained += M
-        with torch.no_grad():
-            ev = explained_variance(batch.values, batch.returns)
-        return {**{k: v / n for k, v in sums.items()}, "lr": lr, "clip": clip, "explained_variance": ev,
-                "batch_steps": M}
+        return {**{k: v / n for k, v in sums.items()}, "lr": lr, "clip": clip,
+                "explained_variance": explained_variance(batch.values, batch.returns), "batch_steps": M,
+                "is_weight_mean": float(batch.weights.mean())}
 
     def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> dict[str, float]:
         a = self.algo
@@ -193,19 +140,11 @@ class PPOLearner:
         adv = batch.advantages[idx]
         if a.norm_adv and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        weights = None if a.mode == "sync" else batch.weights[idx]
         loss, figures = ppo_loss(logp, batch.logp[idx], adv, value, batch.values[idx], batch.returns[idx], entropy,
-                                 clip, a.vf_coef, a.ent_coef, a.clip_vloss)
+                                 clip, a.vf_coef, a.ent_coef, a.clip_vloss, weights)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
         self.optimizer.step()
         return {**figures, "grad_norm": grad_norm.item()}
-
-    # ---------------------------------------------------------------- checkpoints
-    def state(self) -> dict:
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "steps_trained": self.steps_trained}
-        if self.obs_rms is not None:
-            state["obs_rms"] = {"mean": torch.from_numpy(self.obs_rms.mean), "var": torch.from_numpy(self.obs_rms.var),
-                                "count": self.obs_rms.count}
-        return state

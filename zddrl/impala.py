@@ -1,0 +1,114 @@
+"""The IMPALA compute core: V-trace actor-critic updates on data from older policies. No sockets here.
+
+Espeholt et al. (2018): the value target is the V-trace target ``vs`` and the policy gradient
+uses the V-trace advantage ``rho_t * (r_t + gamma_t * vs_{t+1} - V(x_t))``, both computed with
+``zddrl.vtrace`` under no_grad from the behaviour log-probs each trajectory carries and the
+current network's log-probs and values. Episode ends inside a rollout enter through the
+discounts (0 after termination); a truncated step is bootstrapped from V(final observation)
+(``vtrace_discounts_and_rewards``).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from .core import LearnerCore, explained_variance
+from .protocol import Trajectory
+from .returns import vtrace, vtrace_discounts_and_rewards
+
+
+class TimeMajor(NamedTuple):
+    """Trajectories side by side: ``[T, B, ...]`` with B = all envs of all trajectories."""
+
+    obs: np.ndarray
+    actions: np.ndarray
+    behaviour_logp: np.ndarray
+    rewards: np.ndarray
+    terminated: np.ndarray
+    truncated: np.ndarray
+    next_obs: np.ndarray
+    """``[B, *obs]``: the observation after the last step, for the bootstrap value."""
+    trunc_index: np.ndarray
+    """``[K]`` flat indices ``t * B + b`` of truncated steps, in the order of ``trunc_obs``."""
+    trunc_obs: np.ndarray
+
+
+def stack_time_major(trajectories: Sequence[Trajectory], rewards: Sequence[np.ndarray]) -> TimeMajor:
+    """Concatenate trajectories of one rollout length along the env axis (``rewards`` may be scaled)."""
+    lengths = {t.arrays["rewards"].shape[0] for t in trajectories}
+    if len(lengths) != 1:
+        raise ValueError(f"trajectories of one batch must share their length, got {sorted(lengths)}")
+    T = lengths.pop()
+    widths = [t.arrays["rewards"].shape[1] for t in trajectories]
+    B = sum(widths)
+    trunc_index, offset = [], 0
+    for traj, n in zip(trajectories, widths):
+        idx = traj.arrays["trunc_idx"]  # t * n + i within this trajectory -> t * B + offset + i
+        trunc_index.append((idx // n) * B + offset + idx % n)
+        offset += n
+
+    def cat(key: str) -> np.ndarray:
+        return np.concatenate([t.arrays[key] for t in trajectories], axis=1)
+
+    return TimeMajor(cat("obs"), cat("actions"), cat("logp"), np.concatenate(rewards, axis=1), cat("terminated"),
+                     cat("truncated"), np.concatenate([t.arrays["next_obs"] for t in trajectories]),
+                     np.concatenate(trunc_index), np.concatenate([t.arrays["trunc_obs"] for t in trajectories]))
+
+
+class ImpalaLearner(LearnerCore):
+    """``update(trajectories) -> figures``: epochs x minibatches (over env columns) of V-trace steps."""
+
+    def update(self, trajectories: Sequence[Trajectory], staleness: float = 0.0) -> dict[str, float]:
+        rewards = [t.arrays["rewards"] if self.reward_scaler is None else
+                   self.reward_scaler(t.sender, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
+                   for t in trajectories]
+        tm = stack_time_major(trajectories, rewards)
+        T, B = tm.rewards.shape
+        obs = torch.as_tensor(self.normalize(tm.obs))
+        if self.obs_rms is not None:
+            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]))
+        lr = self.set_lr(staleness)
+        mb = max(1, B // self.algo.minibatches)
+        sums: dict[str, float] = defaultdict(float)
+        n = 0
+        for _ in range(self.algo.epochs):
+            perm = torch.randperm(B)
+            for start in range(0, B - mb + 1, mb):
+                for k, v in self._step(tm, obs, perm[start:start + mb]).items():
+                    sums[k] += v
+                n += 1
+        self.steps_trained += T * B
+        return {**{k: v / n for k, v in sums.items()}, "lr": lr, "batch_steps": T * B}
+
+    def _targets(self, tm: TimeMajor, cols: torch.Tensor, target_logp: torch.Tensor, values: torch.Tensor):
+        """V-trace targets for the env columns ``cols`` with the current network (no grad)."""
+        T, B = tm.rewards.shape
+        c = cols.numpy()
+        trunc_value = np.zeros((T, B), dtype=np.float32)
+        trunc_value.reshape(-1)[tm.trunc_index] = self.value(tm.trunc_obs)
+        rewards, discounts = vtrace_discounts_and_rewards(tm.rewards[:, c], tm.terminated[:, c], tm.truncated[:, c],
+                                                          trunc_value[:, c], self.algo.gamma)
+        return vtrace(tm.behaviour_logp[:, c], target_logp, rewards, discounts, values,
+                      self.value(tm.next_obs[c]), rho_bar=self.algo.rho_bar, c_bar=self.algo.c_bar)
+
+    def _step(self, tm: TimeMajor, obs: torch.Tensor, cols: torch.Tensor) -> dict[str, float]:
+        a = self.algo
+        T, b = obs.shape[0], len(cols)
+        mb_obs = obs[:, cols].reshape(T * b, *obs.shape[2:])
+        actions = torch.as_tensor(tm.actions[:, cols.numpy()]).reshape(T * b, *tm.actions.shape[2:])
+        logp, entropy, values = (x.reshape(T, b) for x in self.model.evaluate(mb_obs, actions))
+        vt = self._targets(tm, cols, logp.detach(), values.detach())
+        policy_loss = -(vt.pg_advantages * logp).mean()
+        value_loss = 0.5 * ((vt.vs - values) ** 2).mean()
+        entropy_mean = entropy.mean()
+        loss = policy_loss + a.vf_coef * value_loss - a.ent_coef * entropy_mean
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
+        self.optimizer.step()
+        return {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
+                "grad_norm": grad_norm.item(), "rho_mean": vt.rhos.mean().item(),
+                "explained_variance": explained_variance(values.detach(), vt.vs)}
