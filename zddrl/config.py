@@ -161,9 +161,13 @@ class TrainConfig:
     """Stop after this many seconds since the command started."""
     run_dir: str = "runs"
     """Parent folder of run directories (each run gets its own sub-folder)."""
+    slowdowns: tuple[float, ...] = ()
+    """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "slowdowns", tuple(self.slowdowns))
         _require(self.actors >= 1, "train.actors must be >= 1")
+        _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
 
 
@@ -179,6 +183,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["model"]["hidden"] = list(self.model.hidden)
+        d["train"]["slowdowns"] = list(self.train.slowdowns)
         if math.isinf(self.train.until_return):
             d["train"]["until_return"] = None  # TOML and msgpack-friendly
         return d
@@ -215,9 +220,11 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
         _require(isinstance(value, str), f"{key} must be a string")
         return value
     if origin is tuple:
-        _require(isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value),
-                 f"{key} must be a list of integers")
-        return tuple(value)
+        item = typing.get_args(hint)[0]
+        ok = (int,) if item is int else (int, float)
+        _require(isinstance(value, (list, tuple)) and all(isinstance(v, ok) and not isinstance(v, bool) for v in value),
+                 f"{key} must be a list of {'integers' if item is int else 'numbers'}")
+        return tuple(item(v) for v in value)
     return value
 
 

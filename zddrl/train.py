@@ -112,8 +112,10 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
                                "--learner-port", str(learn), "--params-port", str(params)])
         learner = fleet.start("learner", ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir),
                                           "--t0", repr(t0)])
+        slowdowns = config.train.slowdowns
         for i in range(config.train.actors):
-            fleet.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i)])
+            slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
+            fleet.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
         next_line = 0.0
         while learner.poll() is None:

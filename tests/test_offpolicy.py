@@ -1,0 +1,117 @@
+"""Async PPO and IMPALA: importance weights, V-trace batches, and the learner's staleness rule."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from zddrl import protocol as P
+from zddrl.config import Config
+from zddrl.envs import EnvSpec
+from zddrl.impala import ImpalaLearner, stack_time_major
+from zddrl.learner import LearnerNode
+from zddrl.ppo import PPOLearner
+
+SPEC = EnvSpec((4,), True, 2)
+
+
+def trajectory(T: int, N: int, sender: str = "a", seq: int = 0, version: int = 0, logp: float = -0.69,
+               trunc_at: tuple[int, int] | None = (1, 0)) -> P.Trajectory:
+    rng = np.random.default_rng(seq)
+    truncated = np.zeros((T, N), dtype=bool)
+    trunc_idx = np.zeros(0, dtype=np.int64)
+    if trunc_at is not None:
+        truncated[trunc_at] = True
+        trunc_idx = np.array([trunc_at[0] * N + trunc_at[1]])
+    arrays = {
+        "obs": rng.standard_normal((T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
+        "logp": np.full((T, N), logp, np.float32), "values": np.zeros((T, N), np.float32),
+        "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool), "truncated": truncated,
+        "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32), "trunc_idx": trunc_idx,
+        "trunc_obs": np.full((len(trunc_idx), 4), float(seq), np.float32),
+        "trunc_value": np.zeros(len(trunc_idx), np.float32), "ep_returns": np.array([10.0], np.float32),
+        "ep_lengths": np.array([10], np.int32)}
+    return P.Trajectory(run_id="r", sender=sender, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
+                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N})
+
+
+def test_stack_time_major_maps_truncation_indices_to_global_columns() -> None:
+    a, b = trajectory(3, 2, seq=1, trunc_at=(2, 1)), trajectory(3, 3, seq=2, trunc_at=(1, 2))
+    tm = stack_time_major([a, b], [a.arrays["rewards"], b.arrays["rewards"]])
+    assert tm.obs.shape == (3, 5, 4) and tm.next_obs.shape == (5, 4)
+    # a: t=2, column 1 -> 2*5 + 1 = 11; b: t=1, column 2 + offset 2 -> 1*5 + 4 = 9
+    np.testing.assert_array_equal(tm.trunc_index, [11, 9])
+    assert tm.truncated.reshape(-1)[tm.trunc_index].all() and tm.truncated.sum() == 2
+    np.testing.assert_array_equal(tm.trunc_obs[:, 0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="share their length"):
+        stack_time_major([a, trajectory(4, 2)], [a.arrays["rewards"], np.ones((4, 2))])
+
+
+def test_async_ppo_weights_are_one_on_policy_and_truncated_off_policy() -> None:
+    core = PPOLearner(Config().replace({"algo.mode": "async", "algo.rho_bar": 1.0}), SPEC)
+    on = trajectory(8, 2)
+    with torch.no_grad():
+        obs = torch.as_tensor(on.arrays["obs"].reshape(16, 4))
+        current = core.model.evaluate(obs, torch.as_tensor(on.arrays["actions"].reshape(16)))[0].numpy()
+    on.arrays["logp"][:] = current.reshape(8, 2)  # behaviour == current network: fresh data
+    batch = core.make_batch([on])
+    torch.testing.assert_close(batch.weights, torch.ones(16))
+    off = trajectory(8, 2, logp=-5.0)  # very unlikely under the behaviour policy -> ratio >> 1 -> clipped
+    assert torch.all(core.make_batch([off]).weights == 1.0)
+    rare = trajectory(8, 2, logp=-1e-3)  # behaviour was nearly certain: pi/mu ~ 0.5 < rho_bar
+    w = core.make_batch([rare]).weights
+    assert torch.all(w < 0.75) and torch.all(w > 0.25)
+
+
+def test_impala_update_reports_vtrace_figures() -> None:
+    core = ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 2}), SPEC)
+    figures = core.update([trajectory(16, 4, seq=1), trajectory(16, 4, "b", seq=2)])
+    assert figures["batch_steps"] == 128
+    for key in ("policy_loss", "value_loss", "entropy", "grad_norm", "rho_mean", "lr"):
+        assert np.isfinite(figures[key]), key
+
+
+class FakeChannel:
+    """Feeds prepared trajectories to the learner's streaming loop; records what it publishes."""
+
+    def __init__(self, messages: list[P.Trajectory]) -> None:
+        self.messages = list(messages)
+        self.sent: list[P.Message] = []
+        self.granted = 0
+
+    def recv(self, timeout_ms: int) -> P.Message | None:
+        return self.messages.pop(0) if self.messages else None
+
+    def grant(self, n: int) -> None:
+        self.granted += n
+
+    def send(self, msg: P.Message) -> None:
+        self.sent.append(msg)
+
+
+@pytest.mark.parametrize("mode", ["async", "impala"])
+def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp_path: Path) -> None:
+    config = Config().replace({"algo.mode": mode, "algo.batch_size": 64, "algo.max_staleness": 2,
+                               "algo.publish_every": 2, "train.max_steps": 10_000})
+    node = LearnerNode("tcp://127.0.0.1:9", config, tmp_path / "run")
+    node.version = 5
+    msgs = [trajectory(8, 4, "fresh", 0, version=5), trajectory(8, 4, "old", 1, version=2),
+            trajectory(8, 4, "future", 3, version=7), trajectory(8, 4, "ok", 2, version=3)]
+    channel = FakeChannel(msgs)
+    node._stream(channel, threading.Event())
+    assert node.dropped_stale == {"old": 1, "future": 1}
+    assert node.updates == 1 and node.version == 6
+    assert channel.granted == 4 and channel.sent == []  # publish_every = 2: nothing published yet
+    assert node.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
+    second = FakeChannel([trajectory(8, 4, "fresh", 4, version=6), trajectory(8, 4, "fresh", 5, version=6)])
+    node._stream(second, threading.Event())
+    assert node.version == 7 and [m.policy_version for m in second.sent] == [7]  # every 2nd update
+    node.runlog.close()
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    first = dict(zip(header, rows[1].split(",")))
+    assert first["staleness_hist"] == "0:32 2:32" and first["staleness_max"] == "2"
+    assert first["dropped_stale"] == "2"
