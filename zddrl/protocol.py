@@ -33,6 +33,8 @@ PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
 MAX_HEADER_BYTES = 1 << 20
 """A header is metadata; anything bigger than 1 MiB is hostile or a bug."""
 MAX_ARRAYS = 64
+MAX_NDIM = 8
+"""Most dimensions an array (or a parameter-layout row) may have."""
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 """Default limit on the summed size of all array frames of one message (1 GiB)."""
 
@@ -59,8 +61,14 @@ class ProtocolError(ValueError):
 
 
 def param_hash(buffer: bytes | memoryview | np.ndarray) -> str:
-    """Integrity hash of a flat parameter buffer: the first 16 hex digits of its SHA-1."""
-    return hashlib.sha1(memoryview(buffer).cast("B")).hexdigest()[:16]
+    """Integrity hash of a flat parameter buffer: the first 16 hex digits of the SHA-1 of its wire bytes.
+
+    An array is hashed as it travels (C order, little-endian), so the sender's and the receiver's
+    hashes agree whatever the sender's memory layout or byte order.
+    """
+    if isinstance(buffer, np.ndarray):
+        buffer = wire_array(buffer)
+    return hashlib.sha1(_buffer(buffer)).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,12 +243,18 @@ def _msgpack_default(obj: Any) -> Any:
 
 
 def wire_array(array: np.ndarray) -> np.ndarray:
-    """The array as it goes on the wire: C-contiguous, little-endian, a whitelisted dtype."""
+    """The array as it goes on the wire: C-contiguous, little-endian, a whitelisted dtype, same shape.
+
+    Copies only when needed (non-contiguous or big-endian input); 0-d arrays stay 0-d.
+    """
     array = np.asarray(array)
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    if dtype not in _DTYPE_NAMES:
+    dtype = array.dtype.newbyteorder("<")  # a no-op for "<" and "|"; converts ">" and a big-endian "="
+    if dtype not in _DTYPE_NAMES or dtype.kind not in "biuf":
         raise ProtocolError(f"dtype {array.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
-    return np.ascontiguousarray(array, dtype=dtype)
+    if array.ndim > MAX_NDIM:
+        raise ProtocolError(f"array of {array.ndim} dimensions cannot travel (at most {MAX_NDIM})")
+    # np.ascontiguousarray would turn a 0-d array into shape (1,); np.require keeps the shape.
+    return np.require(array, dtype=dtype, requirements="C")
 
 
 def encode(msg: Message) -> list[Any]:
@@ -250,8 +264,12 @@ def encode(msg: Message) -> list[Any]:
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
         if f.name == "arrays":
+            if len(value) > MAX_ARRAYS:
+                raise ProtocolError(f"{msg.KIND}: {len(value)} arrays, at most {MAX_ARRAYS} can travel")
             specs = []
             for name, array in value.items():
+                if not isinstance(name, str) or not name:
+                    raise ProtocolError(f"{msg.KIND}: array name {name!r} must be a non-empty string")
                 array = wire_array(array)
                 specs.append([name, _DTYPE_NAMES[array.dtype], list(array.shape)])
                 buffers.append(array)
@@ -267,9 +285,39 @@ def encode(msg: Message) -> list[Any]:
 
 
 def _buffer(frame: Any) -> memoryview:
-    # zmq.Frame (copy=False) exposes .buffer; bytes and arrays are buffers already.
+    """The frame's bytes as a flat unsigned-byte view, without copying.
+
+    zmq.Frame (``copy=False``) exposes ``.buffer``; bytes and arrays are buffers already.
+    """
     buf = getattr(frame, "buffer", None)
-    return buf if buf is not None else memoryview(frame)
+    try:
+        view = buf if isinstance(buf, memoryview) else memoryview(frame)
+    except TypeError:
+        raise ProtocolError(f"a frame must be a bytes-like buffer, got {type(frame).__name__}") from None
+    if view.nbytes == 0:
+        return memoryview(b"")
+    if not view.c_contiguous:
+        raise ProtocolError("a frame must be a C-contiguous buffer")
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
+def _plain(value: Any) -> bool:
+    """True if ``value`` is plain data: nil, bool, int, float, str, bin, arrays and str-keyed maps of those.
+
+    Iterative, so a deeply nested hostile header cannot exhaust the Python stack.
+    """
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            if not all(isinstance(k, str) for k in v):
+                return False
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif not (v is None or isinstance(v, (bool, int, float, str, bytes))):
+            return False  # msgpack ext types (ExtType, Timestamp) have no place in a header
+    return True
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -285,10 +333,18 @@ def _type_ok(value: Any, hint: Any) -> bool:
     if origin is bool:
         return isinstance(value, bool)
     if origin in (dict, Mapping):
-        return isinstance(value, dict)
+        return isinstance(value, dict) and _plain(value)
     if origin in (list, Sequence):
-        return isinstance(value, list)
+        return isinstance(value, list) and _plain(value)
     return isinstance(value, origin)
+
+
+def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+
+
+def _shape_ok(shape: Any) -> bool:
+    return isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d, 0) for d in shape)
 
 
 _HINTS: dict[type[Message], dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
@@ -305,14 +361,20 @@ def _decode_arrays(specs: Any, frames: Sequence[Any], max_message_bytes: int) ->
         if not (isinstance(spec, list) and len(spec) == 3):
             raise ProtocolError(f"array spec {i} must be [name, dtype, shape]")
         name, dtype_name, shape = spec
-        if not isinstance(name, str) or not name or name in arrays:
-            raise ProtocolError(f"array spec {i}: name must be a unique non-empty string")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"array spec {i}: name {name!r} must be a non-empty string")
+        if name in arrays:
+            raise ProtocolError(f"array spec {i}: duplicate array name {name!r}")
         dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
         if dtype is None:
             raise ProtocolError(f"array {name!r}: dtype {dtype_name!r} is not allowed; allowed: {', '.join(DTYPES)}")
-        if not (isinstance(shape, list) and len(shape) <= 8
-                and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)):
-            raise ProtocolError(f"array {name!r}: shape {shape!r} must be a list of at most 8 non-negative ints")
+        if not _shape_ok(shape):
+            raise ProtocolError(f"array {name!r}: shape {shape!r} must be a list of at most {MAX_NDIM} "
+                                "non-negative ints")
+        # Zero-size arrays may have huge other dimensions; numpy (and sanity) cannot hold those.
+        if math.prod(d for d in shape if d) * dtype.itemsize > max_message_bytes:
+            raise ProtocolError(f"array {name!r}: shape {shape} is too large for the {max_message_bytes}-byte "
+                                "limit")
         buf = _buffer(frame)
         expected = math.prod(shape) * dtype.itemsize
         if expected != buf.nbytes:
@@ -331,12 +393,14 @@ def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_ME
         raise ProtocolError(f"a message has at least 2 frames (preamble, header), got {len(frames)}")
     if len(frames) > MAX_ARRAYS + 2:
         raise ProtocolError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 2}")
-    preamble = bytes(_buffer(frames[0]))
-    if preamble[:4] != SIGNATURE:
-        raise ProtocolError(f"bad signature {preamble[:8]!r}: not a zddrl message")
-    if len(preamble) != 5 or preamble[4] != PROTOCOL_VERSION:
-        version = preamble[4] if len(preamble) > 4 else None
-        raise ProtocolError(f"unsupported protocol version {version} (this side speaks {PROTOCOL_VERSION})")
+    first = _buffer(frames[0])
+    head = bytes(first[:8])  # never copy a huge frame
+    if head[:4] != SIGNATURE:
+        raise ProtocolError(f"bad signature {head!r}: not a zddrl message")
+    if first.nbytes != len(PREAMBLE) or head[4] != PROTOCOL_VERSION:
+        version = head[4] if len(head) > 4 else None
+        raise ProtocolError(f"unsupported protocol version {version} in a {first.nbytes}-byte preamble "
+                            f"(this side speaks {PROTOCOL_VERSION}: preamble {PREAMBLE.hex()})")
     raw = _buffer(frames[1])
     if raw.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"header of {raw.nbytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
@@ -345,9 +409,12 @@ def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_ME
     except Exception as exc:  # msgpack raises a zoo of types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if not isinstance(header, dict):
-        raise ProtocolError("header must be a msgpack map")
+        raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    bad_keys = [k for k in header if not isinstance(k, str)]
+    if bad_keys:
+        raise ProtocolError(f"header keys must be strings, got {bad_keys[0]!r}")
     kind = header.get("kind")
-    if kind not in MESSAGE_TYPES:
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return header
 
@@ -355,7 +422,8 @@ def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_ME
 def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
     """Validate ``frames`` and build the message. Raises :class:`ProtocolError` on any defect.
 
-    Array values are read-only views over the frames (zero-copy): copy them to keep or mutate.
+    Array values are views over the frames (zero-copy, no copy is made): they share the frames'
+    memory, so copy them before mutating or before the frames' buffers are reused.
     """
     header = decode_header(frames, max_message_bytes)
     cls = MESSAGE_TYPES[header.pop("kind")]
@@ -363,7 +431,9 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name == "arrays":
-            kwargs["arrays"] = _decode_arrays(header.pop("arrays", None), frames[2:], max_message_bytes)
+            if "arrays" not in header:
+                raise ProtocolError(f"{cls.KIND}: missing field 'arrays'")
+            kwargs["arrays"] = _decode_arrays(header.pop("arrays"), frames[2:], max_message_bytes)
             continue
         if f.name not in header:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -377,7 +447,49 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
         raise ProtocolError(f"{cls.KIND} carries no arrays, got {len(frames) - 2} extra frames")
     if header:
         raise ProtocolError(f"{cls.KIND}: unknown fields {sorted(header)}")
+    check = _CHECKS.get(cls)
+    if check is not None:
+        check(kwargs)
     return cls(**kwargs)
+
+
+def _check_welcome(fields: dict[str, Any]) -> None:
+    for name, port in fields["ports"].items():
+        if not _is_int(port, 1, 65535):
+            raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")
+    if fields["heartbeat_interval_s"] <= 0:
+        raise ProtocolError(f"welcome: heartbeat_interval_s must be > 0, got {fields['heartbeat_interval_s']}")
+    if fields["heartbeat_liveness"] < 1:
+        raise ProtocolError(f"welcome: heartbeat_liveness must be >= 1, got {fields['heartbeat_liveness']}")
+    if fields["max_message_bytes"] < 0:
+        raise ProtocolError(f"welcome: max_message_bytes must be >= 0, got {fields['max_message_bytes']}")
+
+
+def _check_params(fields: dict[str, Any]) -> None:
+    """Layout rows ``[name, dtype, shape, offset]`` must be well formed and fit the flat buffer."""
+    flat = fields["arrays"].get("flat")
+    if flat is not None and flat.ndim != 1:
+        raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")
+    names: set[str] = set()
+    for i, row in enumerate(fields["layout"]):
+        if not (isinstance(row, list) and len(row) == 4):
+            raise ProtocolError(f"params: layout row {i} must be [name, dtype, shape, offset], got {row!r}")
+        name, dtype_name, shape, offset = row
+        if not isinstance(name, str) or not name or name in names:
+            raise ProtocolError(f"params: layout row {i}: name {name!r} must be a unique non-empty string")
+        names.add(name)
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed")
+        if not _shape_ok(shape):
+            raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
+        if not _is_int(offset, 0):
+            raise ProtocolError(f"params: layout row {name!r}: offset {offset!r} must be a non-negative int")
+        if flat is not None and offset + math.prod(shape) > flat.size:
+            raise ProtocolError(f"params: layout row {name!r} (offset {offset}, shape {shape}) does not fit "
+                                f"the flat buffer of {flat.size} elements")
+
+
+_CHECKS = {Welcome: _check_welcome, Parameters: _check_params}
 
 
 def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:

@@ -1,0 +1,366 @@
+"""The wire protocol (zddrl.protocol): round trips, zero-copy receipt, and every validation failure."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from zddrl import protocol as P
+
+RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
+
+
+def traj(arrays=None, **kw) -> P.Trajectory:
+    fields = dict(run_id="r-1", sender="actor-0", seq=3, policy_version=2, param_hash="0123456789abcdef",
+                  env_steps=4, arrays={"rewards": np.ones((2, 2), np.float32)} if arrays is None else arrays,
+                  info={"actor_id": 0, "num_envs": 2, "total_env_steps": 8})
+    return P.Trajectory(**{**fields, **kw})
+
+
+def params(flat=None, layout=None, **kw) -> P.Parameters:
+    flat = np.arange(6, dtype=np.float32) if flat is None else flat
+    layout = [["w", "float32", [2, 2], 0], ["b", "float32", [2], 4]] if layout is None else layout
+    fields = dict(run_id="r-1", sender="learner-0", policy_version=1, param_hash=P.param_hash(flat), layout=layout,
+                  arrays={"flat": flat, "obs_mean": np.zeros(3, np.float32)}, meta={"rollout_len": 8})
+    return P.Parameters(**{**fields, **kw})
+
+
+EXAMPLES = [
+    P.Hello(role="actor", peer_id="actor-0", host="h", pid=1, num_envs=2),
+    P.Hello(role="learner", peer_id="learner-0", run_id="r-1", run=RUN, shard=1, num_shards=2),
+    P.Welcome(peer_id="actor-0", run_id="r-1", run=RUN, ports={"trajectories": 5556, "learners": 5557, "params": 5558},
+              heartbeat_interval_s=0.5, heartbeat_liveness=3, max_message_bytes=1 << 28),
+    P.Welcome(peer_id="a", run_id="", run=None, ports={}, heartbeat_interval_s=1, heartbeat_liveness=1,
+              max_message_bytes=0),
+    P.Heartbeat(peer_id="actor-0", policy_version=7), P.Heartbeat(peer_id="broker"),
+    P.Reject(reason="unknown peer: send hello first", rehello=True), P.Reject(reason="no"),
+    traj(), traj(arrays={}), params(),
+    P.ParamsRequest(peer_id="actor-0", have_version=3), P.Credit(sender="learner-0", credit=16),
+    P.Stats(sender="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
+    P.StatusRequest(), P.StatusRequest(peer_id="status"), P.Status(body={"broker": {"dropped": {"stale": 1}}}),
+    P.Bye(peer_id="actor-0"), P.Bye(peer_id="actor-0", reason="done"),
+]
+
+
+def wire(frames) -> list[bytes]:
+    return [bytes(P._buffer(f)) for f in frames]
+
+
+def assert_same(a: P.Message, b: P.Message) -> None:
+    assert type(a) is type(b)
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name != "arrays":
+            assert x == y, f.name
+            continue
+        assert list(x) == list(y)
+        for name in x:
+            want = P.wire_array(x[name])
+            assert y[name].dtype == want.dtype and y[name].shape == want.shape, name
+            assert y[name].tobytes() == want.tobytes(), name
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
+def test_round_trip_every_kind(msg: P.Message) -> None:
+    frames = msg.encode()
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x01"
+    assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
+    assert_same(msg, P.decode(wire(frames)))
+    assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
+    assert wire(P.encode(P.decode(wire(frames)))) == wire(frames)
+
+
+def test_examples_cover_every_kind() -> None:
+    assert set(P.MESSAGE_TYPES) == {m.KIND for m in EXAMPLES}
+
+
+def test_optional_fields_take_defaults_and_split_routed_and_nbytes() -> None:
+    hdr = msgpack.packb({"kind": "hello", "role": "actor", "peer_id": "a"})
+    assert P.decode([P.PREAMBLE, hdr]) == P.Hello(role="actor", peer_id="a")
+    assert P.decode_header([P.PREAMBLE, hdr])["peer_id"] == "a"
+    identity, body = P.split_routed([b"id", P.PREAMBLE, hdr])
+    assert identity == b"id" and P.decode(body).peer_id == "a"
+    assert P.message_nbytes([b"id", P.PREAMBLE, hdr]) == 2 + 5 + len(hdr)
+    with pytest.raises(P.ProtocolError, match="identity"):
+        P.split_routed([P.PREAMBLE, hdr])
+
+
+# ------------------------------------------------------------------ properties over dtypes and shapes
+
+DTYPE_NAMES = sorted(P.DTYPES)
+shapes = hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=4)
+
+
+@st.composite
+def wire_arrays(draw) -> np.ndarray:
+    dtype = P.DTYPES[draw(st.sampled_from(DTYPE_NAMES))]
+    if dtype.itemsize > 1 and draw(st.booleans()):
+        dtype = dtype.newbyteorder(">")  # big-endian input must arrive little-endian
+    array = draw(hnp.arrays(dtype, draw(shapes)))
+    if array.ndim >= 2 and draw(st.booleans()):
+        array = array.T  # non-contiguous input
+    return array
+
+
+names = st.text(min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(names, wire_arrays(), max_size=6), st.integers(-2**63, 2**63 - 1))
+def test_trajectory_round_trip_property(arrays: dict, seq: int) -> None:
+    msg = traj(arrays=arrays, seq=seq)
+    decoded = P.decode(wire(msg.encode()))
+    assert_same(msg, decoded)
+    for name, array in decoded.arrays.items():
+        assert array.dtype.byteorder in "<|=" and array.shape == arrays[name].shape
+        assert np.array_equal(array, arrays[name], equal_nan=array.dtype.kind == "f")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4), st.integers(0, 3)),
+                max_size=6, unique_by=lambda r: r),
+       st.dictionaries(st.sampled_from(["obs_mean", "obs_var", "x"]), wire_arrays(), max_size=2),
+       st.booleans())
+def test_params_round_trip_property(rows: list, extra: dict, big_endian: bool) -> None:
+    layout, offset = [], 0
+    for i, (shape, gap) in enumerate(rows):
+        offset += gap
+        layout.append([f"t{i}", "float32", list(shape), offset])
+        offset += math.prod(shape)
+    flat = np.random.default_rng(offset).standard_normal(offset).astype(">f4" if big_endian else "<f4")
+    msg = params(flat=flat, layout=layout, arrays={"flat": flat, **extra})
+    decoded = P.decode(wire(msg.encode()))
+    assert_same(msg, decoded)
+    assert P.param_hash(decoded.arrays["flat"]) == msg.param_hash == P.param_hash(flat.astype("<f4").tobytes())
+    for name, _, shape, off in decoded.layout:
+        np.testing.assert_array_equal(decoded.arrays["flat"][off:off + math.prod(shape)].reshape(shape),
+                                      flat[off:off + math.prod(shape)].reshape(shape))
+
+
+def test_wire_array() -> None:
+    for bad in (np.array([object()]), np.array([1j]), np.array([1 + 2j], np.complex64), np.array(["a"]),
+                np.zeros(2, dtype=[("a", "<f4")]), np.array([1], "M8[s]"), np.zeros((1,) * 9)):
+        with pytest.raises(P.ProtocolError, match="cannot travel"):
+            P.wire_array(bad)
+    big = np.arange(6, dtype=">i4").reshape(2, 3)
+    little = P.wire_array(big)
+    assert little.dtype == np.dtype("<i4") and little.flags.c_contiguous and little.tolist() == big.tolist()
+    assert bytes(little) == np.arange(6, dtype="<i4").tobytes()
+    assert P.wire_array(np.array(2.5)).shape == ()  # 0-d stays 0-d
+    ok = np.arange(4, dtype=np.float32)
+    assert np.shares_memory(P.wire_array(ok), ok)  # no copy when already wire-ready
+    assert P.wire_array(ok[::2]).flags.c_contiguous
+    with pytest.raises(P.ProtocolError, match="name"):
+        P.encode(traj(arrays={1: ok}))
+    with pytest.raises(P.ProtocolError, match="at most 64"):
+        P.encode(traj(arrays={str(i): ok for i in range(65)}))
+    assert P.param_hash(b"") == "da39a3ee5e6b4b0d" and P.param_hash(np.zeros((0, 3))) == "da39a3ee5e6b4b0d"
+
+
+# ------------------------------------------------------------------ zero-copy receipt from real sockets
+
+
+@pytest.mark.parametrize("transport", ["inproc", "tcp"])
+def test_zero_copy_over_a_real_socket_pair(transport: str) -> None:
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        if transport == "inproc":
+            a.bind("inproc://zero-copy")
+            b.connect("inproc://zero-copy")
+        else:
+            port = a.bind_to_random_port("tcp://127.0.0.1")
+            b.connect(f"tcp://127.0.0.1:{port}")
+        arrays = {"big": np.arange(200_000, dtype=np.float32).reshape(1000, 200), "small": np.arange(3, dtype=np.int64),
+                  "flag": np.array([True, False]), "scalar": np.array(1.5), "empty": np.zeros((0, 4), np.float16)}
+        msg = traj(arrays=arrays)
+        a.send_multipart(msg.encode(), copy=False)
+        assert b.poll(5000)
+        frames = b.recv_multipart(copy=False)
+        assert all(isinstance(f, zmq.Frame) for f in frames)
+        decoded = P.decode(frames)
+        assert_same(msg, decoded)
+        for i, name in enumerate(arrays):
+            if arrays[name].size:
+                assert np.shares_memory(decoded.arrays[name], np.frombuffer(frames[2 + i].buffer, np.uint8)), name
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+# ------------------------------------------------------------------ every validation failure
+
+GOOD = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_version": 0, "param_hash": "",
+        "env_steps": 0, "arrays": [["a", "float32", [3]]], "info": {}}
+A3 = np.zeros(3, np.float32).tobytes()
+
+
+def frames_of(header, *arrays, preamble=P.PREAMBLE) -> list:
+    raw = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
+    return [preamble, raw, *arrays]
+
+
+def with_(**kw) -> dict:
+    return {k: v for k, v in {**GOOD, **kw}.items() if v is not ...}
+
+
+HB = {"kind": "heartbeat", "peer_id": "a"}
+WELCOME = P.encode(EXAMPLES[2])[1]
+W = msgpack.unpackb(WELCOME)
+
+BAD = [
+    ("too few frames", [P.PREAMBLE], "at least 2 frames"),
+    ("no frames", [], "at least 2 frames"),
+    ("too many frames", frames_of(HB, *[b""] * 65), "too many frames: 67 > 66"),
+    ("bad signature", frames_of(HB, preamble=b"ZDRX\x01"), "bad signature"),
+    ("empty preamble", frames_of(HB, preamble=b""), "bad signature"),
+    ("wrong version", frames_of(HB, preamble=b"ZDRL\x02"), "unsupported protocol version 2"),
+    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x01\x00"), "unsupported protocol version 1 in a 6-byte"),
+    ("preamble without version", frames_of(HB, preamble=b"ZDRL"), "unsupported protocol version None"),
+    ("oversized header", frames_of(b"\x00" * (P.MAX_HEADER_BYTES + 1)), "exceeds the 1048576-byte limit"),
+    ("header not msgpack", frames_of(b"\xc1"), "not valid msgpack"),
+    ("truncated msgpack", frames_of(msgpack.packb(HB)[:-1]), "not valid msgpack"),
+    ("trailing bytes", frames_of(msgpack.packb(HB) + b"\x00"), "not valid msgpack"),
+    ("invalid utf-8", frames_of(b"\x81\xa4kind\xa2\xff\xfe"), "not valid msgpack"),
+    ("header not a map", frames_of([1, 2]), "must be a msgpack map, got list"),
+    ("int key", frames_of({**HB, 1: 2}), "int is not allowed for map key"),
+    ("bytes key", frames_of({**HB, b"x": 2}), "keys must be strings"),
+    ("unknown kind", frames_of({"kind": "gimme"}), "unknown message kind 'gimme'"),
+    ("no kind", frames_of({"peer_id": "a"}), "unknown message kind None"),
+    ("kind not str", frames_of({"kind": ["hello"]}), "unknown message kind"),
+    ("missing field", frames_of({"kind": "heartbeat"}), "heartbeat: missing field 'peer_id'"),
+    ("wrong field type", frames_of({**HB, "policy_version": "3"}), "'policy_version' has the wrong type (str)"),
+    ("bool for int", frames_of({**HB, "policy_version": True}), "'policy_version' has the wrong type (bool)"),
+    ("float for int", frames_of({**HB, "policy_version": 1.0}), "'policy_version' has the wrong type (float)"),
+    ("int for bool", frames_of({"kind": "reject", "reason": "x", "rehello": 1}), "'rehello' has the wrong type"),
+    ("nil for str", frames_of({**HB, "peer_id": None}), "'peer_id' has the wrong type (NoneType)"),
+    ("bin for str", frames_of({**HB, "peer_id": b"a"}), "'peer_id' has the wrong type (bytes)"),
+    ("NaN float", frames_of({**W, "heartbeat_interval_s": math.nan}), "'heartbeat_interval_s' has the wrong type"),
+    ("inf float", frames_of({**W, "heartbeat_interval_s": math.inf}), "'heartbeat_interval_s' has the wrong type"),
+    ("bool for float", frames_of({**W, "heartbeat_interval_s": True}), "'heartbeat_interval_s' has the wrong type"),
+    ("list for map", frames_of({**W, "ports": [1]}), "'ports' has the wrong type (list)"),
+    ("ext type in a map", frames_of({"kind": "stats", "sender": "a", "role": "actor",
+                                     "stats": {"x": msgpack.ExtType(1, b"")}}), "'stats' has the wrong type"),
+    ("bytes nested key", frames_of({"kind": "status", "body": {"a": {b"k": 2}}}), "'body' has the wrong type"),
+    ("unknown extra field", frames_of({**HB, "colour": "red"}), "heartbeat: unknown fields ['colour']"),
+    ("array count mismatch", frames_of(GOOD), "names 1 arrays but 0 array frames follow"),
+    ("extra array frame", frames_of(GOOD, A3, A3), "names 1 arrays but 2 array frames follow"),
+    ("missing arrays field", frames_of(with_(arrays=...)), "trajectory: missing field 'arrays'"),
+    ("arrays not a list", frames_of(with_(arrays={"a": 1}), A3), "'arrays' must be a list"),
+    ("spec not a triple", frames_of(with_(arrays=[["a", "float32"]]), A3), "array spec 0 must be [name, dtype, shape]"),
+    ("empty name", frames_of(with_(arrays=[["", "float32", [3]]]), A3), "name '' must be a non-empty string"),
+    ("bad dtype name", frames_of(with_(arrays=[["a", "float128", [3]]]), A3), "dtype 'float128' is not allowed"),
+    ("complex dtype", frames_of(with_(arrays=[["a", "complex64", [3]]]), A3), "dtype 'complex64' is not allowed"),
+    ("object dtype", frames_of(with_(arrays=[["a", "object", [3]]]), A3), "dtype 'object' is not allowed"),
+    ("numpy dtype code", frames_of(with_(arrays=[["a", "<f4", [3]]]), A3), "dtype '<f4' is not allowed"),
+    ("dtype not str", frames_of(with_(arrays=[["a", 5, [3]]]), A3), "dtype 5 is not allowed"),
+    ("negative dim", frames_of(with_(arrays=[["a", "float32", [-3]]]), A3), "shape [-3] must be a list"),
+    ("float dim", frames_of(with_(arrays=[["a", "float32", [1.5]]]), A3), "shape [1.5] must be a list"),
+    ("bool dim", frames_of(with_(arrays=[["a", "float32", [True]]]), A3), "shape [True] must be a list"),
+    ("shape not a list", frames_of(with_(arrays=[["a", "float32", 3]]), A3), "shape 3 must be a list"),
+    ("too many dims", frames_of(with_(arrays=[["a", "float32", [1] * 9]]), A3), "at most 8 non-negative ints"),
+    ("huge zero-size shape", frames_of(with_(arrays=[["a", "float32", [0, 2**40, 2**40, 2**40]]]), b""),
+     "is too large for the"),
+    ("frame size mismatch", frames_of(with_(arrays=[["a", "float32", [3]]]), A3[:8]),
+     "shape [3] x float32 needs 12 bytes, frame has 8"),
+    ("duplicate array name", frames_of(with_(arrays=[["a", "float32", [3]], ["a", "float32", [3]]]), A3, A3),
+     "duplicate array name 'a'"),
+    ("arrays on a kind without arrays", frames_of(HB, A3), "heartbeat carries no arrays, got 1 extra frames"),
+    ("arrays field on a kind without arrays", frames_of({**HB, "arrays": []}), "unknown fields ['arrays']"),
+    ("welcome bad port", frames_of({**W, "ports": {"params": 70000}}), "port 'params' must be an int in 1..65535"),
+    ("welcome zero interval", frames_of({**W, "heartbeat_interval_s": 0.0}), "heartbeat_interval_s must be > 0"),
+    ("welcome zero liveness", frames_of({**W, "heartbeat_liveness": 0}), "heartbeat_liveness must be >= 1"),
+]
+
+
+def params_frames(layout, flat=np.zeros(4, np.float32)) -> list:
+    return wire(params(flat=flat, layout=layout).encode())
+
+
+BAD += [
+    ("layout row not a quad", params_frames([["w", "float32", [2]]]), "layout row 0 must be [name, dtype, shape"),
+    ("layout duplicate name", params_frames([["w", "float32", [1], 0], ["w", "float32", [1], 1]]),
+     "name 'w' must be a unique"),
+    ("layout bad dtype", params_frames([["w", ["float32"], [1], 0]]), "dtype ['float32'] is not allowed"),
+    ("layout bad shape", params_frames([["w", "float32", [-1], 0]]), "bad shape [-1]"),
+    ("layout bad offset", params_frames([["w", "float32", [1], -1]]), "offset -1 must be a non-negative int"),
+    ("layout past flat", params_frames([["w", "float32", [2, 2], 1]]), "does not fit the flat buffer of 4 elements"),
+    ("flat not 1-d", params_frames([], flat=np.zeros((2, 2), np.float32)), "'flat' must be 1-d"),
+]
+
+
+@pytest.mark.parametrize("frames,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_validation_failure_raises_protocol_error(frames: list, match: str) -> None:
+    with pytest.raises(P.ProtocolError) as info:
+        P.decode(frames)
+    assert match in str(info.value)
+
+
+def test_total_size_limit() -> None:
+    frames = wire(traj(arrays={"a": np.zeros(100, np.uint8), "b": np.zeros(100, np.uint8)}).encode())
+    P.decode(frames, max_message_bytes=200)
+    with pytest.raises(P.ProtocolError, match="exceed the 199-byte limit"):
+        P.decode(frames, max_message_bytes=199)
+    with pytest.raises(P.ProtocolError, match="too large for the 99-byte limit"):
+        P.decode(frames, max_message_bytes=99)
+
+
+def test_non_buffer_frames_are_protocol_errors() -> None:
+    with pytest.raises(P.ProtocolError, match="bytes-like"):
+        P.decode([P.PREAMBLE, "not bytes"])
+    with pytest.raises(P.ProtocolError, match="C-contiguous"):
+        P.decode([P.PREAMBLE, np.frombuffer(msgpack.packb(HB) * 2, np.uint8)[::2]])
+
+
+# ------------------------------------------------------------------ hostile input
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=40), max_size=6), st.booleans())
+def test_random_frames_only_raise_protocol_error(frames: list, with_preamble: bool) -> None:
+    try:
+        P.decode([P.PREAMBLE, *frames] if with_preamble else frames, max_message_bytes=1 << 20)
+    except P.ProtocolError:
+        pass
+
+
+plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+                     | st.binary(max_size=8), lambda inner: st.lists(inner, max_size=3)
+                     | st.dictionaries(st.text(max_size=8) | st.integers(-9, 9), inner, max_size=3), max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(sorted(P.MESSAGE_TYPES)), st.dictionaries(st.sampled_from(
+    ["arrays", "peer_id", "role", "run", "ports", "heartbeat_interval_s", "seq", "layout", "stats", "body", "credit",
+     "policy_version", "info", "meta", "sender", "run_id", "reason", "rehello", "x"]), plain, max_size=6),
+    st.lists(st.binary(max_size=16), max_size=3))
+def test_hostile_headers_only_raise_protocol_error(kind: str, fields: dict, arrays: list) -> None:
+    try:
+        P.decode(frames_of({"kind": kind, **fields}, *arrays), max_message_bytes=1 << 20)
+    except P.ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_valid_messages_only_raise_protocol_error(data) -> None:
+    frames = wire(data.draw(st.sampled_from(EXAMPLES)).encode())
+    i = data.draw(st.integers(0, len(frames) - 1))
+    raw = bytearray(frames[i])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    try:
+        P.decode([*frames[:i], bytes(raw), *frames[i + 1:]])
+    except P.ProtocolError:
+        pass

@@ -1,0 +1,149 @@
+"""Keeps docs/protocol.md true: its worked examples decode and re-encode to the same bytes.
+
+Every ```frames NAME``` block of the document lists one message's frames as hex, one frame per
+label (``preamble``, ``header``, ``array:<name>``; indented lines continue a frame, ``(empty)`` is a
+zero-length frame). Every ```json NAME``` block is the same example's header, for readers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from zddrl import protocol as P
+from zddrl.broker import DROP_REASONS
+
+DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC = DOC_PATH.read_text(encoding="utf-8")
+BLOCK = re.compile(r"^```(frames|json) ([\w-]+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+REQUIRED = {"hello", "welcome", "heartbeat", "credit", "trajectory", "params"}
+
+
+def parse_frames(text: str) -> list[tuple[str, bytes]]:
+    """``[(label, frame bytes)]`` of one frames block."""
+    frames: list[tuple[str, str]] = []
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line[0].isspace():
+            assert frames, f"continuation line before any frame: {line!r}"
+            frames[-1] = (frames[-1][0], frames[-1][1] + line.strip())
+        else:
+            label, _, rest = line.partition(" ")
+            frames.append((label, rest.strip()))
+    out = []
+    for label, hexdigits in frames:
+        hexdigits = "" if hexdigits == "(empty)" else hexdigits.replace(" ", "")
+        assert re.fullmatch(r"([0-9a-f]{2})*", hexdigits), f"frame {label}: not lowercase hex bytes"
+        out.append((label, bytes.fromhex(hexdigits)))
+    return out
+
+
+def blocks(kind: str) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for k, name, body in BLOCK.findall(DOC):
+        if k == kind:
+            assert name not in found, f"two {kind} blocks named {name}"
+            found[name] = body
+    return found
+
+
+FRAMES = blocks("frames")
+JSONS = blocks("json")
+
+
+def wire(frames: list) -> list[bytes]:
+    return [bytes(P._buffer(f)) for f in frames]
+
+
+def test_required_examples_present() -> None:
+    assert REQUIRED <= set(FRAMES), f"missing examples: {REQUIRED - set(FRAMES)}"
+    kinds = {name.split("-")[0] for name in FRAMES}
+    assert kinds == set(P.MESSAGE_TYPES), f"kinds without an example: {set(P.MESSAGE_TYPES) - kinds}"
+    assert set(JSONS) == set(FRAMES), "every frames block needs its json block and vice versa"
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_example_round_trips_byte_identical(name: str) -> None:
+    labelled = parse_frames(FRAMES[name])
+    labels = [label for label, _ in labelled]
+    frames = [data for _, data in labelled]
+    msg = P.decode(frames)
+    assert msg.KIND == name.split("-")[0]
+    assert labels[:2] == ["preamble", "header"]
+    header = msgpack.unpackb(frames[1], raw=False)
+    assert labels[2:] == [f"array:{spec[0]}" for spec in header.get("arrays", [])]
+    assert wire(P.encode(msg)) == frames, "re-encoding the decoded example changed its bytes"
+    assert header == json.loads(JSONS[name]), "the json block does not match the header frame"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FRAMES if n.split("-")[0] == "params"))
+def test_params_example_hash_and_layout(name: str) -> None:
+    msg = P.decode([data for _, data in parse_frames(FRAMES[name])])
+    flat = msg.arrays["flat"]
+    assert flat.dtype == np.float32 and msg.param_hash == P.param_hash(flat)
+    for row_name, dtype, shape, offset in msg.layout:
+        assert dtype == "float32" and offset + int(np.prod(shape)) <= flat.size, row_name
+    assert isinstance(msg.meta["rollout_len"], int)
+
+
+TRAJECTORY_SPECS = {  # name -> (dtype, shape written with T, N, K, E, O for obs dims)
+    "obs": ("float32", "T N O"), "actions": ("int64", "T N"), "logp": ("float32", "T N"),
+    "values": ("float32", "T N"), "rewards": ("float32", "T N"), "terminated": ("bool", "T N"),
+    "truncated": ("bool", "T N"), "next_obs": ("float32", "N O"), "next_value": ("float32", "N"),
+    "trunc_idx": ("int64", "K"), "trunc_obs": ("float32", "K O"), "trunc_value": ("float32", "K"),
+    "ep_returns": ("float32", "E"), "ep_lengths": ("int32", "E"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(n for n in FRAMES if n.split("-")[0] == "trajectory"))
+def test_trajectory_example_matches_the_documented_layout(name: str) -> None:
+    msg = P.decode([data for _, data in parse_frames(FRAMES[name])])
+    a = msg.arrays
+    T, N = a["rewards"].shape
+    obs = list(a["next_obs"].shape[1:])
+    dims = {"T": [T], "N": [N], "K": [a["trunc_idx"].size], "E": [a["ep_returns"].size], "O": obs}
+    assert list(a) == list(TRAJECTORY_SPECS)
+    for key, (dtype, shape) in TRAJECTORY_SPECS.items():
+        assert a[key].dtype == P.DTYPES[dtype], key
+        assert list(a[key].shape) == [d for s in shape.split() for d in dims[s]], key
+        assert f"`{key}`" in DOC
+    assert msg.env_steps == T * N and msg.info["num_envs"] == N
+    done = np.flatnonzero((a["truncated"] & ~a["terminated"]).reshape(-1))
+    assert a["trunc_idx"].tolist() == done.tolist()
+    assert a["ep_lengths"].size == int((a["terminated"] | a["truncated"]).sum())
+
+
+def test_constants_and_names_are_documented() -> None:
+    assert P.PREAMBLE.hex() in DOC and "5a 44 52 4c 01" in DOC
+    for value in (P.MAX_HEADER_BYTES, P.MAX_ARRAYS, P.MAX_ARRAYS + 2, P.MAX_NDIM, P.DEFAULT_MAX_MESSAGE_BYTES):
+        assert str(value) in DOC, value
+    for dtype in P.DTYPES:
+        assert re.search(rf"^\| `{dtype}`", DOC, re.MULTILINE) or f"`{dtype}` /" in DOC or f"/ `{dtype}`" in DOC, dtype
+    for reason in DROP_REASONS:
+        assert f"| `{reason}` |" in DOC, reason
+    assert P.param_hash(b"") in DOC
+
+
+@pytest.mark.parametrize("kind", sorted(P.MESSAGE_TYPES))
+def test_every_field_is_documented(kind: str) -> None:
+    section = re.search(rf"^### {kind} \((.*?)(?=^### |^## )", DOC, re.MULTILINE | re.DOTALL)
+    assert section, f"no section for {kind}"
+    cls = P.MESSAGE_TYPES[kind]
+    for f in dataclasses.fields(cls):
+        row = re.search(rf"^\| `{f.name}` \| [^|]+ \| ([^|]+) \|", section.group(0), re.MULTILINE)
+        assert row, f"{kind}.{f.name} is not in its table"
+        # "arrays" has a Python default but is required on the wire (it must match the frames).
+        required = f.name == "arrays" or (f.default is dataclasses.MISSING
+                                          and f.default_factory is dataclasses.MISSING)
+        cell = row.group(1).strip()
+        assert (cell == "required") == required, f"{kind}.{f.name}: required/default is wrong"
+        if not required:
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            assert cell == f"`{'nil' if default is None else json.dumps(default)}`", f"{kind}.{f.name} default"
+    assert "*arrays*" in section.group(1).split(";")[0] or not cls.HAS_ARRAYS
