@@ -123,3 +123,39 @@ def test_update_reports_figures_and_moves_parameters() -> None:
     for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "grad_norm", "lr"):
         assert np.isfinite(figures[key]), key
     assert figures["batch_steps"] == 64
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "impala"])
+def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: str) -> None:
+    """A batch of 8 env columns sent as 1 x 8, 2 x 4 or 4 x 2 trajectories trains the same parameters."""
+    from zddrl.impala import ImpalaLearner
+
+    T, N = 16, 8
+    whole = _trajectory(T, N)
+    for key in ("rewards", "terminated"):
+        whole.arrays[key][:] = np.random.default_rng(1).random((T, N)) < 0.3 if key == "terminated" else \
+            np.random.default_rng(2).standard_normal((T, N))
+    config = Config().replace({"algo.mode": mode, "algo.minibatches": 1, "algo.epochs": 3})
+    results = []
+    for parts in (1, 2, 4):
+        w = N // parts
+        trajectories = [_split(whole, i * w, (i + 1) * w, f"actor-{i}") for i in range(parts)]
+        core = (ImpalaLearner if mode == "impala" else PPOLearner)(config, EnvSpec((4,), True, 2))
+        for _ in range(3):
+            core.update(trajectories)
+        results.append(core.params()[0])
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(results[0], results[2], rtol=1e-4, atol=1e-5)
+
+
+def _split(traj: Trajectory, lo: int, hi: int, sender: str) -> Trajectory:
+    """Env columns lo..hi of ``traj`` as the trajectory one actor with those envs would have sent."""
+    x, (T, N) = traj.arrays, traj.arrays["rewards"].shape
+    t_idx, n_idx = np.divmod(x["trunc_idx"], N)
+    keep = (n_idx >= lo) & (n_idx < hi)
+    arrays = {k: v[:, lo:hi] for k, v in x.items() if v.ndim >= 2 and v.shape[:2] == (T, N)}
+    arrays.update(next_obs=x["next_obs"][lo:hi], next_value=x["next_value"][lo:hi],
+                  trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo, trunc_obs=x["trunc_obs"][keep],
+                  trunc_value=x["trunc_value"][keep], ep_returns=x["ep_returns"], ep_lengths=x["ep_lengths"])
+    return Trajectory(run_id="r", sender=sender, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo),
+                      arrays=arrays)
