@@ -114,8 +114,8 @@ class AlgoConfig:
     total_steps: int = 100_000
     """Horizon of the linear schedules (env steps)."""
     straggler_factor: float = 3.0
-    """Sync mode: a round that takes longer than this times the median round closes without the stragglers."""
-    min_round_timeout_s: float = 0.2
+    """Sync mode: a round closes without the actors that take longer than this times the median actor."""
+    min_round_timeout_s: float = 0.05
     """Sync mode: never close a round on the straggler rule sooner than this."""
     max_staleness: int = 4
     """async/impala: trajectories older than this many versions are dropped (counted)."""

@@ -44,7 +44,7 @@ LAG_WINDOW = 20
 """Updates over which a steadily growing median actor lag raises a warning."""
 STATS_EVERY_S = 1.0
 RETURN_WINDOW = 20
-MEDIAN_WINDOW = 20
+MEDIAN_WINDOW = 50
 
 
 class LearnerNode:
@@ -76,7 +76,10 @@ class LearnerNode:
         """Per actor: staleness of its newest trajectory (learner version - its version)."""
         self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
         self.next_stats = 0.0
-        self.round_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
+        self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
+        """Seconds from a round's start to each actor's in-time report, over recent rounds."""
+        self.stragglers: set[str] = set()
+        """Actors that missed the last round: left out of the next round's quota until they keep up."""
         self.rollout_len = config.env.rollout_len
         self.fleet: dict[str, int] = {}
         """Connected actors and their env counts, as the broker last reported them."""
@@ -124,21 +127,21 @@ class LearnerNode:
 
     # ---------------------------------------------------------------- one sync round
     def _round(self, channel: DataChannel, stop: threading.Event) -> None:
-        """Collect version-v data until the batch is full, every actor of the fleet reported, or the
+        """Collect version-v data until the batch is full, every expected actor reported, or the
         straggler timeout; then update and publish v+1."""
         started = time.monotonic()
         batch: list[P.Trajectory] = []
         steps, reported = 0, set()
+        expected = self.fleet.keys() - self.stragglers
         timeout = self._straggler_timeout()
         while not stop.is_set():
             if steps >= self.algo.batch_size:
                 break
-            if batch and self.fleet and reported >= self.fleet.keys():
+            if batch and expected and reported >= expected:
                 break  # in sync mode each actor sends one rollout per version: nothing more will come
             if batch and time.monotonic() - started > timeout:
-                missing = sorted(self.fleet.keys() - reported)
-                self.log.info(f"round {self.version} closed by the straggler rule after {timeout:.2f} s with "
-                              f"{steps} of {self.algo.batch_size} steps; waiting for {missing}")
+                self.log.info(f"round {self.version} closed by the straggler rule after {timeout * 1000:.0f} ms with "
+                              f"{steps} of {self.algo.batch_size} steps; late: {sorted(expected - reported)}")
                 break
             msg = channel.recv(RECV_POLL_MS)
             if msg is None:
@@ -154,6 +157,7 @@ class LearnerNode:
                 continue
             batch.append(msg)
             reported.add(msg.sender)
+            self.report_times.append(time.monotonic() - started)
             steps += msg.env_steps
         if not batch or stop.is_set():
             return
@@ -162,10 +166,9 @@ class LearnerNode:
         batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch)
         update_s = time.monotonic() - t_update
-        self.round_times.append(round_s)
         self.updates += 1
         self.version += 1
-        self._refresh_fleet(fallback_envs=sum(t.arrays["rewards"].shape[1] for t in batch))
+        self._refresh_fleet(reported)
         self._publish(channel)
         self._log_update(figures, round_s, update_s, len(reported))
 
@@ -242,19 +245,27 @@ class LearnerNode:
             "dropped_late": sum(self.dropped_late.values()), "dropped_stale": sum(self.dropped_stale.values())}))
 
     def _straggler_timeout(self) -> float:
-        if len(self.round_times) < 3:
-            return FIRST_ROUNDS_TIMEOUT_S  # no baseline yet
-        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.round_times))
+        """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
+        if len(self.report_times) < 3:
+            return FIRST_ROUNDS_TIMEOUT_S
+        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.report_times))
 
-    def _refresh_fleet(self, fallback_envs: int = 0) -> None:
-        """Ask the broker which actors are connected and how many envs each steps; derive the next
-        rollout length so that one rollout from every actor makes exactly one batch."""
+    def _refresh_fleet(self, reported: set[str] | None = None) -> None:
+        """Ask the broker which actors are connected and how many envs each steps; actors that missed
+        this round become stragglers; size the next rollouts so that one from every other actor makes
+        exactly one batch."""
         body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
         if body is not None:
             default = self.config.env.num_envs
             self.fleet = {peer: m["num_envs"] or default for peer, m in body["members"].items()
                           if m["role"] == "actor"}
-        envs = sum(self.fleet.values()) or fallback_envs
+        if reported is not None:
+            late = self.fleet.keys() - reported
+            if late - self.stragglers:
+                self.log.warning(f"stragglers {sorted(late - self.stragglers)} missed round {self.version - 1}: "
+                                 "their data is dropped until they keep up")
+            self.stragglers = late
+        envs = sum(n for peer, n in self.fleet.items() if peer not in self.stragglers)
         if envs:
             self.rollout_len = max(1, math.ceil(self.algo.batch_size / envs))
 
