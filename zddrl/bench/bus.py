@@ -1,11 +1,449 @@
-"""`zddrl bench bus` (placeholder until written)."""
+"""`zddrl bench bus`: what the bus costs, next to what ZeroMQ alone does on the same machine.
+
+Three measurements, each against a reference measured in the same run:
+
+* trajectory throughput actor -> forwarder -> learner for several payload sizes, through the
+  zddrl broker, a plain ``zmq.proxy`` forwarder and a direct PUSH->PULL pair. Paths alternate
+  within each round (their order rotates) and rounds repeat, so machine noise hits all of them
+  alike; medians are reported and the broker/proxy ratio is the median of per-round ratios;
+* latency of a parameter broadcast (learner -> broker -> N subscribers holding the verified
+  version);
+* encode + decode of a trajectory (1 MiB, the target, and 8 MiB): zddrl raw frames vs pickle vs
+  msgpack-numpy, in this process before any worker starts.
+
+Senders, receivers and the broker use the real zddrl code (protocol.encode/decode, BrokerLink,
+Broker); only the learner's credit loop is re-implemented (see common.receiver_main).
+"""
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import signal
+import statistics
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import click
+import msgpack
+import msgpack_numpy
+import numpy as np
+import zmq
+from loguru import logger
+
+from .. import protocol as P
+from ..status import request_status
+from ..train import free_ports
+from . import common as C
+
+PATHS = ("direct", "proxy", "broker")
+DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
+RATIO_TARGET, RATIO_FROM_BYTES = 0.9, 65536
+CODEC_TARGET, CODEC_PAYLOAD = 10.0, 1 << 20
+CODEC_SIZES = (CODEC_PAYLOAD, 8 << 20)
+"""The target is judged at 1 MiB; 8 MiB shows how the gap grows with size (zddrl's cost does not)."""
+FIRST_MSG_TIMEOUT_S = 20.0
+DRAIN_QUIET_S = 0.15
+"""A lane counts as drained once its receiver saw nothing new for this long."""
+MIN_WINDOW_MSGS = 3
+WARMUP_S = 0.2
+"""Connections are up from the start (processes stay), so a short warm-up per measurement does."""
+BCAST_REPS = (20, 5)
+"""Repetitions for broadcasts under / over 10 MB (the big ones take ~0.1-1 s each)."""
+BCAST_TIMEOUT_S = 30.0
+
+
+def _ep(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+# --------------------------------------------------------------------------------------------
+# Trajectory throughput
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Lane:
+    path: str
+    mode: Any
+    counters: C.Counters
+    forwarder_pid: int | None = None
+
+
+class ThroughputRig:
+    """Sender, forwarder and receiver of every path, started once and driven through shared memory.
+
+    Idle lanes cost nothing (their workers block or sleep), so all three stay up for the whole
+    run and measurements can alternate between paths without process start-up in between.
+    """
+
+    def __init__(self, workers: C.Workers, payloads: list[int], broker_spec: str,
+                 regrant_every: int = C.REGRANT_EVERY) -> None:
+        self.workers = workers
+        self.regrant_every = regrant_every
+        self.payloads = payloads
+        self.broker_spec = broker_spec
+        self.run_id = f"bench-bus-{uuid.uuid4().hex[:8]}"
+        self.lanes: dict[str, Lane] = {}
+        self.control = ""
+
+    def start(self) -> None:
+        ports = free_ports(7)  # one call, so no two sockets are offered the same port
+        self._start_lane("direct", _ep(ports[0]), _ep(ports[0]), None)
+        proxy = self.workers.start("proxy", C.proxy_main, ports[1], ports[2])
+        self._start_lane("proxy", _ep(ports[1]), _ep(ports[2]), None).forwarder_pid = proxy.pid
+        broker = self.workers.start("broker", C.broker_main, ports[3:7], self.broker_spec)
+        self.control = _ep(ports[3])
+        self._start_lane("broker", _ep(ports[4]), _ep(ports[5]), self.control).forwarder_pid = broker.pid
+        self.workers.wait(self._broker_ready, 60, "the broker, its learner (credit, version 0) and its actor")
+
+    def _start_lane(self, path: str, send_to: str, receive_at: str, control: str | None) -> Lane:
+        lane = Lane(path, C.shared_mode(), C.Counters())
+        self.workers.start(f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters,
+                           self.regrant_every)
+        self.workers.start(f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode)
+        self.lanes[path] = lane
+        return lane
+
+    def _broker_ready(self) -> bool:
+        body = request_status(self.control, 1.0)
+        if body is None:
+            return False
+        members = body["members"]
+        return (body["broker"]["policy_version"] == 0 and C.SENDER_ID in members
+                and members.get(C.LEARNER_ID, {}).get("credit", 0) > 0)
+
+    def broker_counters(self) -> dict[str, Any]:
+        body = request_status(self.control, 2.0) or {"broker": {}}
+        return {k: body["broker"].get(k) for k in ("received", "forwarded", "dropped", "accounted")}
+
+    def measure(self, path: str, index: int, seconds: float) -> dict[str, Any]:
+        """Receiver-side rate of payload ``index`` over ``seconds``, after a warm-up.
+
+        Also the forwarder's CPU time per message: unlike rates, it hardly moves when other
+        processes load the machine, so it shows what a change to the broker buys even on a busy box.
+        """
+        lane = self.lanes[path]
+        start = lane.counters.read()[0]
+        lane.mode.value = index + 1
+        try:
+            self.workers.wait(lambda: lane.counters.read()[0] >= start + 2, FIRST_MSG_TIMEOUT_S,
+                              f"the first {path} messages")
+            time.sleep(min(WARMUP_S, seconds))  # page faults of the new size, queues filling up
+            n0, b0, t0 = lane.counters.read()
+            cpu0 = C.cpu_seconds(lane.forwarder_pid)
+            time.sleep(seconds)
+            # Rates run from the first to the last message seen: at least a few of them.
+            self.workers.wait(lambda: lane.counters.read()[0] >= n0 + MIN_WINDOW_MSGS, FIRST_MSG_TIMEOUT_S,
+                              f"{path} messages in the window")
+            n1, b1, t1 = lane.counters.read()
+            cpu1 = C.cpu_seconds(lane.forwarder_pid)
+        finally:
+            lane.mode.value = 0
+            self._drain(lane)
+        cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) / (n1 - n0) * 1e6
+        return {"msgs_per_s": (n1 - n0) / (t1 - t0), "mb_per_s": (b1 - b0) / (t1 - t0) / 1e6, "cpu_us": cpu}
+
+    def _drain(self, lane: Lane) -> None:
+        """Wait until what the stopped sender left queued has arrived, so payloads never mix."""
+        deadline = time.monotonic() + FIRST_MSG_TIMEOUT_S
+        last, quiet_since = lane.counters.read()[0], time.monotonic()
+        while time.monotonic() - quiet_since < DRAIN_QUIET_S and time.monotonic() < deadline:
+            time.sleep(0.01)
+            now = lane.counters.read()[0]
+            if now != last:
+                last, quiet_since = now, time.monotonic()
+
+
+def run_throughput(workers: C.Workers, payloads: list[int], rounds: int, seconds: float, broker_spec: str,
+                   regrant_every: int) -> tuple[list[dict], list[dict], dict]:
+    rig = ThroughputRig(workers, payloads, broker_spec, regrant_every)
+    rig.start()
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in PATHS for b in payloads}
+    for r in range(rounds):
+        for i, size in enumerate(payloads):
+            shift = (r + i) % len(PATHS)  # every path takes every position in the order
+            for path in PATHS[shift:] + PATHS[:shift]:
+                figures = rig.measure(path, i, seconds)
+                samples[(path, size)].append(figures)
+                logger.info(f"round {r + 1}/{rounds} {_size(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} msgs/s "
+                            f"{figures['mb_per_s']:8.1f} MB/s")
+    results = [_result_row(path, size, samples[(path, size)]) for size in payloads for path in PATHS]
+    return results, _ratios(samples, payloads), rig.broker_counters()
+
+
+def _result_row(path: str, size: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    cpu = [s["cpu_us"] for s in rounds if s["cpu_us"] is not None]
+    return {"path": path, "payload_bytes": size,
+            "msgs_per_s": round(statistics.median(s["msgs_per_s"] for s in rounds), 1),
+            "mb_per_s": round(statistics.median(s["mb_per_s"] for s in rounds), 2),
+            "forwarder_cpu_us_per_msg": round(statistics.median(cpu), 1) if cpu else None,
+            "rounds_msgs_per_s": [round(s["msgs_per_s"], 1) for s in rounds]}
+
+
+def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: list[int]) -> list[dict]:
+    """Per payload, medians of per-round ratios: paths measured seconds apart share the noise."""
+    def ratio(a: str, b: str, size: int) -> float:
+        pairs = zip(samples[(a, size)], samples[(b, size)])
+        return round(statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in pairs), 3)
+
+    rows = []
+    for size in payloads:
+        row = {"payload_bytes": size, "broker_over_proxy": ratio("broker", "proxy", size),
+               "broker_over_direct": ratio("broker", "direct", size),
+               "proxy_over_direct": ratio("proxy", "direct", size)}
+        targeted = size >= RATIO_FROM_BYTES
+        row["target"] = RATIO_TARGET if targeted else None
+        row["met"] = row["broker_over_proxy"] >= RATIO_TARGET if targeted else None
+        rows.append(row)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Parameter broadcast latency
+# --------------------------------------------------------------------------------------------
+
+
+class Publisher:
+    """The learner side of a broadcast: joined as the run's learner, publishing on its DEALER."""
+
+    def __init__(self, control: str, learner_port: int) -> None:
+        from ..client import BrokerLink
+
+        self.run_id = f"bench-bcast-{uuid.uuid4().hex[:8]}"
+        self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()
+        if self.link.wait_welcome(30) is None:
+            raise RuntimeError(f"no broker answered at {control}")
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
+        self.sock.connect(_ep(learner_port))
+        self.version = 0
+        self.publish(np.zeros(16, np.float32))
+
+    def publish(self, flat: np.ndarray) -> float:
+        """Send the next version; returns the monotonic time just before the send."""
+        frames = P.encode(C.parameters(self.run_id, self.version, flat))  # hash first, as the learner does
+        sent = time.monotonic()
+        self.sock.send_multipart(frames, copy=False)
+        return sent
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.link.close()
+
+
+def run_broadcast(workers: C.Workers, sizes: list[int], counts: list[int], broker_spec: str) -> list[dict]:
+    ports = free_ports(4)
+    workers.start("bcast-broker", C.broker_main, ports, broker_spec)
+    slots = C.shared_slots(max(counts))
+    pub = Publisher(_ep(ports[0]), ports[2])
+    rows, started = [], 0
+    try:
+        for count in sorted(counts):
+            for index in range(started, count):  # subscribers join once and stay for larger counts
+                workers.start(f"subscriber-{index}", C.subscriber_main, _ep(ports[0]), index, slots)
+            started = count
+            _wait_versions(workers, slots, count, pub.version)  # late joiners get the cached version
+            for size in sizes:
+                rows.append(_broadcast_row(workers, pub, slots, size, count))
+    finally:
+        pub.close()
+    return rows
+
+
+def _broadcast_row(workers: C.Workers, pub: Publisher, slots: Any, size: int, count: int) -> dict:
+    flat = np.random.default_rng(size).standard_normal(size // 4, np.float32)
+    reps = BCAST_REPS[0] if size < 10_000_000 else BCAST_REPS[1]
+    latencies = []
+    for rep in range(reps + 1):  # the first one warms the path (buffers, page faults) and is not kept
+        pub.version += 1
+        flat[0] = pub.version  # every version has its own hash
+        sent = pub.publish(flat)
+        _wait_versions(workers, slots, count, pub.version)
+        if rep:
+            latencies.append((max(slots[2 * i + 1] for i in range(count)) - sent) * 1e3)
+    logger.info(f"broadcast {_size(size)} to {count}: median {statistics.median(latencies):.2f} ms")
+    return {"payload_bytes": size, "subscribers": count, "latency_ms": round(statistics.median(latencies), 3),
+            "min_ms": round(min(latencies), 3), "max_ms": round(max(latencies), 3), "reps": reps}
+
+
+def _wait_versions(workers: C.Workers, slots: Any, count: int, version: int) -> None:
+    workers.wait(lambda: all(slots[2 * i] >= version for i in range(count)), BCAST_TIMEOUT_S,
+                 f"{count} subscribers to hold parameters version {version}")
+
+
+# --------------------------------------------------------------------------------------------
+# Codec
+# --------------------------------------------------------------------------------------------
+
+
+def run_codec(payload: int = CODEC_PAYLOAD, repeats: int = 7) -> list[dict]:
+    """Encode + decode of one trajectory; repeats interleave the codecs so noise hits all alike."""
+    msg = C.trajectory("bench-codec", 1, C.trajectory_arrays(payload))
+    as_dict = {"kind": msg.KIND, "run_id": msg.run_id, "sender": msg.sender, "seq": msg.seq,
+               "policy_version": msg.policy_version, "param_hash": msg.param_hash, "env_steps": msg.env_steps,
+               "arrays": dict(msg.arrays), "info": msg.info}
+    codecs: dict[str, Callable[[], object]] = {
+        "zddrl": lambda: P.decode(P.encode(msg)),
+        "pickle": lambda: pickle.loads(pickle.dumps(as_dict, protocol=pickle.HIGHEST_PROTOCOL)),
+        # Local only: msgpack-numpy never decodes anything that came off a socket.
+        "msgpack-numpy": lambda: msgpack.unpackb(msgpack.packb(as_dict, default=msgpack_numpy.encode),
+                                                 object_hook=msgpack_numpy.decode),
+    }
+    _warm_allocator()
+    loops = {name: _calibrate(fn) for name, fn in codecs.items()}
+    times: dict[str, list[float]] = {name: [] for name in codecs}
+    for _ in range(repeats):
+        for name, fn in codecs.items():
+            t0 = time.perf_counter()
+            for _ in range(loops[name]):
+                fn()
+            times[name].append((time.perf_counter() - t0) / loops[name])
+    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    return [{"codec": name, "payload_bytes": payload, "encode_decode_us": round(v, 2),
+             "x_slower_than_zddrl": round(v / us["zddrl"], 2)} for name, v in us.items()]
+
+
+def _warm_allocator() -> None:
+    """Put glibc's malloc in the state of a long-running process before timing the copying codecs.
+
+    In a fresh process every MiB-sized buffer pickle or msgpack allocates is a new mmap (page
+    faults: pickle of 1 MiB then takes ~0.5 ms instead of ~0.08 ms); once a big block has been freed,
+    malloc raises its mmap threshold and serves them from the heap. Which state the timings see
+    would depend on what ran before, so pin the warm one: it is the copying codecs' best case.
+    """
+    block = bytearray(16 << 20)
+    del block
+
+
+def _calibrate(fn: Callable[[], object], batch_s: float = 0.02) -> int:
+    """Loops per timed batch so that one batch takes about ``batch_s`` (timer noise stays small)."""
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    return max(1, int(batch_s / once))
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n / 1e6:g} MB" if n >= 100_000 else f"{n} B"
+
+
+def _targets(ratios: list[dict], codec: list[dict]) -> dict[str, Any]:
+    judged = [r for r in ratios if r["met"] is not None]
+    pickle_x = next(r["x_slower_than_zddrl"] for r in codec
+                    if r["codec"] == "pickle" and r["payload_bytes"] == CODEC_PAYLOAD)
+    return {
+        "broker_vs_proxy": {"threshold": RATIO_TARGET, "from_payload_bytes": RATIO_FROM_BYTES,
+                            "worst": min((r["broker_over_proxy"] for r in judged), default=None),
+                            "met": all(r["met"] for r in judged) if judged else None},
+        "codec_vs_pickle": {"threshold": CODEC_TARGET, "payload_bytes": CODEC_PAYLOAD, "ratio": pickle_x,
+                            "met": pickle_x >= CODEC_TARGET},
+    }
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def _met(flag: bool | None) -> str:
+    return "-" if flag is None else ("met" if flag else "NOT met")
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    out = [f"Trajectory throughput, actor -> forwarder -> learner (median of {s['rounds']} rounds, "
+           f"{s['seconds']:g} s windows; MB/s = 10^6 array bytes/s at the learner)"]
+    cpu = [r["forwarder_cpu_us_per_msg"] for r in report["results"]]
+    out.append(_table(["payload", "path", "msgs/s", "MB/s", "forwarder CPU us/msg", "per round msgs/s"],
+                      [[_size(r["payload_bytes"]), r["path"], f"{r['msgs_per_s']:.0f}", f"{r['mb_per_s']:.1f}",
+                        "-" if c is None else f"{c:.1f}", " ".join(f"{x:.0f}" for x in r["rounds_msgs_per_s"])]
+                       for r, c in zip(report["results"], cpu)]))
+    out += ["", "Ratios (median of per-round ratios)"]
+    out.append(_table(["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"],
+                      [[_size(r["payload_bytes"]), f"{r['broker_over_proxy']:.2f}x", f"{r['broker_over_direct']:.2f}x",
+                        f"{r['proxy_over_direct']:.2f}x", _met(r["met"])] for r in report["ratios"]]))
+    out += ["", "Parameter broadcast: send -> last subscriber holds the verified version"]
+    out.append(_table(["size", "subscribers", "median ms", "min ms", "max ms", "reps"],
+                      [[_size(r["payload_bytes"]), str(r["subscribers"]), f"{r['latency_ms']:.2f}",
+                        f"{r['min_ms']:.2f}", f"{r['max_ms']:.2f}", str(r["reps"])] for r in report["broadcast"]]))
+    out += ["", "Encode + decode of one trajectory, 14 arrays (zddrl decodes to zero-copy views)"]
+    out.append(_table(["payload", "codec", "us", "x zddrl"],
+                      [[_size(r["payload_bytes"]), r["codec"], f"{r['encode_decode_us']:.1f}",
+                        f"{r['x_slower_than_zddrl']:.1f}"] for r in report["codec"]]))
+    t = report["targets"]
+    worst = t["broker_vs_proxy"]["worst"]
+    out += ["", f"Targets: broker >= {RATIO_TARGET}x proxy from {_size(RATIO_FROM_BYTES)}: "
+                f"{_met(t['broker_vs_proxy']['met'])} (worst {worst if worst is None else f'{worst:.2f}x'}); "
+                f"codec >= {CODEC_TARGET:g}x faster than pickle at {_size(CODEC_PAYLOAD)}: "
+                f"{_met(t['codec_vs_pickle']['met'])} "
+                f"({t['codec_vs_pickle']['ratio']:.1f}x)",
+            f"Broker counters: {report['broker_counters']}   wall {report['wall_s']:.1f} s"]
+    return "\n".join(out)
+
+
+def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int], counts: list[int],
+              broker_spec: str = C.DEFAULT_BROKER, regrant_every: int = C.REGRANT_EVERY) -> dict[str, Any]:
+    t0 = time.monotonic()
+    codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
+    with C.Workers() as workers:
+        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, regrant_every)
+    with C.Workers() as workers:
+        broadcast = run_broadcast(workers, sizes, counts, broker_spec)
+    if counters.get("dropped") and sum(counters["dropped"].values()):
+        logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
+    return {"bench": "bus",
+            "settings": {"seconds": seconds, "rounds": rounds, "payloads": payloads, "hwm": C.HWM,
+                         "credit_window": C.CREDIT_WINDOW, "regrant_every": regrant_every,
+                         "broker": broker_spec, "cpus": os.cpu_count()},
+            "results": results, "ratios": ratios, "broadcast": broadcast, "codec": codec,
+            "targets": _targets(ratios, codec), "broker_counters": counters,
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        items = [int(float(v)) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers") from None
+    low, high = {"payloads": (2048, 1 << 28), "sizes": (1024, 1 << 28)}.get(param.name, (1, 16))
+    if not items or any(not low <= v <= high for v in items):
+        raise click.BadParameter(f"values must be in {low}..{high}")
+    return items
 
 
 @click.command("bus")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def bus(as_json: bool) -> None:
-    """Not written yet."""
-    raise click.ClickException("not written yet")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--seconds", type=click.FloatRange(0.05, 60), default=0.6, show_default=True,
+              help="Measurement window per path, payload and round.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=5, show_default=True,
+              help="Repeats (medians kept): many short rounds ride out bursts of machine noise.")
+@click.option("--payloads", default=DEFAULT_PAYLOADS, show_default=True, callback=_int_list,
+              help="Trajectory payload sizes in bytes, comma-separated.")
+@click.option("--broadcast-sizes", "sizes", default="100000,40000000", show_default=True, callback=_int_list,
+              help="Parameter buffer sizes in bytes, comma-separated.")
+@click.option("--subscribers", "counts", default="1,4", show_default=True, callback=_int_list,
+              help="Subscriber counts for the broadcast, comma-separated.")
+@click.option("--broker-impl", default=C.DEFAULT_BROKER, show_default=True, hidden=True,
+              help="module:Class of the broker to measure (for prototypes).")
+@click.option("--regrant-every", type=click.IntRange(1, C.CREDIT_WINDOW), default=C.REGRANT_EVERY, hidden=True,
+              help="Credit the bench learner returns at once (the real learner returns 1 per trajectory).")
+def bus(as_json: bool, seconds: float, rounds: int, payloads: list[int], sizes: list[int], counts: list[int],
+        broker_impl: str, regrant_every: int) -> None:
+    """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
+    # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, regrant_every)
+    click.echo(json.dumps(report) if as_json else format_report(report))

@@ -1,0 +1,364 @@
+"""Building blocks of `zddrl bench bus`: payloads, shared counters and the worker processes.
+
+Every worker is its own spawned process, so the broker's Python loop, a zmq.proxy forwarder and
+the two endpoints compete for the cores as they would in a deployment. Workers are driven and
+read through shared memory (``RawValue``/``RawArray``) rather than pipes: a load and a store cost
+far less than a message per trajectory, and the cost is the same on every path measured.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+from loguru import logger
+
+from .. import protocol as P
+
+HWM = 16
+"""Queue depth of every bench socket: BrokerConfig.trajectory_hwm, so all paths buffer alike."""
+CREDIT_WINDOW = 16
+"""zddrl.learner.CREDIT_WINDOW (not imported: zddrl.learner imports torch, seconds per process)."""
+REGRANT_EVERY = 1
+"""Credit is re-granted per trajectory consumed, as LearnerNode._round does (--regrant-every)."""
+IO_TIMEOUT_MS = 100
+"""Blocking socket calls give up after this so that workers notice a new mode promptly."""
+T_STEPS, N_ENVS = 16, 4
+RUN_SPEC = {"name": "bench-bus", "algo": {"mode": "sync"}}
+"""A learner hello needs a run spec; the broker only reads algo.mode and algo.max_staleness."""
+SENDER_ID, LEARNER_ID = "bench-actor", "bench-learner"
+DEFAULT_BROKER = "zddrl.broker:Broker"
+
+_spawn = mp.get_context("spawn")
+
+
+# --------------------------------------------------------------------------------------------
+# Payloads
+# --------------------------------------------------------------------------------------------
+
+
+def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The arrays ``zddrl.actor.collect`` sends for one rollout, summing to exactly ``payload_bytes``.
+
+    Same names, dtypes and layout as an actor's (14 arrays: the per-message cost of the bus grows
+    with their number, so a single big array would flatter it). Observations fill the payload;
+    ``ep_returns`` (and a uint8 pad for sizes that are not a multiple of 4) take the last bytes.
+    """
+    rng = np.random.default_rng(seed)
+    T, N = T_STEPS, N_ENVS
+    fixed = T * N * (8 + 3 * 4 + 2) + N * 4 + 4  # per-step arrays, next_value, one episode length
+    dim = (payload_bytes - fixed - 4) // (4 * (T * N + N))
+    if dim < 1:
+        raise ValueError(f"payload {payload_bytes} B is too small for a trajectory (>= 2048 B)")
+    tail = payload_bytes - fixed - 4 * dim * (T * N + N)
+    f32 = np.float32
+    arrays = {"obs": rng.standard_normal((T, N, dim), f32), "actions": rng.integers(0, 2, (T, N), np.int64),
+              "logp": rng.standard_normal((T, N), f32), "values": rng.standard_normal((T, N), f32),
+              "rewards": np.ones((T, N), f32), "terminated": np.zeros((T, N), bool),
+              "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, dim), f32),
+              "next_value": np.zeros(N, f32), "trunc_idx": np.zeros(0, np.int64),
+              "trunc_obs": np.zeros((0, dim), f32), "trunc_value": np.zeros(0, f32),
+              "ep_returns": np.full(tail // 4, 20.0, f32), "ep_lengths": np.full(1, 20, np.int32)}
+    if tail % 4:
+        arrays["pad"] = np.zeros(tail % 4, np.uint8)
+    assert sum(a.nbytes for a in arrays.values()) == payload_bytes
+    return arrays
+
+
+def trajectory(run_id: str, seq: int, arrays: dict[str, np.ndarray]) -> P.Trajectory:
+    return P.Trajectory(run_id=run_id, sender=SENDER_ID, seq=seq, policy_version=0, param_hash="0" * 16,
+                        env_steps=T_STEPS * N_ENVS, arrays=arrays, info={"total_env_steps": seq * T_STEPS * N_ENVS})
+
+
+def parameters(run_id: str, version: int, flat: np.ndarray) -> P.Parameters:
+    """A policy version the way LearnerNode._publish builds one (hash over the flat buffer)."""
+    return P.Parameters(run_id=run_id, sender=LEARNER_ID, policy_version=version, param_hash=P.param_hash(flat),
+                        layout=[["w", "float32", [int(flat.size)], 0]], arrays={"flat": flat},
+                        meta={"rollout_len": T_STEPS})
+
+
+# --------------------------------------------------------------------------------------------
+# Shared counters
+# --------------------------------------------------------------------------------------------
+
+
+class Counters:
+    """Messages, payload bytes and the monotonic time of the last message: one writer, one reader.
+
+    A seqlock (slot 3 odd while writing) lets the reader get a consistent triple without a lock
+    on the writer's per-message path.
+    """
+
+    def __init__(self) -> None:
+        self.raw = _spawn.RawArray("d", 4)
+
+    def publish(self, n: int, nbytes: int, t: float) -> None:
+        raw = self.raw
+        raw[3] += 1
+        raw[0], raw[1], raw[2] = n, nbytes, t
+        raw[3] += 1
+
+    def read(self) -> tuple[float, float, float]:
+        raw = self.raw
+        while True:
+            seq = raw[3]
+            if seq % 2 == 0:
+                n, nbytes, t = raw[0], raw[1], raw[2]
+                if raw[3] == seq:
+                    return n, nbytes, t
+
+
+# --------------------------------------------------------------------------------------------
+# Process management
+# --------------------------------------------------------------------------------------------
+
+
+class Workers:
+    """Spawned worker processes; ``stop()`` (also on ``with`` exit) terminates, then kills, each one."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+
+    def start(self, name: str, target: Callable[..., None], *args: Any) -> Any:
+        proc = _spawn.Process(target=target, args=args, name=name, daemon=True)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def check(self) -> None:
+        for proc in self.procs:
+            if not proc.is_alive():
+                raise RuntimeError(f"bench worker {proc.name} exited early (code {proc.exitcode})")
+
+    def wait(self, condition: Callable[[], object], timeout_s: float, what: str) -> None:
+        """Poll ``condition`` until true; fail after ``timeout_s`` or as soon as a worker died."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            time.sleep(0.002)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(timeout=3)
+            if proc.is_alive():
+                logger.warning(f"bench worker {proc.name} ignored SIGTERM: killing it")
+                proc.kill()
+                proc.join(timeout=3)
+        self.procs.clear()
+
+    def __enter__(self) -> Workers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU time of a process, all threads (libzmq's I/O thread too); None off Linux."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _setup(role: str) -> zmq.Context:
+    # Ctrl-C reaches the whole process group; only the parent handles it and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = _spawn.parent_process()
+    if parent is not None:  # a parent killed without its finally must not leave busy orphans behind
+        threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
+    from ..logs import configure
+
+    configure("WARNING", role=role)  # drops and failures still show; per-peer INFO lines would flood
+    return zmq.Context.instance()
+
+
+def _exit_with(parent: Any) -> None:
+    parent.join()
+    os._exit(0)
+
+
+def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in opts.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    return sock
+
+
+def _link(connect: str, hello: P.Hello, subscribe: bool = False):
+    from ..client import BrokerLink
+
+    link = BrokerLink(connect, hello, subscribe_params=subscribe).start()
+    if link.wait_welcome(30, need_run=True) is None:
+        raise RuntimeError(f"no welcome with a run from the broker at {connect}")
+    return link
+
+
+def make_hello(role: str, peer_id: str, run_id: str = "") -> P.Hello:
+    from ..client import hello_fields
+
+    run = RUN_SPEC if role == "learner" else None
+    return P.Hello(role=role, peer_id=peer_id, run_id=run_id, run=run, **hello_fields())
+
+
+# --------------------------------------------------------------------------------------------
+# Workers (process entry points)
+# --------------------------------------------------------------------------------------------
+
+
+def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[int], mode: Any) -> None:
+    """An actor pushing encoded trajectories of payload ``mode.value - 1`` while ``mode.value > 0``.
+
+    On the broker path (``control`` set) it joins as an actor first, so the broker's per-actor
+    accounting runs as in production.
+    """
+    ctx = _setup("bench-sender")
+    link = _link(control, make_hello("actor", SENDER_ID)) if control else None
+    sock = _socket(ctx, zmq.PUSH, SNDHWM=HWM, SNDTIMEO=IO_TIMEOUT_MS)
+    sock.connect(endpoint)
+    arrays = [trajectory_arrays(p, seed=i) for i, p in enumerate(payloads)]
+    seq = 0
+    try:
+        while True:
+            k = mode.value
+            if k <= 0:
+                time.sleep(0.005)
+                continue
+            try:  # a fresh header per message, as an actor encodes each rollout it sends
+                sock.send_multipart(P.encode(trajectory(run_id, seq, arrays[k - 1])), copy=False)
+            except zmq.Again:  # queue full for IO_TIMEOUT_MS: look at the mode again
+                continue
+            seq += 1
+    finally:
+        if link is not None:
+            link.close()
+
+
+def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, counters: Counters,
+                  regrant_every: int = REGRANT_EVERY) -> None:
+    """The learner end: decode every message and count it; on the broker path, grant credit."""
+    ctx = _setup("bench-receiver")
+    link = None
+    if path == "broker":
+        # Same order as LearnerNode.run: hello (starts the run), then the data DEALER, credit, v0.
+        link = _link(control, make_hello("learner", LEARNER_ID, run_id))
+        sock = _socket(ctx, zmq.DEALER, RCVHWM=0, RCVTIMEO=IO_TIMEOUT_MS)
+        sock.setsockopt(zmq.IDENTITY, LEARNER_ID.encode())
+        sock.connect(endpoint)
+        sock.send_multipart(P.encode(P.Credit(sender=LEARNER_ID, credit=CREDIT_WINDOW)))
+        sock.send_multipart(P.encode(parameters(run_id, 0, np.zeros(16, np.float32))), copy=False)
+    else:
+        sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
+        if path == "direct":
+            sock.bind(endpoint)
+        else:
+            sock.connect(endpoint)
+    try:
+        _receive_loop(sock, regrant_every if path == "broker" else 0, counters)
+    finally:
+        if link is not None:
+            link.close()
+
+
+def _receive_loop(sock: zmq.Socket, regrant_every: int, counters: Counters) -> None:
+    """Count decoded trajectories; with ``regrant_every`` > 0, return credit every that many."""
+    n = nbytes = owed = 0
+    regrant = P.encode(P.Credit(sender=LEARNER_ID, credit=max(regrant_every, 1)))
+    while True:
+        try:
+            frames = sock.recv_multipart(copy=False)
+        except zmq.Again:
+            continue
+        msg = P.decode(frames)
+        if not isinstance(msg, P.Trajectory):
+            continue
+        if regrant_every:
+            owed += 1
+            if owed >= regrant_every:
+                sock.send_multipart(regrant)
+                owed = 0
+        n += 1
+        nbytes += sum(a.nbytes for a in msg.arrays.values())
+        counters.publish(n, nbytes, time.monotonic())
+
+
+def proxy_main(front_port: int, back_port: int) -> None:
+    """The reference forwarder: zmq.proxy, PULL frontend -> PUSH backend, all in C."""
+    ctx = _setup("bench-proxy")
+    front = _socket(ctx, zmq.PULL, RCVHWM=HWM)
+    back = _socket(ctx, zmq.PUSH, SNDHWM=HWM)
+    front.bind(f"tcp://127.0.0.1:{front_port}")
+    back.bind(f"tcp://127.0.0.1:{back_port}")
+    zmq.proxy(front, back)
+
+
+def load_broker(spec: str) -> type:
+    """``module:Class`` of the broker to run (a prototype can be measured with the same harness)."""
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name or "Broker")
+
+
+def broker_main(ports: list[int], spec: str = DEFAULT_BROKER) -> None:
+    """A real broker through its Python API, on the given control/trajectory/learner/params ports."""
+    _setup("bench-broker")
+    from ..config import BrokerConfig
+
+    control, traj, learners, params = ports
+    config = BrokerConfig(bind=f"tcp://127.0.0.1:{control}", trajectory_port=traj, learner_port=learners,
+                          params_port=params)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # let run() return so close() runs
+    broker = load_broker(spec)(config)
+    try:
+        broker.bind()
+        broker.run(stop)
+    finally:
+        broker.close()
+
+
+def subscriber_main(control: str, index: int, slots: Any) -> None:
+    """An actor holding verified parameters (BrokerLink checks the hash before keeping them).
+
+    Reports ``slots[2i] = version`` after ``slots[2i+1] = time``: the parent reads the version
+    first, so a version it sees always comes with its own time.
+    """
+    _setup("bench-subscriber")
+    link = _link(control, make_hello("actor", f"bench-sub-{index}"), subscribe=True)
+    version = -1
+    try:
+        while True:
+            params = link.wait_params(newer_than=version, timeout_s=0.5)
+            if params is None:
+                continue
+            slots[2 * index + 1] = time.monotonic()
+            slots[2 * index] = params.policy_version
+            version = params.policy_version
+    finally:
+        link.close()
+
+
+def shared_slots(n: int) -> Any:
+    slots = _spawn.RawArray("d", 2 * n)
+    for i in range(n):
+        slots[2 * i] = -1
+    return slots
+
+
+def shared_mode() -> Any:
+    return _spawn.RawValue("i", 0)
