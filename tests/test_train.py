@@ -123,7 +123,7 @@ def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker:
                           "--set", "train.max_steps=12000", "--set", "train.until_return=1e9")
     for i in range(2):
         procs.start(f"actor-{i}", "actor", "--connect", broker.connect, "--actor-id", str(i))
-    procs.start("slow", "actor", "--connect", broker.connect, "--actor-id", "2", "--slowdown", "20")
+    procs.start("slow", "actor", "--connect", broker.connect, "--actor-id", "2", "--slowdown", "100")
     learner.wait(timeout=120)
     assert learner.returncode == 0, procs.log("learner")[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
