@@ -127,10 +127,13 @@ def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker:
     learner.wait(timeout=120)
     assert learner.returncode == 0, procs.log("learner")[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["dropped_late"].get("actor-2", 0) >= 1, summary
-    assert "actor-0" not in summary["dropped_late"] and "actor-1" not in summary["dropped_late"]
-    assert summary["updates"] >= 20
-    log = procs.log("learner")
-    assert "dropped late data from actor-2" in log and "stragglers ['actor-2']" in log
+    assert summary["updates"] >= 20 and summary["dropped_late"].keys() <= {"actor-2"}
+    assert "stragglers ['actor-2']" in procs.log("learner")
+    # The straggler's data for closed rounds is dropped and counted: by the learner if it arrives before
+    # the next version is published, else already by the broker (stale in sync mode).
+    status = zddrl("status", "--connect", broker.connect, "--json", timeout=30)
+    members = json.loads(status.stdout)["members"]
+    assert summary["dropped_late"].get("actor-2", 0) + members["actor-2"].get("dropped_stale", 0) >= 1
+    assert members["actor-0"].get("dropped_stale", 0) == 0 and members["actor-1"].get("dropped_stale", 0) == 0
     rows = metrics(run_dir)
     assert sum(int(r["batch_steps"]) >= 256 for r in rows) >= 0.8 * len(rows)  # the fast actors fill the batch
