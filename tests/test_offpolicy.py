@@ -85,8 +85,8 @@ class FakeChannel:
     def recv(self, timeout_ms: int) -> P.Message | None:
         return self.messages.pop(0) if self.messages else None
 
-    def grant(self, n: int) -> None:
-        self.granted += n
+    def ack(self) -> None:
+        self.granted += 1
 
     def send(self, msg: P.Message) -> None:
         self.sent.append(msg)

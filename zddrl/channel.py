@@ -8,13 +8,14 @@ from . import protocol as P
 from .client import BrokerLink
 
 CREDIT_WINDOW = 16
-"""Trajectories a shard lets the broker send ahead of what it has consumed."""
+"""Default number of trajectories a shard lets the broker send ahead of what it has consumed."""
 
 
 class DataChannel:
     """The shard's DEALER on the broker's learner socket: credit out, trajectories in, parameters out."""
 
-    def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int) -> None:
+    def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int,
+                 window: int = CREDIT_WINDOW) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
@@ -23,10 +24,20 @@ class DataChannel:
         self.peer_id = peer_id
         self.max_message_bytes = max_message_bytes
         self.generation = link.generation
-        self.grant(CREDIT_WINDOW)
+        self.window = window
+        self.consumed = 0
+        self.grant(window)
 
     def grant(self, n: int) -> None:
         self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
+
+    def ack(self) -> None:
+        """One received message consumed: its credit goes back, in batches of half the window (one
+        credit message per trajectory would double the broker's message rate for nothing)."""
+        self.consumed += 1
+        if self.consumed * 2 >= self.window:
+            self.grant(self.consumed)
+            self.consumed = 0
 
     def send(self, msg: P.Message) -> None:
         self.sock.send_multipart(P.encode(msg), copy=False)

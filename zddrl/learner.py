@@ -25,7 +25,7 @@ import zmq
 from loguru import logger
 
 from . import protocol as P
-from .channel import DataChannel
+from .channel import CREDIT_WINDOW, DataChannel
 from .client import BrokerLink, hello_fields
 from .config import Config
 from .envs import probe_spec
@@ -95,7 +95,7 @@ class LearnerNode:
         try:
             if link.wait_welcome(WELCOME_TIMEOUT_S) is None:
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
-            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes)
+            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
             self._refresh_fleet()
             self._publish(channel)
             self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
@@ -115,12 +115,20 @@ class LearnerNode:
             link.close(reason="learner finished")
         return summary
 
+    def _window(self) -> int:
+        """Credit window. Async modes keep it near one batch: every message queued ahead of the learner
+        is a version older by the time it is trained on."""
+        if self.algo.mode == "sync":
+            return CREDIT_WINDOW
+        per_batch = math.ceil(self.algo.batch_size / (self.config.env.rollout_len * self.config.env.num_envs))
+        return max(2, 2 * per_batch)
+
     def _reconnect_if_needed(self, link: BrokerLink, channel: DataChannel) -> DataChannel:
         if link.generation == channel.generation:
             return channel
         self.log.warning("re-welcomed by the broker: reopening the data channel and re-publishing parameters")
         channel.close()
-        channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes)
+        channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
         if self.published is not None:
             channel.send(self.published)
         return channel
@@ -148,7 +156,7 @@ class LearnerNode:
                 if self._finished():
                     return
                 continue
-            channel.grant(1)
+            channel.ack()
             if not isinstance(msg, P.Trajectory):
                 continue
             self._account(msg)
@@ -185,7 +193,7 @@ class LearnerNode:
                 if self._finished():
                     return
                 continue
-            channel.grant(1)
+            channel.ack()
             if not isinstance(msg, P.Trajectory):
                 continue
             self._account(msg)

@@ -128,7 +128,7 @@ class CountingLearner:
                 raise click.ClickException(f"only {len(senders)} of {actors} actors sent data in {start_timeout_s} s")
             msg = self.channel.recv(50)
             if msg is not None:
-                self.channel.grant(1)
+                self.channel.ack()
                 senders.add(getattr(msg, "sender", ""))
         begin = time.monotonic() + WARMUP_S
         steps = 0
@@ -136,7 +136,7 @@ class CountingLearner:
             msg = self.channel.recv(50)
             if msg is None:
                 continue
-            self.channel.grant(1)
+            self.channel.ack()
             if isinstance(msg, P.Trajectory) and now >= begin:
                 steps += msg.env_steps
         return steps / seconds
