@@ -28,13 +28,18 @@ import zmq
 from loguru import logger
 
 from . import protocol as P
-from .config import BrokerConfig, split_endpoint
+from .config import MODES, AlgoConfig, BrokerConfig, ConfigError, split_endpoint
 
 DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
 POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
 LOG_EVERY_S = 5.0
+ROLES = ("actor", "learner", "monitor")
+MAX_STATS_KEYS = 4096
+"""Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
+STATS_NUMERIC_KEYS = ("sps", "comm_share")
+"""Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
 
 
 @dataclass
@@ -67,6 +72,7 @@ class RateLimitedLog:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = defaultdict(int)
+        self._pending: dict[str, str] = {}
 
     def warning(self, key: str, text: str) -> None:
         now = time.monotonic()
@@ -77,6 +83,21 @@ class RateLimitedLog:
             self._suppressed[key] = 0
         else:
             self._suppressed[key] += 1
+            self._pending[key] = text
+
+    def flush(self) -> None:
+        """Report suppressed repeats whose window has passed.
+
+        Fix: the count of suppressed lines used to be reported only when the same key fired again
+        after LOG_EVERY_S; a burst of 200 bad messages followed by silence left one line in the log
+        and the other 199 were never mentioned. Called from the broker's periodic tick.
+        """
+        now = time.monotonic()
+        for key, n in list(self._suppressed.items()):
+            if n and now - self._last.get(key, -1e9) >= LOG_EVERY_S:
+                logger.warning(f"{n} more like it since the last line: {self._pending.pop(key, key)}")
+                self._last[key] = now
+                self._suppressed[key] = 0
 
 
 class Broker:
@@ -100,11 +121,17 @@ class Broker:
         self._ratelog = RateLimitedLog()
         self._next_beat = 0.0
         self._poll_traj = False
+        self._staleness = 0
+        self.params_published_at = 0.0
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
         """Create and bind every socket; returns the bound ports."""
         host, port = split_endpoint(self.config.bind)
+        # Fix: BrokerConfig only checks the tcp://HOST:PORT shape, so "tcp://host:abc" used to die
+        # in int() with a bare ValueError; say which setting is wrong instead.
+        if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"broker.bind port must be 1..65535 or *, got {self.config.bind!r}")
         c = self.config
         self.control = self._socket(zmq.ROUTER)
         self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -139,8 +166,12 @@ class Broker:
         return sock
 
     def close(self) -> None:
-        for sock in (self.control, self.trajectories, self.learners, self.params):
-            sock.close(linger=0)
+        # Fix: close() runs in the CLI's finally; when bind() failed before every socket existed it
+        # raised AttributeError and hid the real error.
+        for name in ("control", "trajectories", "learners", "params"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> None:
@@ -158,6 +189,7 @@ class Broker:
             if now >= self._next_beat:
                 self._send_heartbeats()
                 self._purge_expired(now)
+                self._ratelog.flush()
                 self._next_beat = now + self.config.heartbeat_interval_s
 
     def _update_trajectory_polling(self) -> None:
@@ -173,6 +205,9 @@ class Broker:
         return sum(m.credit for m in self.members.values() if m.role == "learner")
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
+        # Fix: errors on the learner socket (bad credit, wrong kind) used to be counted as
+        # control_malformed; each socket now has its own counter.
+        what = "control" if sock is self.control else "learner"
         for _ in range(FORWARD_BURST):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -182,8 +217,30 @@ class Broker:
                 identity, body = P.split_routed(frames)
                 handler(identity, body)
             except P.ProtocolError as exc:
-                self.counters["control_malformed"] += 1
-                self._ratelog.warning("control_malformed", f"dropped a malformed control message: {exc}")
+                self.counters[f"{what}_malformed"] += 1
+                self._ratelog.warning(f"{what}_malformed", f"dropped a malformed {what} message: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                # Fix: only ProtocolError was caught, so any other exception raised while handling
+                # one peer's message ended the broker's loop and took the whole bus down. Bad input
+                # must never stop the broker: count it, log it (rate-limited), keep serving.
+                self.counters[f"{what}_errors"] += 1
+                self._ratelog.warning(f"{what}_error", f"error handling a {what} message "
+                                                       f"({type(exc).__name__}: {exc}); message dropped")
+
+    def _decode(self, frames: Sequence[Any]) -> P.Message:
+        """``P.decode`` that raises nothing but ProtocolError.
+
+        Fix: any other exception out of ``P.decode`` used to stop the broker. One did: a header map
+        with both str and bytes keys made decode's "unknown fields" message sort mixed types
+        (TypeError) and one such message killed the whole bus. protocol.py now refuses those
+        headers itself; this guard keeps the next slip of that kind a malformed message.
+        """
+        try:
+            return P.decode(frames, self.config.max_message_bytes)
+        except P.ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise P.ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
 
     # ---------------------------------------------------------------- trajectories
     def _forward_trajectories(self) -> None:
@@ -198,12 +255,21 @@ class Broker:
             self.counters["received"] += 1
             nbytes = P.message_nbytes(frames)
             self.counters["bytes_in"] += nbytes
-            self._route_trajectory(frames, nbytes)
-            self.in_flight -= 1
+            decided = self.counters["forwarded"] + sum(self.dropped.values())
+            try:
+                self._route_trajectory(frames, nbytes)
+            except Exception as exc:  # noqa: BLE001
+                # Fix: an exception here used to kill the broker and leave in_flight raised for
+                # good. Whatever happens, the message ends up forwarded or dropped with a reason.
+                if self.counters["forwarded"] + sum(self.dropped.values()) == decided:
+                    self._drop("malformed", None, f"dropped a trajectory: error while routing it "
+                                                  f"({type(exc).__name__}: {exc})")
+            finally:
+                self.in_flight -= 1
 
     def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> None:
         try:
-            msg = P.decode(frames, self.config.max_message_bytes)
+            msg = self._decode(frames)
             if not isinstance(msg, P.Trajectory):
                 raise P.ProtocolError(f"a {msg.KIND} message arrived on the trajectory socket")
         except P.ProtocolError as exc:
@@ -211,10 +277,12 @@ class Broker:
         actor = self.members.get(msg.sender)
         if actor is not None:
             actor.last_seen = time.monotonic()
-        if msg.run_id != self.run_id:
+        # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
+        if not self.run_id or msg.run_id != self.run_id:
             return self._drop("unknown_run", actor, f"dropped a trajectory of unknown run {msg.run_id!r} "
                                                     f"from {msg.sender} (current run {self.run_id!r})")
-        if msg.policy_version > self.params_version:
+        # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
+        if msg.policy_version < 0 or msg.policy_version > self.params_version:
             return self._drop("unknown_version", actor, f"dropped a trajectory from {msg.sender} with version "
                                                         f"{msg.policy_version} never published (latest "
                                                         f"{self.params_version})")
@@ -245,8 +313,26 @@ class Broker:
             return None
 
     def _max_staleness(self) -> int:
-        algo = (self.run_spec or {}).get("algo", {})
-        return 0 if algo.get("mode", "sync") == "sync" else int(algo.get("max_staleness", 0))
+        # Fix: this used to read the learner-supplied run spec on every trajectory without checking
+        # it ({"algo": [1]} raised AttributeError and killed the broker). The spec is now checked
+        # once in the learner's hello (_staleness_of) and the result kept.
+        return self._staleness
+
+    @staticmethod
+    def _staleness_of(run: Any) -> int:
+        """Versions of lag the run allows (0 in sync mode); ProtocolError if the spec is unusable."""
+        if not isinstance(run, dict):
+            raise P.ProtocolError("the run spec must be a map")
+        algo = run.get("algo", {})
+        if not isinstance(algo, dict):
+            raise P.ProtocolError("run spec: 'algo' must be a map")
+        mode = algo.get("mode", "sync")
+        if mode not in MODES:
+            raise P.ProtocolError(f"run spec: algo.mode must be one of {MODES}, got {mode!r}")
+        staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
+        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+            raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
+        return 0 if mode == "sync" else staleness
 
     def _drop(self, reason: str, member: Member | None, text: str) -> None:
         self.dropped[reason] += 1
@@ -256,7 +342,7 @@ class Broker:
 
     # ---------------------------------------------------------------- control socket
     def _on_control(self, identity: bytes, frames: Sequence[Any]) -> None:
-        msg = P.decode(frames, self.config.max_message_bytes)
+        msg = self._decode(frames)
         member = self.by_identity.get(identity)
         if member is not None:
             member.last_seen = time.monotonic()
@@ -273,20 +359,48 @@ class Broker:
             member.policy_version = max(member.policy_version, msg.have_version)
             self._maybe_resend_params(member, force=True)
         elif isinstance(msg, P.Stats):
-            member.stats = msg.stats
+            member.stats = self._checked_stats(msg.stats)
         elif isinstance(msg, P.Bye):
             self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
             self._remove(member)
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
+    @staticmethod
+    def _checked_stats(stats: dict) -> dict:
+        """Fix: stats used to be stored as sent; one client sending bytes or nested maps made every
+        `zddrl status --json` fail (not JSON-serialisable), and a string "sps" broke the table.
+        Stats are a flat map of figures: str keys, scalar values, numbers where status expects them."""
+        if len(stats) > MAX_STATS_KEYS:
+            raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
+        for key, value in stats.items():
+            if not isinstance(key, str):
+                raise P.ProtocolError(f"stats: key {key!r} is not a string")
+            if not (value is None or isinstance(value, (bool, int, float, str))):
+                raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, "
+                                      f"not {type(value).__name__}")
+            if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
+                raise P.ProtocolError(f"stats: {key!r} must be a number")
+        return stats
+
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
-        if msg.role not in ("actor", "learner"):
-            raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
-        if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id:
-            if msg.run is None:
-                raise P.ProtocolError("a learner hello for a new run must carry the run spec")
+        # Fix: a refused hello used to get no answer at all (the client kept waiting for a welcome
+        # that never came); it now gets a reject that says why. "monitor" is a role the protocol
+        # defines (protocol.Hello) but was refused; monitors join and get welcomes and heartbeats.
+        try:
+            if msg.role not in ROLES:
+                raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
+            new_run = msg.role == "learner" and msg.run_id and msg.run_id != self.run_id
+            if new_run:
+                if msg.run is None:
+                    raise P.ProtocolError("a learner hello for a new run must carry the run spec")
+                staleness = self._staleness_of(msg.run)
+        except P.ProtocolError as exc:
+            self._send(self.control, identity, P.Reject(reason=f"hello refused: {exc}"))
+            raise
+        if new_run:
             self._start_run(msg.run_id, msg.run)
+            self._staleness = staleness
         old = self.members.pop(msg.peer_id, None)
         if old is not None:
             self.by_identity.pop(old.identity, None)
@@ -294,6 +408,12 @@ class Broker:
                         num_envs=msg.num_envs)
         if old is not None:
             member.counters = old.counters
+            if old.role == "learner" and member.role == "learner":
+                # Fix: credit belongs to the shard's data connection (its identity on the learner
+                # socket), not to the control session. A re-hello on control (the link timed out
+                # and reconnected) used to zero it while the shard, whose data DEALER is unchanged,
+                # kept waiting for the trajectories it had already asked for: a stall for good.
+                member.credit = old.credit
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
@@ -323,6 +443,12 @@ class Broker:
         now = time.monotonic()
         if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
             return
+        # Fix: a heartbeat sent just before a new version reached the actor over PUB reports the
+        # previous version, and every such heartbeat made the broker send the whole parameter
+        # buffer again on the control socket: up to double the parameter traffic when updates are
+        # faster than heartbeats. Unforced snapshots now wait until the PUB had a heartbeat to land.
+        if not force and now - self.params_published_at < self.config.heartbeat_interval_s:
+            return
         member.last_snapshot = now
         self._send_frames(self.control, member.identity, self.params_frames)
         self.counters["params_snapshots"] += 1
@@ -331,12 +457,7 @@ class Broker:
     def _on_learner(self, identity: bytes, frames: Sequence[Any]) -> None:
         # Shards' data DEALERs use their peer id as ZeroMQ identity (their control link does not).
         member = self.members.get(identity.decode("utf-8", "replace"))
-        try:
-            msg = P.decode(frames, self.config.max_message_bytes)
-        except P.ProtocolError as exc:
-            self.counters["params_malformed"] += 1
-            self._ratelog.warning("learner_malformed", f"dropped a malformed message from a learner: {exc}")
-            return
+        msg = self._decode(frames)  # a ProtocolError is counted as learner_malformed by _drain
         if member is None or member.role != "learner":
             self._send(self.learners, identity, P.Reject(reason="unknown learner: send hello first", rehello=True))
             return
@@ -361,6 +482,7 @@ class Broker:
                                                   f"{self.params_version} is already published")
             return
         self.params_frames, self.params_version = list(frames), msg.policy_version
+        self.params_published_at = time.monotonic()
         member.policy_version = msg.policy_version
         self.params.send_multipart(self.params_frames, copy=False)
         self.counters["params_published"] += 1

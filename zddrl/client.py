@@ -27,6 +27,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3
 RECONNECT_INITIAL_S = 0.25
 RECONNECT_MAX_S = 8.0
+BYE_LINGER_MS = 500
+"""How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
 
 
 class BrokerLink:
@@ -57,6 +59,8 @@ class BrokerLink:
         self.reconnects = 0
         self.params_rejected = 0
         self.last_broker_beat = 0.0
+        self._sub: zmq.Socket | None = None
+        self._sub_port: int | None = None
 
     # ---------------------------------------------------------------- caller side
     def start(self) -> BrokerLink:
@@ -114,7 +118,11 @@ class BrokerLink:
                 self.log.exception("control link failed")
                 served = False
             finally:
-                control.close(linger=0)
+                # Fix: the control socket was closed with linger 0 even on purpose; linger 0
+                # discards whatever ZeroMQ has not written yet, so the bye that close() had just
+                # queued raced the close and could be lost, leaving the member (and a learner's
+                # credit) at the broker until heartbeat expiry. Closing on purpose now lingers.
+                control.close(linger=BYE_LINGER_MS if self._stop.is_set() else 0)
                 if sub is not None:
                     sub.close(linger=0)
             if self._stop.is_set():
@@ -130,17 +138,39 @@ class BrokerLink:
         control = self.ctx.socket(zmq.DEALER)
         control.setsockopt(zmq.LINGER, 0)
         control.connect(self.connect)
-        control.send_multipart(P.encode(self.hello))
+        control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
         return control, None
+
+    @staticmethod
+    def _try_send(sock: zmq.Socket, msg: P.Message) -> bool:
+        """Fix: heartbeats and re-hellos used blocking sends; a DEALER whose queue to a dead broker
+        is full blocks in send, which froze the link thread (and close() with it). Control messages
+        are periodic: when one cannot be queued now, the next one will do."""
+        try:
+            sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def _serve(self, control: zmq.Socket, sub: zmq.Socket | None) -> bool:
         """Talk to the broker until it is silent for too long; True if a welcome was received."""
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        try:
+            return self._serve_loop(control, sub, poller)
+        finally:
+            # Fix: a SUB opened inside _serve was only closed on the normal paths and leaked when
+            # an exception ended the session; _serve_loop keeps the current one in self._sub.
+            if self._sub is not None:
+                self._sub.close(linger=0)
+                self._sub = None
+
+    def _serve_loop(self, control: zmq.Socket, sub: zmq.Socket | None, poller: zmq.Poller) -> bool:
         interval, liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
         deadline = time.monotonic() + interval * liveness
         next_beat = time.monotonic() + interval
         welcomed = False
-        poller = zmq.Poller()
-        poller.register(control, zmq.POLLIN)
+        self._sub = sub
         while not self._stop.is_set():
             self._flush_outbox(control)
             events = dict(poller.poll(min(100, interval * 1000)))
@@ -150,14 +180,25 @@ class BrokerLink:
                     if isinstance(msg, P.Welcome):
                         welcomed = True
                         interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
-                        if sub is None and self.subscribe_params:
-                            sub = self._subscribe(msg)
+                        deadline = time.monotonic() + interval * liveness
+                        # Fix: the first beat stayed scheduled on the default 1 s interval; a broker
+                        # configured with interval x liveness under 1 s expired a healthy member
+                        # before it ever beat. Beat on the broker's schedule from the welcome on.
+                        next_beat = min(next_beat, time.monotonic() + interval)
+                        # Fix: the SUB was opened on the first welcome only; when a restarted
+                        # broker re-welcomed this same session with another params port, the SUB
+                        # stayed on the old port and broadcasts never arrived again.
+                        if self.subscribe_params and (sub is None or self._sub_port != msg.ports.get("params")):
+                            if sub is not None:
+                                poller.unregister(sub)
+                                sub.close(linger=0)
+                            sub = self._sub = self._subscribe(msg)
                             poller.register(sub, zmq.POLLIN)
                         self._on_welcome(msg)
                     elif isinstance(msg, P.Reject):
                         self.log.warning(f"broker rejected us: {msg.reason}")
                         if msg.rehello:
-                            control.send_multipart(P.encode(self.hello))
+                            self._try_send(control, self.hello)
                     elif isinstance(msg, P.Parameters):
                         self._on_params(msg)
                     elif isinstance(msg, P.Heartbeat):
@@ -169,15 +210,11 @@ class BrokerLink:
             now = time.monotonic()
             if now >= next_beat:
                 version = self.params.policy_version if self.params is not None else -1
-                control.send_multipart(P.encode(P.Heartbeat(peer_id=self.hello.peer_id, policy_version=version)))
+                self._try_send(control, P.Heartbeat(peer_id=self.hello.peer_id, policy_version=version))
                 next_beat = now + interval
             if now > deadline:
-                if sub is not None:
-                    sub.close(linger=0)
                 return welcomed
         self._flush_outbox(control)
-        if sub is not None:
-            sub.close(linger=0)
         return welcomed
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
@@ -187,6 +224,7 @@ class BrokerLink:
         sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
         sub.connect(f"tcp://{self.host}:{welcome.ports['params']}")
+        self._sub_port = welcome.ports["params"]
         return sub
 
     def _drain(self, sock: zmq.Socket) -> list[P.Message]:
@@ -214,8 +252,12 @@ class BrokerLink:
 
     def _on_welcome(self, msg: P.Welcome) -> None:
         with self._cond:
-            if self.welcome is None or msg.run_id != self.welcome.run_id:
-                self.params = None  # versions restart with a new run: never compare across runs
+            # Versions restart with a new run: never compare across runs. Fix: a welcome without
+            # a run (a restarted broker, before the learner said hello again) used to count as a
+            # run change and drop the parameters held, so the same run coming back could hand the
+            # actor an older version than it had. Only a different, named run resets them now.
+            if self.params is not None and msg.run_id and msg.run_id != self.params.run_id:
+                self.params = None
             self.welcome = msg
             self.generation += 1
             self._cond.notify_all()
