@@ -166,7 +166,7 @@ class ActorHost:
                 t0 = time.monotonic()
                 arrays = collect(vec, policy, rng, T, self.slowdown)
                 self.timers.step_s += time.monotonic() - t0
-                self._send(push, run_id, params, arrays, T * num_envs, stop)
+                self._send(link, push, run_id, params, arrays, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
                                       stats={**self.timers.stats(), "policy_version": params.policy_version,
@@ -192,8 +192,8 @@ class ActorHost:
         push.connect(link.endpoint("trajectories"))
         return push
 
-    def _send(self, push: zmq.Socket, run_id: str, params: P.Parameters, arrays: dict[str, np.ndarray],
-              env_steps: int, stop: threading.Event) -> None:
+    def _send(self, link: BrokerLink, push: zmq.Socket, run_id: str, params: P.Parameters,
+              arrays: dict[str, np.ndarray], env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
         self.timers.env_steps += env_steps
         self.timers.rollouts += 1
         msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
@@ -203,8 +203,15 @@ class ActorHost:
         self.seq += 1
         frames = P.encode(msg)
         t0 = time.monotonic()
-        while not stop.is_set():  # blocks under backpressure, but stays stoppable
+        generation = link.generation
+        # Backpressure, stoppable: wait for the broker to read enough of what this actor sent (ZeroMQ's
+        # queues and the kernel's would otherwise hold many rollouts, each older by the time it is used).
+        while not stop.is_set() and link.generation == generation:
+            if link.wait_in_flight_below(max_in_flight, SEND_POLL_MS / 1000):
+                break
+        while not stop.is_set():
             if push.poll(SEND_POLL_MS, zmq.POLLOUT):
                 push.send_multipart(frames, copy=False)
+                link.note_sent()
                 break
         self.timers.send_s += time.monotonic() - t0

@@ -28,76 +28,32 @@ import zmq
 from loguru import logger
 
 from . import protocol as P
-from .config import MODES, AlgoConfig, BrokerConfig, ConfigError, split_endpoint
+from .config import BrokerConfig, ConfigError, split_endpoint
+from .membership import ROLES, Member, RateLimitedLog, checked_stats, staleness_of
 
 DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
 POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
-LOG_EVERY_S = 5.0
-ROLES = ("actor", "learner", "monitor")
-MAX_STATS_KEYS = 4096
-"""Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
-STATS_NUMERIC_KEYS = ("sps", "comm_share")
-"""Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
+_SNDMORE = int(zmq.SNDMORE)  # plain ints: pyzmq builds enum objects per call otherwise (hot path)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
-@dataclass
-class Member:
-    """One connected actor host or learner shard, as the broker sees it."""
-
-    peer_id: str
-    role: str
-    identity: bytes
-    host: str = ""
-    pid: int = 0
-    num_envs: int = 0
-    joined: float = field(default_factory=time.time)
-    last_seen: float = field(default_factory=time.monotonic)
-    policy_version: int = -1
-    credit: int = 0
-    last_snapshot: float = 0.0
-    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    def row(self, now: float) -> dict[str, Any]:
-        return {"role": self.role, "host": self.host, "pid": self.pid, "num_envs": self.num_envs,
-                "policy_version": self.policy_version, "last_seen_s": round(now - self.last_seen, 3),
-                "credit": self.credit, **self.counters, "stats": self.stats}
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+    """``recv_multipart(copy=False)`` without its per-frame getsockopt: ~3x cheaper per message."""
+    frame = sock.recv(flags, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(0, copy=False)
+        frames.append(frame)
+    return frames
 
 
-class RateLimitedLog:
-    """Logs the first occurrence of a key at once, then at most once per LOG_EVERY_S with a count."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = defaultdict(int)
-        self._pending: dict[str, str] = {}
-
-    def warning(self, key: str, text: str) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -1e9) >= LOG_EVERY_S:
-            extra = f" ({self._suppressed[key]} more like it since the last line)" if self._suppressed[key] else ""
-            logger.warning(text + extra)
-            self._last[key] = now
-            self._suppressed[key] = 0
-        else:
-            self._suppressed[key] += 1
-            self._pending[key] = text
-
-    def flush(self) -> None:
-        """Report suppressed repeats whose window has passed.
-
-        Fix: the count of suppressed lines used to be reported only when the same key fired again
-        after LOG_EVERY_S; a burst of 200 bad messages followed by silence left one line in the log
-        and the other 199 were never mentioned. Called from the broker's periodic tick.
-        """
-        now = time.monotonic()
-        for key, n in list(self._suppressed.items()):
-            if n and now - self._last.get(key, -1e9) >= LOG_EVERY_S:
-                logger.warning(f"{n} more like it since the last line: {self._pending.pop(key, key)}")
-                self._last[key] = now
-                self._suppressed[key] = 0
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+    """``send_multipart(copy=False)`` with int flags (the forwarding hot path)."""
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, flags | _SNDMORE if i < last else flags, copy=False)
 
 
 class Broker:
@@ -109,6 +65,10 @@ class Broker:
         self.log = logger.bind(role="broker")
         self.members: dict[str, Member] = {}
         self.by_identity: dict[bytes, Member] = {}
+        self.shards: dict[str, Member] = {}
+        """The learner members, by peer id (their data identity)."""
+        self.credit = 0
+        """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.run_id = ""
         self.run_spec: dict | None = None
         self.params_frames: Sequence[Any] | None = None
@@ -193,16 +153,13 @@ class Broker:
                 self._next_beat = now + self.config.heartbeat_interval_s
 
     def _update_trajectory_polling(self) -> None:
-        want = self._total_credit() > 0
+        want = self.credit > 0
         if want != self._poll_traj:
             if want:
                 self.poller.register(self.trajectories, zmq.POLLIN)
             else:
                 self.poller.unregister(self.trajectories)
             self._poll_traj = want
-
-    def _total_credit(self) -> int:
-        return sum(m.credit for m in self.members.values() if m.role == "learner")
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         # Fix: errors on the learner socket (bad credit, wrong kind) used to be counted as
@@ -244,20 +201,23 @@ class Broker:
 
     # ---------------------------------------------------------------- trajectories
     def _forward_trajectories(self) -> None:
+        """Forward up to FORWARD_BURST trajectories, then return each sender's credit in one message."""
+        acks: dict[bytes, int] = defaultdict(int)
         for _ in range(FORWARD_BURST):
-            if self._total_credit() <= 0:
-                return
+            if self.credit <= 0:
+                break
             try:
-                frames = self.trajectories.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(self.trajectories, _NOBLOCK)
             except zmq.Again:
-                return
+                break
             self.in_flight += 1
             self.counters["received"] += 1
-            nbytes = P.message_nbytes(frames)
+            nbytes = sum(map(len, frames))
             self.counters["bytes_in"] += nbytes
             decided = self.counters["forwarded"] + sum(self.dropped.values())
+            actor = None
             try:
-                self._route_trajectory(frames, nbytes)
+                actor = self._route_trajectory(frames, nbytes)
             except Exception as exc:  # noqa: BLE001
                 # Fix: an exception here used to kill the broker and leave in_flight raised for
                 # good. Whatever happens, the message ends up forwarded or dropped with a reason.
@@ -266,42 +226,42 @@ class Broker:
                                                   f"({type(exc).__name__}: {exc})")
             finally:
                 self.in_flight -= 1
+            if actor is not None:
+                acks[actor.identity] += 1
+        for identity, n in acks.items():  # actor-side credit: what was read may be replaced
+            self._send(self.control, identity, P.Credit(sender="broker", credit=n))
 
-    def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> None:
+    def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> Member | None:
+        """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
+
+        Returns the sending actor (if it is a member) so that its credit can be returned."""
         try:
             msg = self._decode(frames)
             if not isinstance(msg, P.Trajectory):
                 raise P.ProtocolError(f"a {msg.KIND} message arrived on the trajectory socket")
         except P.ProtocolError as exc:
-            return self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
+            self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
+            return None
         actor = self.members.get(msg.sender)
         if actor is not None:
             actor.last_seen = time.monotonic()
-        # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
-        if not self.run_id or msg.run_id != self.run_id:
-            return self._drop("unknown_run", actor, f"dropped a trajectory of unknown run {msg.run_id!r} "
-                                                    f"from {msg.sender} (current run {self.run_id!r})")
-        # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
-        if msg.policy_version < 0 or msg.policy_version > self.params_version:
-            return self._drop("unknown_version", actor, f"dropped a trajectory from {msg.sender} with version "
-                                                        f"{msg.policy_version} never published (latest "
-                                                        f"{self.params_version})")
-        if msg.policy_version < self.params_version - self._max_staleness():
-            return self._drop("stale", actor, f"dropped stale data from {msg.sender}: version {msg.policy_version}"
-                                              f", latest {self.params_version}")
+        reason, why = self._refusal(msg)
+        if reason:
+            self._drop(reason, actor, why)
+            return actor
         while True:
-            shard = max((m for m in self.members.values() if m.role == "learner" and m.credit > 0),
-                        key=lambda m: m.credit, default=None)
-            if shard is None:
-                return self._drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
+            shard = max(self.shards.values(), key=lambda m: m.credit, default=None)
+            if shard is None or shard.credit <= 0:
+                self._drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
+                return actor
             try:
-                self.learners.send_multipart([shard.peer_id.encode(), *frames], copy=False)
+                send_frames(self.learners, [shard.peer_id.encode(), *frames])
             except zmq.ZMQError as exc:  # the shard went away between credit and send
                 self._ratelog.warning("shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); "
                                                     "its credit is withdrawn")
-                shard.credit = 0
+                self._set_credit(shard, 0)
                 continue
-            shard.credit -= 1
+            self._set_credit(shard, shard.credit - 1)
             shard.counters["messages"] += 1
             shard.counters["bytes"] += nbytes
             self.counters["forwarded"] += 1
@@ -310,29 +270,33 @@ class Broker:
                 actor.counters["messages"] += 1
                 actor.counters["bytes"] += nbytes
                 actor.counters["env_steps"] += msg.env_steps
-            return None
+            return actor
+
+    def _refusal(self, msg: P.Trajectory) -> tuple[str, str]:
+        """(drop reason, log text) for a trajectory the run cannot use, else ("", "")."""
+        # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
+        if not self.run_id or msg.run_id != self.run_id:
+            return "unknown_run", (f"dropped a trajectory of unknown run {msg.run_id!r} from {msg.sender} "
+                                   f"(current run {self.run_id!r})")
+        # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
+        if msg.policy_version < 0 or msg.policy_version > self.params_version:
+            return "unknown_version", (f"dropped a trajectory from {msg.sender} with version {msg.policy_version} "
+                                       f"never published (latest {self.params_version})")
+        if msg.policy_version < self.params_version - self._max_staleness():
+            return "stale", (f"dropped stale data from {msg.sender}: version {msg.policy_version}, "
+                             f"latest {self.params_version}")
+        return "", ""
+
+    def _set_credit(self, shard: Member, credit: int) -> None:
+        """Every change of a shard's credit goes through here, so the running total stays exact."""
+        self.credit += credit - shard.credit
+        shard.credit = credit
 
     def _max_staleness(self) -> int:
         # Fix: this used to read the learner-supplied run spec on every trajectory without checking
         # it ({"algo": [1]} raised AttributeError and killed the broker). The spec is now checked
-        # once in the learner's hello (_staleness_of) and the result kept.
+        # once in the learner's hello (staleness_of) and the result kept.
         return self._staleness
-
-    @staticmethod
-    def _staleness_of(run: Any) -> int:
-        """Versions of lag the run allows (0 in sync mode); ProtocolError if the spec is unusable."""
-        if not isinstance(run, dict):
-            raise P.ProtocolError("the run spec must be a map")
-        algo = run.get("algo", {})
-        if not isinstance(algo, dict):
-            raise P.ProtocolError("run spec: 'algo' must be a map")
-        mode = algo.get("mode", "sync")
-        if mode not in MODES:
-            raise P.ProtocolError(f"run spec: algo.mode must be one of {MODES}, got {mode!r}")
-        staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
-        if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-            raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
-        return 0 if mode == "sync" else staleness
 
     def _drop(self, reason: str, member: Member | None, text: str) -> None:
         self.dropped[reason] += 1
@@ -359,29 +323,12 @@ class Broker:
             member.policy_version = max(member.policy_version, msg.have_version)
             self._maybe_resend_params(member, force=True)
         elif isinstance(msg, P.Stats):
-            member.stats = self._checked_stats(msg.stats)
+            member.stats = checked_stats(msg.stats)
         elif isinstance(msg, P.Bye):
             self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
             self._remove(member)
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
-
-    @staticmethod
-    def _checked_stats(stats: dict) -> dict:
-        """Fix: stats used to be stored as sent; one client sending bytes or nested maps made every
-        `zddrl status --json` fail (not JSON-serialisable), and a string "sps" broke the table.
-        Stats are a flat map of figures: str keys, scalar values, numbers where status expects them."""
-        if len(stats) > MAX_STATS_KEYS:
-            raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
-        for key, value in stats.items():
-            if not isinstance(key, str):
-                raise P.ProtocolError(f"stats: key {key!r} is not a string")
-            if not (value is None or isinstance(value, (bool, int, float, str))):
-                raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, "
-                                      f"not {type(value).__name__}")
-            if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
-                raise P.ProtocolError(f"stats: {key!r} must be a number")
-        return stats
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
         # Fix: a refused hello used to get no answer at all (the client kept waiting for a welcome
@@ -394,16 +341,16 @@ class Broker:
             if new_run:
                 if msg.run is None:
                     raise P.ProtocolError("a learner hello for a new run must carry the run spec")
-                staleness = self._staleness_of(msg.run)
+                staleness = staleness_of(msg.run)
         except P.ProtocolError as exc:
             self._send(self.control, identity, P.Reject(reason=f"hello refused: {exc}"))
             raise
         if new_run:
             self._start_run(msg.run_id, msg.run)
             self._staleness = staleness
-        old = self.members.pop(msg.peer_id, None)
+        old = self.members.get(msg.peer_id)
         if old is not None:
-            self.by_identity.pop(old.identity, None)
+            self._forget(old)
         member = Member(peer_id=msg.peer_id, role=msg.role, identity=identity, host=msg.host, pid=msg.pid,
                         num_envs=msg.num_envs)
         if old is not None:
@@ -416,6 +363,9 @@ class Broker:
                 member.credit = old.credit
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
+        if member.role == "learner":
+            self.shards[member.peer_id] = member
+            self.credit += member.credit
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
         self._send(self.control, identity, self._welcome(msg.peer_id))
         if msg.role == "actor":
@@ -465,7 +415,7 @@ class Broker:
         if isinstance(msg, P.Credit):
             if msg.credit <= 0 or msg.credit > 1 << 20:
                 raise P.ProtocolError(f"credit must be in 1..2**20, got {msg.credit}")
-            member.credit += msg.credit
+            self._set_credit(member, member.credit + msg.credit)
         elif isinstance(msg, P.Parameters):
             self._on_params(member, msg, frames)
         else:
@@ -501,9 +451,15 @@ class Broker:
                 self._remove(member)
 
     def _remove(self, member: Member) -> None:
+        self._forget(member)
+        self.counters["expired_or_left"] += 1
+
+    def _forget(self, member: Member) -> None:
+        """Drop every index of ``member``; a shard's outstanding credit leaves the total with it."""
         self.members.pop(member.peer_id, None)
         self.by_identity.pop(member.identity, None)
-        self.counters["expired_or_left"] += 1
+        if self.shards.pop(member.peer_id, None) is not None:
+            self.credit -= member.credit
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: P.Message) -> None:
         self._send_frames(sock, identity, P.encode(msg))

@@ -55,6 +55,8 @@ class BrokerLink:
         self._thread = threading.Thread(target=self._run, name=f"link-{hello.peer_id}", daemon=True)
         self.welcome: P.Welcome | None = None
         self.generation = 0
+        self.sent = 0
+        self.acked = 0
         self.params: P.Parameters | None = None
         self.reconnects = 0
         self.params_rejected = 0
@@ -83,6 +85,17 @@ class BrokerLink:
         with self._cond:
             self._cond.wait_for(lambda: self._newer(newer_than) or self._stop.is_set(), timeout_s)
             return self.params if self._newer(newer_than) else None
+
+    def note_sent(self) -> None:
+        """The caller pushed one trajectory; it is in flight until the broker returns its credit."""
+        with self._cond:
+            self.sent += 1
+
+    def wait_in_flight_below(self, limit: int, timeout_s: float) -> bool:
+        """Block until fewer than ``limit`` pushed trajectories are unread by the broker (actor-side
+        credit: the broker returns one per trajectory it reads). False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.sent - self.acked < limit or self._stop.is_set(), timeout_s)
 
     def latest_params(self) -> P.Parameters | None:
         with self._cond:
@@ -201,6 +214,8 @@ class BrokerLink:
                             self._try_send(control, self.hello)
                     elif isinstance(msg, P.Parameters):
                         self._on_params(msg)
+                    elif isinstance(msg, P.Credit):
+                        self._on_credit(msg)
                     elif isinstance(msg, P.Heartbeat):
                         self.last_broker_beat = time.time()
             if sub is not None and sub in events:
@@ -260,8 +275,14 @@ class BrokerLink:
                 self.params = None
             self.welcome = msg
             self.generation += 1
+            self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
             self._cond.notify_all()
         self.log.info(f"welcomed by broker: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
+
+    def _on_credit(self, msg: P.Credit) -> None:
+        with self._cond:
+            self.acked = min(self.sent, self.acked + msg.credit)
+            self._cond.notify_all()
 
     def _on_params(self, msg: P.Parameters) -> None:
         """Verify and keep the newest parameters; never go back to an older version."""

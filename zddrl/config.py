@@ -121,6 +121,9 @@ class AlgoConfig:
     """async/impala: trajectories older than this many versions are dropped (counted)."""
     publish_every: int = 1
     """async/impala: publish parameters every k updates."""
+    max_in_flight: int = 2
+    """Trajectories an actor may have pushed that the broker has not read yet (it returns one credit
+    per message read). Bounds the queues between actors and learner, hence the data's staleness."""
     staleness_lr_decay: float = 0.0
     """async/impala: learning rate divided by (1 + this * mean staleness of the batch)."""
     rho_bar: float = 1.0
@@ -146,6 +149,7 @@ class AlgoConfig:
         _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
         _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
         _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
+        _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
 
 

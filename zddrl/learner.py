@@ -121,7 +121,7 @@ class LearnerNode:
         if self.algo.mode == "sync":
             return CREDIT_WINDOW
         per_batch = math.ceil(self.algo.batch_size / (self.config.env.rollout_len * self.config.env.num_envs))
-        return max(2, 2 * per_batch)
+        return per_batch + 1
 
     def _reconnect_if_needed(self, link: BrokerLink, channel: DataChannel) -> DataChannel:
         if link.generation == channel.generation:

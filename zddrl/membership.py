@@ -1,0 +1,117 @@
+"""The broker's view of its members: who is connected, their counters, and how the broker logs.
+
+Kept apart from the routing loop in ``broker.py``: these are plain records and checks with no
+sockets.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+from . import protocol as P
+from .config import MODES, AlgoConfig
+
+LOG_EVERY_S = 5.0
+ROLES = ("actor", "learner", "monitor")
+MAX_STATS_KEYS = 4096
+"""Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
+STATS_NUMERIC_KEYS = ("sps", "comm_share")
+"""Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
+
+
+@dataclass
+class Member:
+    """One connected actor host or learner shard, as the broker sees it."""
+
+    peer_id: str
+    role: str
+    identity: bytes
+    host: str = ""
+    pid: int = 0
+    num_envs: int = 0
+    joined: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    policy_version: int = -1
+    credit: int = 0
+    last_snapshot: float = 0.0
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def row(self, now: float) -> dict[str, Any]:
+        return {"role": self.role, "host": self.host, "pid": self.pid, "num_envs": self.num_envs,
+                "policy_version": self.policy_version, "last_seen_s": round(now - self.last_seen, 3),
+                "credit": self.credit, **self.counters, "stats": self.stats}
+
+
+class RateLimitedLog:
+    """Logs the first occurrence of a key at once, then at most once per LOG_EVERY_S with a count."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = defaultdict(int)
+        self._pending: dict[str, str] = {}
+
+    def warning(self, key: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= LOG_EVERY_S:
+            extra = f" ({self._suppressed[key]} more like it since the last line)" if self._suppressed[key] else ""
+            logger.warning(text + extra)
+            self._last[key] = now
+            self._suppressed[key] = 0
+        else:
+            self._suppressed[key] += 1
+            self._pending[key] = text
+
+    def flush(self) -> None:
+        """Report suppressed repeats whose window has passed.
+
+        Fix: the count of suppressed lines used to be reported only when the same key fired again
+        after LOG_EVERY_S; a burst of 200 bad messages followed by silence left one line in the log
+        and the other 199 were never mentioned. Called from the broker's periodic tick.
+        """
+        now = time.monotonic()
+        for key, n in list(self._suppressed.items()):
+            if n and now - self._last.get(key, -1e9) >= LOG_EVERY_S:
+                logger.warning(f"{n} more like it since the last line: {self._pending.pop(key, key)}")
+                self._last[key] = now
+                self._suppressed[key] = 0
+
+
+
+def checked_stats(stats: dict) -> dict:
+    """Fix: stats used to be stored as sent; one client sending bytes or nested maps made every
+    `zddrl status --json` fail (not JSON-serialisable), and a string "sps" broke the table.
+    Stats are a flat map of figures: str keys, scalar values, numbers where status expects them."""
+    if len(stats) > MAX_STATS_KEYS:
+        raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
+    for key, value in stats.items():
+        if not isinstance(key, str):
+            raise P.ProtocolError(f"stats: key {key!r} is not a string")
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, "
+                                  f"not {type(value).__name__}")
+        if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
+            raise P.ProtocolError(f"stats: {key!r} must be a number")
+    return stats
+
+
+
+def staleness_of(run: Any) -> int:
+    """Versions of lag the run allows (0 in sync mode); ProtocolError if the spec is unusable."""
+    if not isinstance(run, dict):
+        raise P.ProtocolError("the run spec must be a map")
+    algo = run.get("algo", {})
+    if not isinstance(algo, dict):
+        raise P.ProtocolError("run spec: 'algo' must be a map")
+    mode = algo.get("mode", "sync")
+    if mode not in MODES:
+        raise P.ProtocolError(f"run spec: algo.mode must be one of {MODES}, got {mode!r}")
+    staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
+    return 0 if mode == "sync" else staleness
+
