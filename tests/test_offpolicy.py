@@ -115,3 +115,26 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
     first = dict(zip(header, rows[1].split(",")))
     assert first["staleness_hist"] == "0:32 2:32" and first["staleness_max"] == "2"
     assert first["dropped_stale"] == "2"
+
+
+def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
+    from loguru import logger
+
+    from zddrl.learner import LAG_WINDOW
+
+    node = LearnerNode("tcp://127.0.0.1:9", Config().replace({"algo.mode": "impala"}), tmp_path / "run")
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        for lag in range(LAG_WINDOW - 1):  # steady lag: no warning
+            node.lag = {"a": 1, "b": 1}
+            node._watch_lag()
+        assert lines == []
+        node.lag_medians.clear()
+        for lag in range(LAG_WINDOW):  # the actors fall one version further behind at every update
+            node.lag = {"a": lag, "b": lag, "c": 0}
+            node._watch_lag()
+    finally:
+        logger.remove(sink)
+        node.runlog.close()
+    assert any("median actor lag keeps growing" in line for line in lines)

@@ -137,3 +137,17 @@ def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker:
     assert members["actor-0"].get("dropped_stale", 0) == 0 and members["actor-1"].get("dropped_stale", 0) == 0
     rows = metrics(run_dir)
     assert sum(int(r["batch_steps"]) >= 256 for r in rows) >= 0.8 * len(rows)  # the fast actors fill the batch
+
+
+@pytest.mark.parametrize("mode, config", [("async", "cartpole_ppo.toml"), ("impala", "cartpole_impala.toml")])
+def test_async_modes_learn_through_the_real_processes(mode: str, config: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / mode
+    done = zddrl("train", str(ROOT / "examples" / config), "--mode", mode, "--run-dir", str(run_dir),
+                 "--until-return", "195", "--max-steps", "150000", "--max-seconds", "90")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["reached"] and summary["mode"] == mode, summary
+    rows = metrics(run_dir)
+    staleness = [int(r["staleness_max"]) for r in rows]
+    assert max(staleness) <= 8 and max(staleness) >= 1  # trained on older data, within the bound
+    assert all(r["staleness_hist"] for r in rows)

@@ -41,10 +41,19 @@ def format_status(body: dict[str, Any]) -> str:
              f"{sum(b['dropped'].values())} ({dropped}) + in flight {b['in_flight']}"
              f"  [{'ok' if b['accounted'] else 'MISMATCH'}]",
              f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}", ""]
-    rows = [["member", "role", "host", "envs", "version", "msgs", "env_steps", "sps", "comm", "seen_s"]]
+    # The learner reports each actor's lag (its version minus the actor's newest trajectory's).
+    lags = {k[4:]: v for m in body["members"].values() if m["role"] == "learner"
+            for k, v in m.get("stats", {}).items() if k.startswith("lag/")}
+    rows = [["member", "role", "host", "envs", "version", "lag", "msgs", "env_steps", "drops", "sps", "comm", "seen_s"]]
     for peer, m in sorted(body["members"].items()):
         s = m.get("stats", {})
+        drops = sum(v for k, v in m.items() if k.startswith("dropped_"))
         rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(m["num_envs"]), str(m["policy_version"]),
-                     str(m.get("messages", 0)), str(m.get("env_steps", 0)), f"{s.get('sps', 0):.0f}",
-                     f"{100 * s.get('comm_share', 0):.0f}%", f"{m['last_seen_s']:.1f}"])
+                     str(lags.get(peer, "-")), str(m.get("messages", 0)), str(m.get("env_steps", 0)), str(drops),
+                     f"{s.get('sps', 0):.0f}", f"{100 * s.get('comm_share', 0):.0f}%", f"{m['last_seen_s']:.1f}"])
+    learner = next((m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")), None)
+    if learner:
+        lines.insert(3, f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')}  "
+                        f"return {learner.get('return_mean_20')}  dropped late {learner.get('dropped_late')} "
+                        f"stale {learner.get('dropped_stale')}")
     return "\n".join(lines) + _table(rows)
