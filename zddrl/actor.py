@@ -169,7 +169,8 @@ class ActorHost:
                 self._send(link, push, run_id, params, arrays, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
-                                      stats={**self.timers.stats(), "policy_version": params.policy_version,
+                                      stats={**self.timers.stats(), "num_envs": num_envs,
+                                             "policy_version": params.policy_version,
                                              "param_hash": params.param_hash, "reconnects": link.reconnects}))
                     next_stats = time.monotonic() + STATS_EVERY_S
         finally:

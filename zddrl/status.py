@@ -48,7 +48,8 @@ def format_status(body: dict[str, Any]) -> str:
     for peer, m in sorted(body["members"].items()):
         s = m.get("stats", {})
         drops = sum(v for k, v in m.items() if k.startswith("dropped_"))
-        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(m["num_envs"]), str(m["policy_version"]),
+        envs = m["num_envs"] or s.get("num_envs", 0)  # actors started without --envs use the run's
+        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(envs), str(m["policy_version"]),
                      str(lags.get(peer, "-")), str(m.get("messages", 0)), str(m.get("env_steps", 0)), str(drops),
                      f"{s.get('sps', 0):.0f}", f"{100 * s.get('comm_share', 0):.0f}%", f"{m['last_seen_s']:.1f}"])
     learner = next((m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")), None)
