@@ -151,15 +151,11 @@ class LearnerNode:
                 self.log.info(f"round {self.version} closed by the straggler rule after {timeout * 1000:.0f} ms with "
                               f"{steps} of {self.algo.batch_size} steps; late: {sorted(expected - reported)}")
                 break
-            msg = channel.recv(RECV_POLL_MS)
+            msg = self._receive(channel)
             if msg is None:
                 if self._finished():
                     return
                 continue
-            channel.ack()
-            if not isinstance(msg, P.Trajectory):
-                continue
-            self._account(msg)
             if msg.policy_version != self.version:
                 self._drop_late(msg)
                 continue
@@ -170,15 +166,30 @@ class LearnerNode:
         if not batch or stop.is_set():
             return
         round_s = time.monotonic() - started
-        t_update = time.monotonic()
-        batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
-        figures = self.core.update(batch)
-        update_s = time.monotonic() - t_update
-        self.updates += 1
-        self.version += 1
+        figures, update_s = self._train(batch)
         self._refresh_fleet(reported)
         self._publish(channel)
         self._log_update(figures, round_s, update_s, len(reported))
+
+    def _receive(self, channel: DataChannel) -> P.Trajectory | None:
+        """The next trajectory, accounted and its credit returned; None after a quiet poll."""
+        msg = channel.recv(RECV_POLL_MS)
+        if msg is None:
+            return None
+        channel.ack()
+        if not isinstance(msg, P.Trajectory):
+            return None
+        self._account(msg)
+        return msg
+
+    def _train(self, batch: list[P.Trajectory], staleness: float = 0.0) -> tuple[dict[str, float], float]:
+        """One update on ``batch``; the version moves on. Returns the figures and the seconds it took."""
+        t0 = time.monotonic()
+        batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
+        figures = self.core.update(batch, staleness=staleness)
+        self.updates += 1
+        self.version += 1
+        return figures, time.monotonic() - t0
 
     # ---------------------------------------------------------------- async / impala
     def _stream(self, channel: DataChannel, stop: threading.Event) -> None:
@@ -188,15 +199,11 @@ class LearnerNode:
         batch: list[P.Trajectory] = []
         steps = 0
         while not stop.is_set() and steps < self.algo.batch_size:
-            msg = channel.recv(RECV_POLL_MS)
+            msg = self._receive(channel)
             if msg is None:
                 if self._finished():
                     return
                 continue
-            channel.ack()
-            if not isinstance(msg, P.Trajectory):
-                continue
-            self._account(msg)
             staleness = self.version - msg.policy_version
             if not 0 <= staleness <= self.algo.max_staleness:
                 self._drop_stale(msg, staleness)
@@ -207,12 +214,7 @@ class LearnerNode:
             return
         round_s = time.monotonic() - started
         staleness = np.repeat([self.version - t.policy_version for t in batch], [t.env_steps for t in batch])
-        t_update = time.monotonic()
-        batch.sort(key=lambda t: (t.sender, t.seq))
-        figures = self.core.update(batch, staleness=float(staleness.mean()))
-        update_s = time.monotonic() - t_update
-        self.updates += 1
-        self.version += 1
+        figures, update_s = self._train(batch, float(staleness.mean()))
         if self.updates % self.algo.publish_every == 0:
             self._publish(channel)
         hist = np.bincount(staleness)
