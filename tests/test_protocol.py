@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 
 import msgpack
 import numpy as np
@@ -364,3 +365,220 @@ def test_mutated_valid_messages_only_raise_protocol_error(data) -> None:
         P.decode([*frames[:i], bytes(raw), *frames[i + 1:]])
     except P.ProtocolError:
         pass
+
+
+# ------------------------------------------------------------------ fast paths keep the wire bytes and the objects
+
+DTYPE_NAMES_OF = {dtype: name for name, dtype in P.DTYPES.items()}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(names, wire_arrays(), max_size=6))
+def test_encode_header_bytes_are_the_plain_msgpack_of_the_header(arrays: dict) -> None:
+    """encode's shortcuts (wire-ready arrays as they are, tuple specs) change no byte of the header."""
+    msg = traj(arrays=arrays)
+    want = {"kind": "trajectory", **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
+    want["arrays"] = [[name, DTYPE_NAMES_OF[P.wire_array(a).dtype], list(np.shape(a))] for name, a in arrays.items()]
+    frames = msg.encode()
+    assert bytes(frames[1]) == msgpack.packb(want, use_bin_type=True)
+    for frame, array in zip(frames[2:], arrays.values()):
+        assert bytes(P._buffer(frame)) == P.wire_array(array).tobytes()
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
+def test_decoded_message_is_what_its_constructor_builds(msg: P.Message) -> None:
+    decoded = P.decode(wire(msg.encode()))
+    rebuilt = type(decoded)(**{f.name: getattr(decoded, f.name) for f in dataclasses.fields(decoded)})
+    assert vars(decoded).keys() == vars(rebuilt).keys()
+    assert repr(decoded) == repr(rebuilt)
+    with pytest.raises(dataclasses.FrozenInstanceError):  # still frozen without its __init__
+        setattr(decoded, dataclasses.fields(decoded)[0].name, None)
+
+
+FRAME_KINDS = ["bytes", "bytearray", "memoryview", "uint8 array", "float32 array"]
+
+
+def frames_as(frames: list, kind: str) -> list:
+    """The same bytes as another buffer type: decode takes any C-contiguous buffer."""
+    raw = [bytes(P._buffer(f)) for f in frames]
+    if kind == "bytearray":
+        return [bytearray(r) for r in raw]
+    if kind == "memoryview":
+        return [memoryview(r) for r in raw]
+    if kind == "uint8 array":
+        return [np.frombuffer(r, np.uint8) for r in raw]
+    if kind == "float32 array":  # a multi-byte itemsize, where the byte count allows it
+        return [np.frombuffer(r, np.float32) if len(r) % 4 == 0 else r for r in raw]
+    return raw
+
+
+@pytest.mark.parametrize("kind", FRAME_KINDS)
+def test_every_buffer_type_decodes_the_same(kind: str) -> None:
+    for msg in EXAMPLES:
+        assert_same(msg, P.decode(frames_as(msg.encode(), kind)))
+        assert P.message_nbytes(frames_as(msg.encode(), kind)) == P.message_nbytes(wire(msg.encode()))
+
+
+# ------------------------------------------------------------------ validate_trajectory: decode's verdict, no views
+
+
+def outcome(fn, frames: list, max_message_bytes: int):
+    try:
+        return fn(frames, max_message_bytes), None
+    except P.ProtocolError as exc:
+        return None, str(exc)
+
+
+def assert_validate_agrees(frames: list, max_message_bytes: int = P.DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    """validate_trajectory accepts exactly the trajectories decode accepts and fails with decode's error
+    (for another kind, valid or not, with "not a trajectory" once the header itself is sound)."""
+    msg, error = outcome(P.decode, frames, max_message_bytes)
+    header, v_error = outcome(P.validate_trajectory, frames, max_message_bytes)
+    if isinstance(msg, P.Trajectory):
+        assert v_error is None, v_error
+        want = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+        want["arrays"] = [[name, DTYPE_NAMES_OF[a.dtype], list(a.shape)] for name, a in msg.arrays.items()]
+        assert header == {"kind": "trajectory", **want}
+        return
+    assert header is None, "validate_trajectory accepted what decode refused or decoded as another kind"
+    try:
+        kind = P.decode_header(frames, max_message_bytes)["kind"]
+    except P.ProtocolError:
+        kind = "trajectory"  # the header itself is bad: both fail in decode_header
+    if kind == "trajectory":
+        assert v_error == error
+    else:
+        assert v_error == f"a {kind} message is not a trajectory"
+
+
+@pytest.mark.parametrize("frames,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_validate_trajectory_agrees_on_every_invalid_case(frames: list, match: str) -> None:
+    assert_validate_agrees(frames)
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
+def test_validate_trajectory_agrees_on_every_example(msg: P.Message) -> None:
+    for kind in FRAME_KINDS:
+        assert_validate_agrees(frames_as(msg.encode(), kind))
+
+
+def test_validate_trajectory_limits_and_result() -> None:
+    frames = wire(traj(arrays={"a": np.zeros(100, np.uint8), "b": np.zeros((2, 50), "<i2")}).encode())
+    for limit in (300, 299, 200, 199, 0):
+        assert_validate_agrees(frames, limit)
+    header = P.validate_trajectory(frames, 300)
+    assert header["arrays"] == [["a", "uint8", [100]], ["b", "int16", [2, 50]]] and header["seq"] == 3
+    with pytest.raises(P.ProtocolError, match="exceed the 299-byte limit"):
+        P.validate_trajectory(frames, 299)
+    minimal = {k: v for k, v in GOOD.items() if k != "info"}  # info is optional: its default is filled in
+    assert P.validate_trajectory(frames_of(minimal, A3), 12)["info"] == {} == P.decode(frames_of(minimal, A3)).info
+    with pytest.raises(P.ProtocolError, match="a heartbeat message is not a trajectory"):
+        P.validate_trajectory(frames_of(HB), 0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(names, wire_arrays(), max_size=6), st.integers(0, 400), st.sampled_from(FRAME_KINDS))
+def test_validate_trajectory_agrees_on_random_trajectories(arrays: dict, limit: int, kind: str) -> None:
+    assert_validate_agrees(frames_as(traj(arrays=arrays).encode(), kind), limit)
+
+
+def spec_nbytes(spec: list) -> int | None:
+    """Bytes of the frame ``spec`` asks for, if it is a well-formed spec small enough to build."""
+    try:
+        name, dtype_name, shape = spec
+        size = math.prod(shape) * P.DTYPES[dtype_name].itemsize
+    except Exception:  # noqa: BLE001 - any malformed spec
+        return None
+    return size if all(type(d) is int and d >= 0 for d in shape) and size <= 4096 else None
+
+
+def hostile_trajectory(rnd: random.Random) -> tuple[list, int]:
+    """Frames of a trajectory with a few defects, and a size limit. Most parts are well formed (specs,
+    frames of the announced size, fields), so every check of decode gets reached, not just the first."""
+    def pick(good: list, bad: list, p_bad: float = 0.08):
+        return rnd.choice(bad if rnd.random() < p_bad else good)
+
+    arrays, frames = [], []
+    for _ in range(rnd.choice([0, 1, 2, 3, 4])):
+        shape = [rnd.randint(0, 4) for _ in range(rnd.randint(0, 3))]
+        if rnd.random() < 0.1:
+            shape.insert(rnd.randint(0, len(shape)), rnd.choice([-1, True, False, 1.0, 2**40, "2", None]))
+        spec = [pick(list("abcdef"), ["", 7, None, "a"]), pick(DTYPE_NAMES, ["complex64", "<f4", 4, None, ["int8"]]),
+                pick([shape], [3, None, "ab", [1] * 9, [0, 2**40, 2**40]])]
+        arrays.append(pick([spec], [spec[:2], [*spec, 1], None, "abc"]))
+        size = spec_nbytes(spec)
+        frames.append(b"\x01" * (rnd.randint(0, 24) if size is None or rnd.random() < 0.08 else size))
+    if rnd.random() < 0.08:
+        frames = frames[1:] if frames and rnd.random() < 0.5 else [*frames, b""]
+    header = {**GOOD, "arrays": pick([arrays], [None, {}, "arrays", ...])}
+    if rnd.random() < 0.3:
+        header[rnd.choice(["run_id", "seq", "env_steps", "info", "x"])] = rnd.choice(
+            ["r", 1, -1, True, 1.5, None, {}, {"k": [1]}, {"k": {"n": b""}}, {"k": {2: 1}}, [], ...])
+    header = {k: v for k, v in header.items() if v is not ...}
+    return frames_of(header, *frames), rnd.choice([P.DEFAULT_MAX_MESSAGE_BYTES, 64, 8, 0])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.randoms(use_true_random=True))  # real frequencies, not shrink-friendly ones
+def test_validate_trajectory_agrees_on_hostile_trajectories(rnd: random.Random) -> None:
+    assert_validate_agrees(*hostile_trajectory(rnd))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_validate_trajectory_agrees_on_mutated_messages(data) -> None:
+    frames = wire(data.draw(st.sampled_from([traj(), params(), traj(arrays={"x": np.arange(6.0).reshape(2, 3),
+                                                                            "y": np.zeros(0, np.int8)})])).encode())
+    i = data.draw(st.integers(0, len(frames) - 1))
+    raw = bytearray(frames[i])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        raw = raw[:data.draw(st.integers(0, len(raw)))]
+    frames = [*frames[:i], bytes(raw), *frames[i + 1:]]
+    if data.draw(st.booleans()):
+        frames = data.draw(st.permutations(frames)) if data.draw(st.booleans()) else [*frames, frames[-1]]
+    assert_validate_agrees(frames, data.draw(st.sampled_from([P.DEFAULT_MAX_MESSAGE_BYTES, 16, 0])))
+
+
+def test_zmq_frames_take_the_same_checks_as_bytes() -> None:
+    """zmq.Frame has its own fast paths (preamble, header, array sizes): same verdicts, same errors."""
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://frames-vs-bytes")
+        b.connect("inproc://frames-vs-bytes")
+        cases = [wire(m.encode()) for m in EXAMPLES] + [frames for _, frames, _ in BAD if frames]
+        for frames in cases:
+            a.send_multipart(frames, copy=False)
+            assert b.poll(5000)
+            received = b.recv_multipart(copy=False)
+            assert all(isinstance(f, zmq.Frame) for f in received)
+            assert P.message_nbytes(received) == P.message_nbytes(frames) == sum(len(bytes(f)) for f in frames)
+            assert outcome(P.decode, received, 1 << 20)[1] == outcome(P.decode, frames, 1 << 20)[1]
+            assert_validate_agrees(received, 1 << 20)
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+        ctx.term()
+
+
+def test_encode_sends_wire_ready_arrays_without_copying() -> None:
+    ready = {"f": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, bool), "s": np.array(7, np.int64)}
+    other = {"t": ready["f"].T, "be": np.arange(3, dtype=">i4"), "list": [1.5, 2.5]}
+    frames = P.encode(traj(arrays={**ready, **other}))
+    for frame, array in zip(frames[2:], ready.values()):
+        assert frame is array
+    for frame, array in zip(frames[2 + len(ready):], other.values()):
+        assert not np.shares_memory(frame, np.asarray(array)) and np.array_equal(frame, array)
+    assert_same(traj(arrays={**ready, **other}), P.decode(frames))
+
+
+def test_unexportable_array_frames_are_protocol_errors() -> None:
+    header = with_(arrays=[["a", "int64", [2]]])
+    for frame in (np.zeros(2, "M8[s]"), np.zeros(2, "m8[s]")):
+        with pytest.raises(P.ProtocolError, match="bytes-like"):
+            P.decode(frames_of(header, frame))
+        with pytest.raises(P.ProtocolError, match="bytes-like"):
+            P.validate_trajectory(frames_of(header, frame), 1 << 20)

@@ -7,68 +7,33 @@ Every message is one ZeroMQ multipart message::
     frame 2+  arrays     one raw, C-contiguous, little-endian buffer per entry of header["arrays"], in order
 
 Small values travel in the msgpack header; numpy arrays travel as their own frames, sent with
-``copy=False`` and received zero-copy (``np.frombuffer`` over the ZeroMQ frame). Nothing is ever
+``copy=False`` and received zero-copy (a numpy view over the ZeroMQ frame). Nothing is ever
 pickled. ``decode`` validates everything before a message is used and raises one
-:class:`ProtocolError` that says what was wrong. docs/protocol.md documents every frame.
+:class:`ProtocolError` that says what was wrong; ``validate_trajectory`` does the same checks for
+a forwarder without building anything. docs/protocol.md documents every frame. The per-frame and
+per-array work (limits, dtypes, array specs) is in zddrl/wire.py, re-exported here.
 
 A ROUTER socket prepends the peer's identity frame; ``split_routed`` separates it.
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import msgpack
 import numpy as np
 
-SIGNATURE = b"ZDRL"
-PROTOCOL_VERSION = 1
-PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
+# The byte layer (preamble, limits, dtypes, array frames) lives in zddrl.wire; its public names are
+# part of this module's interface too.
+from .wire import (DEFAULT_MAX_MESSAGE_BYTES, DTYPES, MAX_ARRAYS, MAX_HEADER_BYTES, MAX_NDIM,  # noqa: F401
+                   PREAMBLE, PROTOCOL_VERSION, SIGNATURE, ProtocolError, ZmqFrame, check_arrays, check_preamble,
+                   encode_arrays, flat_buffer, frame_buffer, param_hash, wire_array)
 
-MAX_HEADER_BYTES = 1 << 20
-"""A header is metadata; anything bigger than 1 MiB is hostile or a bug."""
-MAX_ARRAYS = 64
-MAX_NDIM = 8
-"""Most dimensions an array (or a parameter-layout row) may have."""
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
-"""Default limit on the summed size of all array frames of one message (1 GiB)."""
-
-# Wire dtype names (language-neutral) -> numpy dtype. Everything is little-endian on the wire.
-DTYPES: dict[str, np.dtype] = {
-    "bool": np.dtype(np.bool_),
-    "int8": np.dtype("<i1"),
-    "uint8": np.dtype("<u1"),
-    "int16": np.dtype("<i2"),
-    "uint16": np.dtype("<u2"),
-    "int32": np.dtype("<i4"),
-    "uint32": np.dtype("<u4"),
-    "int64": np.dtype("<i8"),
-    "uint64": np.dtype("<u8"),
-    "float16": np.dtype("<f2"),
-    "float32": np.dtype("<f4"),
-    "float64": np.dtype("<f8"),
-}
-_DTYPE_NAMES = {dt: name for name, dt in DTYPES.items()}
-
-
-class ProtocolError(ValueError):
-    """A message that does not follow the protocol. The text says what was wrong."""
-
-
-def param_hash(buffer: bytes | memoryview | np.ndarray) -> str:
-    """Integrity hash of a flat parameter buffer: the first 16 hex digits of the SHA-1 of its wire bytes.
-
-    An array is hashed as it travels (C order, little-endian), so the sender's and the receiver's
-    hashes agree whatever the sender's memory layout or byte order.
-    """
-    if isinstance(buffer, np.ndarray):
-        buffer = wire_array(buffer)
-    return hashlib.sha1(_buffer(buffer)).hexdigest()[:16]
+_buffer = flat_buffer  # the name tests and docs/src/gen_protocol.py know
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,101 +207,125 @@ def _msgpack_default(obj: Any) -> Any:
     raise TypeError(f"cannot put a {type(obj).__name__} in a message header")
 
 
-def wire_array(array: np.ndarray) -> np.ndarray:
-    """The array as it goes on the wire: C-contiguous, little-endian, a whitelisted dtype, same shape.
-
-    Copies only when needed (non-contiguous or big-endian input); 0-d arrays stay 0-d.
-    """
-    array = np.asarray(array)
-    dtype = array.dtype.newbyteorder("<")  # a no-op for "<" and "|"; converts ">" and a big-endian "="
-    if dtype not in _DTYPE_NAMES or dtype.kind not in "biuf":
-        raise ProtocolError(f"dtype {array.dtype} cannot travel; allowed: {', '.join(DTYPES)}")
-    if array.ndim > MAX_NDIM:
-        raise ProtocolError(f"array of {array.ndim} dimensions cannot travel (at most {MAX_NDIM})")
-    # np.ascontiguousarray would turn a 0-d array into shape (1,); np.require keeps the shape.
-    return np.require(array, dtype=dtype, requirements="C")
-
-
 def encode(msg: Message) -> list[Any]:
     """Frames of ``msg``: ``[PREAMBLE, header, *array buffers]``. Send with ``copy=False``."""
     header: dict[str, Any] = {"kind": msg.KIND}
     buffers: list[Any] = []
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        if f.name == "arrays":
-            if len(value) > MAX_ARRAYS:
-                raise ProtocolError(f"{msg.KIND}: {len(value)} arrays, at most {MAX_ARRAYS} can travel")
-            specs = []
-            for name, array in value.items():
-                if not isinstance(name, str) or not name:
-                    raise ProtocolError(f"{msg.KIND}: array name {name!r} must be a non-empty string")
-                array = wire_array(array)
-                specs.append([name, _DTYPE_NAMES[array.dtype], list(array.shape)])
-                buffers.append(array)
-            header["arrays"] = specs
+    names = _FIELD_NAMES.get(type(msg)) or [f.name for f in dataclasses.fields(msg)]
+    for name in names:  # field order is header order: the bytes stay what docs/protocol.md shows
+        if name == "arrays":
+            header["arrays"] = encode_arrays(msg.KIND, msg.arrays, buffers)  # type: ignore[attr-defined]
         else:
-            header[f.name] = value
+            header[name] = getattr(msg, name)
     return [PREAMBLE, msgpack.packb(header, default=_msgpack_default, use_bin_type=True), *buffers]
 
 
 # --------------------------------------------------------------------------------------------
-# Decoding and validation
+# Per-kind field tables, built once at import
 # --------------------------------------------------------------------------------------------
+# Header values come from msgpack.unpackb, which makes only exact built-in types (None, bool, int,
+# float, str, bytes, list, dict, ExtType, Timestamp). So ``type(v) is int`` is the field test
+# "int and not bool", ``type(v) is str`` is isinstance(v, str), and so on: one cheap test each.
 
-
-def _buffer(frame: Any) -> memoryview:
-    """The frame's bytes as a flat unsigned-byte view, without copying.
-
-    zmq.Frame (``copy=False``) exposes ``.buffer``; bytes and arrays are buffers already.
-    """
-    buf = getattr(frame, "buffer", None)
-    try:
-        view = buf if isinstance(buf, memoryview) else memoryview(frame)
-    except TypeError:
-        raise ProtocolError(f"a frame must be a bytes-like buffer, got {type(frame).__name__}") from None
-    if view.nbytes == 0:
-        return memoryview(b"")
-    if not view.c_contiguous:
-        raise ProtocolError("a frame must be a C-contiguous buffer")
-    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 
 
 def _plain(value: Any) -> bool:
     """True if ``value`` is plain data: nil, bool, int, float, str, bin, arrays and str-keyed maps of those.
 
-    Iterative, so a deeply nested hostile header cannot exhaust the Python stack.
+    Iterative, so a deeply nested hostile header cannot exhaust the Python stack. Scalars are
+    checked where they sit instead of each taking a trip through the stack (info maps are flat).
     """
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, dict):
-            if not all(isinstance(k, str) for k in v):
-                return False
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif not (v is None or isinstance(v, (bool, int, float, str, bytes))):
+        if type(v) is dict:
+            for k in v:
+                if type(k) is not str:
+                    return False
+            items = v.values()
+        elif type(v) is list:
+            items = v
+        elif type(v) in _SCALARS:
+            continue
+        else:
             return False  # msgpack ext types (ExtType, Timestamp) have no place in a header
+        for x in items:
+            if type(x) is dict or type(x) is list:
+                stack.append(x)
+            elif type(x) not in _SCALARS:
+                return False
     return True
 
 
-def _type_ok(value: Any, hint: Any) -> bool:
+def _checker(hint: Any) -> Any:
+    """The type test of a header field with annotation ``hint``: a type (the value's exact type must
+    be it) or a predicate. Built once per field at import: reading annotations (typing.get_origin,
+    get_args) for every field of every message was a large share of decode's cost."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
+        parts = tuple(_predicate(_checker(h)) for h in typing.get_args(hint))
+        return lambda v: any(part(v) for part in parts)
     origin = typing.get_origin(hint) or hint
     if hint is type(None):
-        return value is None
-    if origin is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda v: v is None
+    if origin in (int, bool, str, bytes):  # exact: so an int field refuses a bool, as it must
+        return origin
     if origin is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if origin is bool:
-        return isinstance(value, bool)
+        return lambda v: (type(v) is float or type(v) is int) and math.isfinite(v)
     if origin in (dict, Mapping):
-        return isinstance(value, dict) and _plain(value)
+        return lambda v: type(v) is dict and _plain(v)
     if origin in (list, Sequence):
-        return isinstance(value, list) and _plain(value)
-    return isinstance(value, origin)
+        return lambda v: type(v) is list and _plain(v)
+    return lambda v: isinstance(v, origin)
+
+
+def _predicate(check: Any) -> Callable[[Any], bool]:
+    return (lambda v: type(v) is check) if isinstance(check, type) else check
+
+
+def _field_table(cls: type[Message]) -> tuple[tuple[str, Any, Any], ...]:
+    """``(name, type test, default factory)`` per field. ``arrays`` has no test (it is checked against
+    the frames) and, on the wire, no default; a field without a default has factory None."""
+    hints = typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory
+        elif f.default is not dataclasses.MISSING:
+            default = (lambda value: lambda: value)(f.default)
+        else:
+            default = None
+        if f.name == "arrays":
+            rows.append((f.name, None, None))
+        else:
+            rows.append((f.name, _checker(hints[f.name]), default))
+    return tuple(rows)
+
+
+def _builder(cls: type[Message]) -> Callable[[dict[str, Any]], Message]:
+    """``cls(**fields)`` for ``fields`` naming every field, without the generated ``__init__`` when it
+    only stores them: a frozen dataclass sets each field through object.__setattr__, which cost as
+    much as all of a trajectory's header checks together; filling ``__dict__`` at once gives the
+    same object. A class with ``__post_init__`` or ``__slots__`` keeps its ``__init__``."""
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
+        return lambda fields: cls(**fields)
+
+    def build(fields: dict[str, Any]) -> Message:
+        obj = object.__new__(cls)
+        obj.__dict__.update(fields)
+        return obj
+    return build
+
+
+_MISSING = object()
+_FIELDS = {cls: _field_table(cls) for cls in MESSAGE_TYPES.values()}
+_FIELD_NAMES = {cls: tuple(row[0] for row in rows) for cls, rows in _FIELDS.items()}
+_BUILD = {cls: _builder(cls) for cls in MESSAGE_TYPES.values()}
+
+
+# --------------------------------------------------------------------------------------------
+# Decoding and validation
+# --------------------------------------------------------------------------------------------
 
 
 def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
@@ -347,76 +336,68 @@ def _shape_ok(shape: Any) -> bool:
     return isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d, 0) for d in shape)
 
 
-_HINTS: dict[type[Message], dict[str, Any]] = {cls: typing.get_type_hints(cls) for cls in MESSAGE_TYPES.values()}
-
-
-def _decode_arrays(specs: Any, frames: Sequence[Any], max_message_bytes: int) -> dict[str, np.ndarray]:
-    if not isinstance(specs, list):
-        raise ProtocolError("header 'arrays' must be a list of [name, dtype, shape]")
-    if len(specs) != len(frames):
-        raise ProtocolError(f"header names {len(specs)} arrays but {len(frames)} array frames follow")
-    arrays: dict[str, np.ndarray] = {}
-    total = 0
-    for i, (spec, frame) in enumerate(zip(specs, frames)):
-        if not (isinstance(spec, list) and len(spec) == 3):
-            raise ProtocolError(f"array spec {i} must be [name, dtype, shape]")
-        name, dtype_name, shape = spec
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(f"array spec {i}: name {name!r} must be a non-empty string")
-        if name in arrays:
-            raise ProtocolError(f"array spec {i}: duplicate array name {name!r}")
-        dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-        if dtype is None:
-            raise ProtocolError(f"array {name!r}: dtype {dtype_name!r} is not allowed; allowed: {', '.join(DTYPES)}")
-        if not _shape_ok(shape):
-            raise ProtocolError(f"array {name!r}: shape {shape!r} must be a list of at most {MAX_NDIM} "
-                                "non-negative ints")
-        # Zero-size arrays may have huge other dimensions; numpy (and sanity) cannot hold those.
-        if math.prod(d for d in shape if d) * dtype.itemsize > max_message_bytes:
-            raise ProtocolError(f"array {name!r}: shape {shape} is too large for the {max_message_bytes}-byte "
-                                "limit")
-        buf = _buffer(frame)
-        expected = math.prod(shape) * dtype.itemsize
-        if expected != buf.nbytes:
-            raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {expected} bytes, "
-                                f"frame has {buf.nbytes}")
-        total += expected
-        if total > max_message_bytes:
-            raise ProtocolError(f"message arrays exceed the {max_message_bytes}-byte limit")
-        arrays[name] = np.frombuffer(buf, dtype=dtype).reshape(shape)
-    return arrays
-
-
 def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[str, Any]:
     """Check preamble, frame count and header; return the header map (arrays not yet checked)."""
     if len(frames) < 2:
         raise ProtocolError(f"a message has at least 2 frames (preamble, header), got {len(frames)}")
     if len(frames) > MAX_ARRAYS + 2:
         raise ProtocolError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 2}")
-    first = _buffer(frames[0])
-    head = bytes(first[:8])  # never copy a huge frame
-    if head[:4] != SIGNATURE:
-        raise ProtocolError(f"bad signature {head!r}: not a zddrl message")
-    if first.nbytes != len(PREAMBLE) or head[4] != PROTOCOL_VERSION:
-        version = head[4] if len(head) > 4 else None
-        raise ProtocolError(f"unsupported protocol version {version} in a {first.nbytes}-byte preamble "
-                            f"(this side speaks {PROTOCOL_VERSION}: preamble {PREAMBLE.hex()})")
-    raw = _buffer(frames[1])
-    if raw.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {raw.nbytes} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    first = frames[0]
+    if not (type(first) is bytes and first == PREAMBLE
+            or type(first) is ZmqFrame and len(first) == len(PREAMBLE) and first.bytes == PREAMBLE):
+        check_preamble(first)
+    raw = frames[1]
+    if type(raw) is not bytes and type(raw) is not ZmqFrame:  # those two msgpack reads as they are
+        raw = flat_buffer(raw)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
     except Exception as exc:  # msgpack raises a zoo of types on garbage
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    bad_keys = [k for k in header if not isinstance(k, str)]
-    if bad_keys:
-        raise ProtocolError(f"header keys must be strings, got {bad_keys[0]!r}")
+    for key in header:
+        if type(key) is not str:
+            raise ProtocolError(f"header keys must be strings, got {key!r}")
     kind = header.get("kind")
-    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+    if type(kind) is not str or kind not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message kind {kind!r}")
     return header
+
+
+def _fields(cls: type[Message], header: dict[str, Any], frames: Sequence[Any], max_message_bytes: int,
+            views: bool) -> dict[str, Any]:
+    """Every field of ``cls`` from a checked ``header`` (defaults filled in); raises on any defect.
+
+    ``arrays`` becomes views over the frames if ``views``, else stays the header's (checked) specs.
+    The header is not modified.
+    """
+    fields: dict[str, Any] = {}
+    present = 1  # "kind"
+    for name, check, default in _FIELDS[cls]:
+        value = header.get(name, _MISSING)
+        if value is _MISSING:
+            if default is None:
+                raise ProtocolError(f"{cls.KIND}: missing field {name!r}")
+            fields[name] = default()
+            continue
+        present += 1
+        if check is None:
+            fields[name] = check_arrays(value, frames[2:], max_message_bytes, views)
+        elif type(value) is check or (type(check) is not type and check(value)):
+            fields[name] = value
+        else:
+            raise ProtocolError(f"{cls.KIND}: field {name!r} has the wrong type ({type(value).__name__})")
+    if not cls.HAS_ARRAYS and len(frames) > 2:
+        raise ProtocolError(f"{cls.KIND} carries no arrays, got {len(frames) - 2} extra frames")
+    if len(header) > present:  # keys that are neither "kind" nor a field
+        unknown = sorted(set(header) - {"kind", *_FIELD_NAMES[cls]})
+        raise ProtocolError(f"{cls.KIND}: unknown fields {unknown}")
+    check = _CHECKS.get(cls)
+    if check is not None:
+        check(fields)
+    return fields
 
 
 def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Message:
@@ -426,31 +407,21 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     memory, so copy them before mutating or before the frames' buffers are reused.
     """
     header = decode_header(frames, max_message_bytes)
-    cls = MESSAGE_TYPES[header.pop("kind")]
-    hints = _HINTS[cls]
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name == "arrays":
-            if "arrays" not in header:
-                raise ProtocolError(f"{cls.KIND}: missing field 'arrays'")
-            kwargs["arrays"] = _decode_arrays(header.pop("arrays"), frames[2:], max_message_bytes)
-            continue
-        if f.name not in header:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.KIND}: missing field {f.name!r}")
-            continue
-        value = header.pop(f.name)
-        if not _type_ok(value, hints[f.name]):
-            raise ProtocolError(f"{cls.KIND}: field {f.name!r} has the wrong type ({type(value).__name__})")
-        kwargs[f.name] = value
-    if not cls.HAS_ARRAYS and len(frames) > 2:
-        raise ProtocolError(f"{cls.KIND} carries no arrays, got {len(frames) - 2} extra frames")
-    if header:
-        raise ProtocolError(f"{cls.KIND}: unknown fields {sorted(header)}")
-    check = _CHECKS.get(cls)
-    if check is not None:
-        check(kwargs)
-    return cls(**kwargs)
+    cls = MESSAGE_TYPES[header["kind"]]
+    return _BUILD[cls](_fields(cls, header, frames, max_message_bytes, True))
+
+
+def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[str, Any]:
+    """Check a trajectory exactly as :func:`decode` does, without building arrays or the message.
+
+    For a forwarder, which passes the frames on untouched: raises :class:`ProtocolError` wherever
+    decode would (and for any other kind), and otherwise returns the header map: ``kind`` and every
+    Trajectory field (defaults filled in), with ``arrays`` the checked ``[name, dtype, shape]`` specs.
+    """
+    header = decode_header(frames, max_message_bytes)
+    if header["kind"] != Trajectory.KIND:
+        raise ProtocolError(f"a {header['kind']} message is not a trajectory")
+    return {"kind": Trajectory.KIND, **_fields(Trajectory, header, frames, max_message_bytes, False)}
 
 
 def _check_welcome(fields: dict[str, Any]) -> None:
@@ -496,9 +467,9 @@ def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:
     """Split a ROUTER-received message into (peer identity, message frames)."""
     if len(frames) < 3:
         raise ProtocolError("routed message lacks an identity frame")
-    return bytes(_buffer(frames[0])), frames[1:]
+    return bytes(flat_buffer(frames[0])), frames[1:]
 
 
 def message_nbytes(frames: Sequence[Any]) -> int:
     """Bytes of all frames together (what the counters call 'bytes')."""
-    return sum(_buffer(f).nbytes for f in frames)
+    return sum(frame_buffer(f)[1] for f in frames)  # per forwarded message: no memoryview per frame
