@@ -235,14 +235,12 @@ class Broker:
         """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
 
         Returns the sending actor (if it is a member) so that its credit can be returned."""
-        try:
-            msg = self._decode(frames)
-            if not isinstance(msg, P.Trajectory):
-                raise P.ProtocolError(f"a {msg.KIND} message arrived on the trajectory socket")
+        try:  # full validation, but no arrays built: the broker forwards the frames untouched
+            msg = P.validate_trajectory(frames, self.config.max_message_bytes)
         except P.ProtocolError as exc:
             self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
             return None
-        actor = self.members.get(msg.sender)
+        actor = self.members.get(msg["sender"])
         if actor is not None:
             actor.last_seen = time.monotonic()
         reason, why = self._refusal(msg)
@@ -269,22 +267,22 @@ class Broker:
             if actor is not None:
                 actor.counters["messages"] += 1
                 actor.counters["bytes"] += nbytes
-                actor.counters["env_steps"] += msg.env_steps
+                actor.counters["env_steps"] += msg["env_steps"]
             return actor
 
-    def _refusal(self, msg: P.Trajectory) -> tuple[str, str]:
-        """(drop reason, log text) for a trajectory the run cannot use, else ("", "")."""
+    def _refusal(self, header: dict[str, Any]) -> tuple[str, str]:
+        """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
+        sender, run_id, version = header["sender"], header["run_id"], header["policy_version"]
         # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
-        if not self.run_id or msg.run_id != self.run_id:
-            return "unknown_run", (f"dropped a trajectory of unknown run {msg.run_id!r} from {msg.sender} "
+        if not self.run_id or run_id != self.run_id:
+            return "unknown_run", (f"dropped a trajectory of unknown run {run_id!r} from {sender} "
                                    f"(current run {self.run_id!r})")
         # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
-        if msg.policy_version < 0 or msg.policy_version > self.params_version:
-            return "unknown_version", (f"dropped a trajectory from {msg.sender} with version {msg.policy_version} "
+        if version < 0 or version > self.params_version:
+            return "unknown_version", (f"dropped a trajectory from {sender} with version {version} "
                                        f"never published (latest {self.params_version})")
-        if msg.policy_version < self.params_version - self._max_staleness():
-            return "stale", (f"dropped stale data from {msg.sender}: version {msg.policy_version}, "
-                             f"latest {self.params_version}")
+        if version < self.params_version - self._max_staleness():
+            return "stale", f"dropped stale data from {sender}: version {version}, latest {self.params_version}"
         return "", ""
 
     def _set_credit(self, shard: Member, credit: int) -> None:
