@@ -170,15 +170,31 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
 @main.command()
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the broker's status as JSON.")
+@click.option("--watch", is_flag=True, help="Keep a live table on screen, refreshed every --interval seconds.")
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the broker.")
-def status(connect, as_json, timeout) -> None:
-    """Print the broker's counters, members and drops."""
-    from .status import format_status, request_status
+def status(connect, as_json, watch, interval, timeout) -> None:
+    """Print the broker's counters, members, drops and health warnings."""
+    from .status import format_status, request_status, watch_status
 
+    if watch:
+        watch_status(connect, interval, timeout)
+        return
     body = request_status(connect, timeout)
     if body is None:
         raise click.ClickException(f"no answer from a broker at {connect} within {timeout} s")
     click.echo(json.dumps(body, indent=2) if as_json else format_status(body))
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+def plot(run_dirs, output) -> None:
+    """Plot return vs env steps and vs wall time, SPS and staleness of one or more runs (overlaid)."""
+    from .plot import plot_runs
+
+    plot_runs([Path(d) for d in run_dirs], Path(output))
+    click.echo(output)
 
 
 from .bench.cli import bench  # noqa: E402  (registers the `bench` group)
