@@ -116,15 +116,18 @@ def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
 @click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
 @click.option("--t0", type=float, default=None, hidden=True, help="Epoch time the whole command started.")
+@click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its newest checkpoint.")
 @set_option
-def learner(config_path, connect, run_dir, mode, seed, t0, sets) -> None:
+def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None:
     """Run the learner on CONFIG: publish the run, train, publish parameters."""
     from .learner import LearnerNode
     from .train import default_run_dir
 
+    if resume and not run_dir:
+        raise click.UsageError("--resume needs --run-dir (the run to continue)")
     config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed}))
     try:
-        node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0)
+        node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0, resume=resume)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     summary = node.run(stop_on_signals())
@@ -140,15 +143,20 @@ def learner(config_path, connect, run_dir, mode, seed, t0, sets) -> None:
 @click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Exact run directory to write.")
+@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Continue this run directory from its newest checkpoint (metrics append).")
 @set_option
-def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, sets) -> None:
+def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, resume_dir, sets) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
+    from .runlog import latest_checkpoint
     from .train import run_training
 
     config = _load(config_path, _overrides(sets, **{
         "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
         "train.max_steps": max_steps, "train.max_seconds": max_seconds}))
-    summary = run_training(config, run_dir=run_dir, t0=STARTED_AT)
+    if resume_dir and latest_checkpoint(Path(resume_dir)) is None:
+        raise click.UsageError(f"--resume: no checkpoint in {Path(resume_dir) / 'checkpoints'}")
+    summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir))
     click.echo(json.dumps(summary))
 
 

@@ -165,6 +165,12 @@ class TrainConfig:
     """Stop after this many seconds since the command started."""
     run_dir: str = "runs"
     """Parent folder of run directories (each run gets its own sub-folder)."""
+    checkpoint_every: int = 0
+    """Checkpoint every this many updates (0: only by time and at the end)."""
+    checkpoint_every_s: float = 60.0
+    """Checkpoint at least this often (seconds); a final checkpoint is always written."""
+    keep_checkpoints: int = 3
+    """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
 
@@ -172,6 +178,8 @@ class TrainConfig:
         object.__setattr__(self, "slowdowns", tuple(self.slowdowns))
         _require(self.actors >= 1, "train.actors must be >= 1")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
+        _require(self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,
+                 "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1")
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
 
 

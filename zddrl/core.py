@@ -111,9 +111,31 @@ class LearnerCore:
             return self.model.value(torch.as_tensor(self.normalize(obs))).numpy()
 
     def state(self) -> dict:
+        """Everything an update depends on, as tensors and plain values (``weights_only`` loadable)."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "steps_trained": self.steps_trained}
+                 "steps_trained": self.steps_trained, "torch_rng": torch.get_rng_state()}
         if self.obs_rms is not None:
-            state["obs_rms"] = {"mean": torch.from_numpy(self.obs_rms.mean), "var": torch.from_numpy(self.obs_rms.var),
-                                "count": self.obs_rms.count}
+            state["obs_rms"] = _rms_state(self.obs_rms)
+        if self.reward_scaler is not None:
+            state["reward_rms"] = _rms_state(self.reward_scaler.rms)
+            state["reward_returns"] = {k: torch.as_tensor(v) for k, v in self.reward_scaler.returns.items()}
         return state
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps_trained = int(state["steps_trained"])
+        torch.set_rng_state(state["torch_rng"])
+        if self.obs_rms is not None and "obs_rms" in state:
+            _load_rms(self.obs_rms, state["obs_rms"])
+        if self.reward_scaler is not None and "reward_rms" in state:
+            _load_rms(self.reward_scaler.rms, state["reward_rms"])
+            self.reward_scaler.returns = {k: v.numpy() for k, v in state.get("reward_returns", {}).items()}
+
+
+def _rms_state(rms: RunningMeanStd) -> dict:
+    return {"mean": torch.as_tensor(rms.mean), "var": torch.as_tensor(rms.var), "count": float(rms.count)}
+
+
+def _load_rms(rms: RunningMeanStd, state: dict) -> None:
+    rms.mean, rms.var, rms.count = state["mean"].numpy(), state["var"].numpy(), float(state["count"])

@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,13 @@ from loguru import logger
 from . import protocol as P
 from .channel import CREDIT_WINDOW, DataChannel
 from .client import BrokerLink, hello_fields
-from .config import Config
+from .config import Config, ConfigError
 from .envs import probe_spec
 from .core import LearnerCore
 from .impala import ImpalaLearner
 from .ppo import PPOLearner
-from .runlog import RunLog
+from .progress import Progress
+from .runlog import RunLog, latest_checkpoint, load_checkpoint
 from .status import request_status
 
 RECV_POLL_MS = 20
@@ -43,7 +44,6 @@ FLEET_QUERY_TIMEOUT_S = 1.0
 LAG_WINDOW = 20
 """Updates over which a steadily growing median actor lag raises a warning."""
 STATS_EVERY_S = 1.0
-RETURN_WINDOW = 20
 MEDIAN_WINDOW = 50
 
 
@@ -51,7 +51,7 @@ class LearnerNode:
     """``LearnerNode(connect, config, run_dir).run(stop) -> summary``."""
 
     def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
-                 peer_id: str = "learner-0", context: zmq.Context | None = None) -> None:
+                 peer_id: str = "learner-0", context: zmq.Context | None = None, resume: bool = False) -> None:
         self.connect = connect
         self.config = config
         self.algo = config.algo
@@ -62,20 +62,16 @@ class LearnerNode:
         self.log = logger.bind(role="learner", peer=peer_id)
         self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
         self.core: LearnerCore = (ImpalaLearner if config.algo.mode == "impala" else PPOLearner)(config, self.spec)
-        self.runlog = RunLog(run_dir, config.to_dict())
         self.version = 0
+        self.progress = Progress()
         self.param_hash = ""
         self.published: P.Parameters | None = None
         self.hashes: dict[int, str] = {}
-        self.returns: deque[float] = deque(maxlen=RETURN_WINDOW)
-        self.episodes = 0
-        self.actor_steps: dict[str, int] = {}
-        self.dropped_late: dict[str, int] = defaultdict(int)
-        self.dropped_stale: dict[str, int] = defaultdict(int)
         self.lag: dict[str, int] = {}
         """Per actor: staleness of its newest trajectory (learner version - its version)."""
         self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
         self.next_stats = 0.0
+        self.last_checkpoint_updates = -1
         self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         """Seconds from a round's start to each actor's in-time report, over recent rounds."""
         self.stragglers: set[str] = set()
@@ -83,8 +79,13 @@ class LearnerNode:
         self.rollout_len = config.env.rollout_len
         self.fleet: dict[str, int] = {}
         """Connected actors and their env counts, as the broker last reported them."""
-        self.updates = 0
-        self.target: dict[str, Any] = {}
+        checkpoint = latest_checkpoint(Path(run_dir)) if resume else None
+        if resume and checkpoint is None:
+            raise ConfigError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
+        if checkpoint is not None:
+            self._restore(load_checkpoint(checkpoint), checkpoint)
+        self.runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None)
+        self.next_checkpoint_s = time.monotonic() + config.train.checkpoint_every_s
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
@@ -99,16 +100,22 @@ class LearnerNode:
             self._refresh_fleet()
             self._publish(channel)
             self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
-                          f"batch {self.algo.batch_size} steps, version 0 published")
+                          f"batch {self.algo.batch_size} steps, version {self.version} published")
             step = self._round if self.algo.mode == "sync" else self._stream
             while not stop.is_set() and not self._finished():
                 channel = self._reconnect_if_needed(link, channel)
                 step(channel, stop)
                 self._report(link)
+                self._maybe_checkpoint()
+        except Exception as exc:
+            report = getattr(link, "report_crash", None)  # forensics: the broker shows why we died
+            if report is not None:
+                report(exc)
+            raise
         finally:
             summary = self._summary()
             self.runlog.summary(summary)
-            self.runlog.checkpoint(self._checkpoint_state())
+            self._checkpoint(final=True)
             self.runlog.close()
             if channel is not None:
                 channel.close()
@@ -187,7 +194,7 @@ class LearnerNode:
         t0 = time.monotonic()
         batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch, staleness=staleness)
-        self.updates += 1
+        self.progress.updates += 1
         self.version += 1
         return figures, time.monotonic() - t0
 
@@ -215,7 +222,7 @@ class LearnerNode:
         round_s = time.monotonic() - started
         staleness = np.repeat([self.version - t.policy_version for t in batch], [t.env_steps for t in batch])
         figures, update_s = self._train(batch, float(staleness.mean()))
-        if self.updates % self.algo.publish_every == 0:
+        if self.progress.updates % self.algo.publish_every == 0:
             self._publish(channel)
         hist = np.bincount(staleness)
         figures.update(staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
@@ -224,8 +231,8 @@ class LearnerNode:
         self._log_update(figures, round_s, update_s, len({t.sender for t in batch}))
 
     def _drop_stale(self, msg: P.Trajectory, staleness: int) -> None:
-        self.dropped_stale[msg.sender] += 1
-        n = self.dropped_stale[msg.sender]
+        self.progress.dropped_stale[msg.sender] += 1
+        n = self.progress.dropped_stale[msg.sender]
         if n == 1 or n % 100 == 0:
             self.log.warning(f"dropped stale data from {msg.sender}: version {msg.policy_version} is {staleness} "
                              f"behind {self.version} (max_staleness {self.algo.max_staleness}; {n} so far)")
@@ -249,10 +256,10 @@ class LearnerNode:
         self.next_stats = now + STATS_EVERY_S
         ret = self.return_mean()
         link.send(P.Stats(sender=self.peer_id, role="learner", stats={
-            "policy_version": self.version, "updates": self.updates, "env_steps": self.total_env_steps(),
+            "policy_version": self.version, "updates": self.progress.updates, "env_steps": self.total_env_steps(),
             "return_mean_20": None if math.isnan(ret) else ret,
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
-            "dropped_late": sum(self.dropped_late.values()), "dropped_stale": sum(self.dropped_stale.values())}))
+            "dropped_late": sum(self.progress.dropped_late.values()), "dropped_stale": sum(self.progress.dropped_stale.values())}))
 
     def _straggler_timeout(self) -> float:
         """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
@@ -283,19 +290,16 @@ class LearnerNode:
         """Every received trajectory counts toward env steps and episode returns, accepted or not."""
         self.lag[msg.sender] = self.version - msg.policy_version
         total = msg.info.get("total_env_steps")
-        self.actor_steps[msg.sender] = max(self.actor_steps.get(msg.sender, 0),
-                                           total if isinstance(total, int) else msg.env_steps)
+        self.progress.count_steps(msg.sender, total, msg.env_steps)
         expected = self.hashes.get(msg.policy_version)
         if expected is not None and msg.param_hash != expected:
             self.log.error(f"actor {msg.sender} acts with parameters {msg.param_hash} that were never published "
                            f"for version {msg.policy_version} (published {expected})")
-        for r in msg.arrays["ep_returns"]:
-            self.returns.append(float(r))
-            self.episodes += 1
+        self.progress.add_episodes(msg.arrays["ep_returns"])
 
     def _drop_late(self, msg: P.Trajectory) -> None:
-        self.dropped_late[msg.sender] += 1
-        n = self.dropped_late[msg.sender]
+        self.progress.dropped_late[msg.sender] += 1
+        n = self.progress.dropped_late[msg.sender]
         if n == 1 or n % 100 == 0:
             self.log.warning(f"dropped late data from {msg.sender}: version {msg.policy_version}, round "
                              f"{self.version} ({n} so far from this actor)")
@@ -311,44 +315,72 @@ class LearnerNode:
         channel.send(self.published)
 
     def total_env_steps(self) -> int:
-        return sum(self.actor_steps.values())
+        return self.progress.env_steps()
 
     def return_mean(self) -> float:
-        return float(np.mean(self.returns)) if len(self.returns) >= RETURN_WINDOW else math.nan
+        return self.progress.return_mean()
+
+    def wall_s(self) -> float:
+        """Seconds of this run, earlier incarnations (before a resume) included."""
+        return self.progress.wall_before + time.time() - self.t0
 
     def _log_update(self, figures: dict[str, float], round_s: float, update_s: float, actors: int) -> None:
-        wall = time.time() - self.t0
+        wall = self.wall_s()
         steps = self.total_env_steps()
         ret = self.return_mean()
         row = {"wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
-               "return_mean_20": ret, "episodes": self.episodes, "staleness_mean": 0.0, "staleness_max": 0,
-               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.dropped_late.values()),
-               "dropped_stale": sum(self.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "return_mean_20": ret, "episodes": self.progress.episodes, "staleness_mean": 0.0, "staleness_max": 0,
+               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.progress.dropped_late.values()),
+               "dropped_stale": sum(self.progress.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
-        if not self.target and ret >= self.config.train.until_return:
-            self.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
+        if not self.progress.target and ret >= self.config.train.until_return:
+            self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
             self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "
                           f"steps, {wall:.2f} s")
 
     def _finished(self) -> bool:
         t = self.config.train
-        return bool(self.target) or self.total_env_steps() >= t.max_steps or time.time() - self.t0 >= t.max_seconds
+        return bool(self.progress.target) or self.total_env_steps() >= t.max_steps or time.time() - self.t0 >= t.max_seconds
 
     def _summary(self) -> dict[str, Any]:
-        wall = time.time() - self.t0
+        wall = self.wall_s()
         steps = self.total_env_steps()
         target = self.config.train.until_return
-        return {"target_return": None if math.isinf(target) else target, "reached": bool(self.target),
-                "wall_s_to_target": self.target.get("wall_s_to_target"),
-                "env_steps_to_target": self.target.get("env_steps_to_target"), "total_env_steps": steps,
+        return {"target_return": None if math.isinf(target) else target, "reached": bool(self.progress.target),
+                "wall_s_to_target": self.progress.target.get("wall_s_to_target"),
+                "env_steps_to_target": self.progress.target.get("env_steps_to_target"), "total_env_steps": steps,
                 "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
                 "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
-                "episodes": self.episodes, "policy_version": self.version, "updates": self.updates,
-                "dropped_late": dict(self.dropped_late), "dropped_stale": dict(self.dropped_stale),
+                "episodes": self.progress.episodes, "policy_version": self.version, "updates": self.progress.updates,
+                "dropped_late": dict(self.progress.dropped_late), "dropped_stale": dict(self.progress.dropped_stale),
                 "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
                 "run_id": self.run_id}
 
-    def _checkpoint_state(self) -> dict[str, Any]:
-        return {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
-                "env_steps": self.total_env_steps()}
+    # ---------------------------------------------------------------- checkpoints
+    def _maybe_checkpoint(self) -> None:
+        t = self.config.train
+        due_updates = t.checkpoint_every and self.progress.updates % t.checkpoint_every == 0
+        if (due_updates and self.progress.updates != self.last_checkpoint_updates) or \
+                time.monotonic() >= self.next_checkpoint_s:
+            self._checkpoint()
+
+    def _checkpoint(self, final: bool = False) -> None:
+        state = {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
+                 "progress": self.progress.state(self.wall_s()), "rollout_len": self.rollout_len,
+                 "env_steps": self.total_env_steps()}
+        path = self.runlog.checkpoint(state, f"ckpt-{self.version:08d}.pt", keep=self.config.train.keep_checkpoints)
+        if final:
+            self.runlog.checkpoint(state, "final.pt")
+        self.last_checkpoint_updates = self.progress.updates
+        self.next_checkpoint_s = time.monotonic() + self.config.train.checkpoint_every_s
+        self.log.debug(f"checkpoint {path.name} written")
+
+    def _restore(self, state: dict[str, Any], path: Path) -> None:
+        """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters."""
+        self.core.load_state(state)
+        self.version = int(state["policy_version"])
+        self.rollout_len = int(state.get("rollout_len", self.rollout_len))
+        self.progress = Progress.from_state(state["progress"])
+        self.log.info(f"resumed from {path}: version {self.version}, {self.progress.env_steps()} env steps, "
+                      f"{self.progress.updates} updates")

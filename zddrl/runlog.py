@@ -5,7 +5,8 @@ Layout (names that scripts and CI rely on; docs/run-directory.md documents each 
     RUN_DIR/config.toml        the resolved config
     RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
     RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
-    RUN_DIR/checkpoints/final.pt   model, optimizer, version, normalisation statistics, config
+    RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
+    RUN_DIR/checkpoints/final.pt   the last state: model, optimizer, version, statistics, RNG, config
 """
 from __future__ import annotations
 
@@ -40,15 +41,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 class RunLog:
-    """Writes one run directory. Only the learner (shard 0) owns one."""
+    """Writes one run directory. Only the learner (shard 0) owns one.
 
-    def __init__(self, run_dir: str | Path, config: dict[str, Any]) -> None:
+    ``resume_version``: continue a run whose checkpoint had that policy version; metrics rows written
+    after the checkpoint (work lost with the crash, done again now) are dropped, the rest kept.
+    """
+
+    def __init__(self, run_dir: str | Path, config: dict[str, Any], resume_version: int | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.toml").write_text(to_toml(config))
+        kept = self._rows_up_to(resume_version) if resume_version is not None else []
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
         self._csv.writeheader()
+        self._csv.writerows(kept)
+        self._csv_file.flush()
+
+    def _rows_up_to(self, version: int) -> list[dict[str, str]]:
+        try:
+            with open(self.dir / "metrics.csv", newline="") as f:
+                rows = list(csv.DictReader(f))
+        except FileNotFoundError:
+            return []
+        return [r for r in rows if r.get("policy_version", "").isdigit() and int(r["policy_version"]) <= version]
 
     def write(self, row: dict[str, Any]) -> None:
         self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
@@ -57,12 +73,20 @@ class RunLog:
     def summary(self, summary: dict[str, Any]) -> None:
         atomic_write_bytes(self.dir / "summary.json", json.dumps(summary, indent=2).encode())
 
-    def checkpoint(self, state: dict[str, Any], name: str = "final.pt") -> Path:
+    def checkpoint(self, state: dict[str, Any], name: str = "final.pt", keep: int | None = None) -> Path:
+        """Write ``checkpoints/NAME`` atomically (temp file, fsync, rename): a crash mid-write leaves the
+        previous checkpoints intact. With ``keep``, only the newest ``keep`` ckpt-*.pt files stay."""
         path = self.dir / "checkpoints" / name
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        torch.save(state, tmp)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        if keep:
+            for old in sorted(path.parent.glob("ckpt-*.pt"))[:-keep]:
+                old.unlink(missing_ok=True)
         return path
 
     def close(self) -> None:
@@ -73,6 +97,12 @@ def _fmt(value: Any) -> Any:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.6g}"
     return "" if value is None else value
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest periodic checkpoint (highest version) of a run; temp files of interrupted writes are ignored."""
+    found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    return found[-1] if found else None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

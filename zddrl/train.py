@@ -45,6 +45,17 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when `zddrl train` dies, even by SIGKILL,
+    so that no broker, actor or learner outlives the command (best effort elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 class Fleet:
     """The processes of one local run; ``stop()`` ends every one of them."""
 
@@ -55,7 +66,8 @@ class Fleet:
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent)
         log.close()
         self.procs[name] = proc
         return proc
@@ -92,7 +104,7 @@ def _progress(metrics: Path, t0: float) -> str | None:
 
 
 def run_training(config: Config, run_dir: str | Path | None = None, show_progress: bool = True,
-                 t0: float | None = None) -> dict[str, Any]:
+                 t0: float | None = None, resume: bool = False) -> dict[str, Any]:
     """Run the whole system locally until the learner stops; return its summary.
 
     ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it.
@@ -111,7 +123,7 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
         fleet.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
                                "--learner-port", str(learn), "--params-port", str(params)])
         learner = fleet.start("learner", ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir),
-                                          "--t0", repr(t0)])
+                                          "--t0", repr(t0), *(["--resume"] if resume else [])])
         slowdowns = config.train.slowdowns
         for i in range(config.train.actors):
             slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []

@@ -1,0 +1,67 @@
+"""What a learner has seen of its run: env steps, episodes, returns, drops, the target. Survives resumes.
+
+Env steps are counted from what actors report (each trajectory carries the actor's cumulative
+``total_env_steps``), relative to the first report seen from that actor in this learner's life:
+actor hosts outlive runs and learner restarts, so their totals include steps this run never saw.
+Steps and wall time of earlier incarnations of the run (before a resume) are carried as offsets.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+RETURN_WINDOW = 20
+
+
+@dataclass
+class Progress:
+    returns: deque = field(default_factory=lambda: deque(maxlen=RETURN_WINDOW))
+    """Returns of the last RETURN_WINDOW finished training episodes."""
+    episodes: int = 0
+    updates: int = 0
+    steps_before: int = 0
+    """Env steps of earlier incarnations of this run (resume)."""
+    wall_before: float = 0.0
+    """Wall seconds of earlier incarnations of this run (resume)."""
+    actor_steps: dict[str, int] = field(default_factory=dict)
+    actor_base: dict[str, int] = field(default_factory=dict)
+    dropped_late: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    target: dict[str, Any] = field(default_factory=dict)
+    """``wall_s_to_target`` and ``env_steps_to_target`` once the target return was reached."""
+
+    def count_steps(self, sender: str, reported_total: Any, env_steps: int) -> None:
+        total = reported_total if isinstance(reported_total, int) else self.actor_steps.get(sender, 0) + env_steps
+        if sender not in self.actor_base:
+            self.actor_base[sender] = total - env_steps  # this message's own steps count
+        self.actor_steps[sender] = max(self.actor_steps.get(sender, 0), total - self.actor_base[sender])
+
+    def add_episodes(self, returns: np.ndarray) -> None:
+        for r in returns:
+            self.returns.append(float(r))
+        self.episodes += len(returns)
+
+    def env_steps(self) -> int:
+        return self.steps_before + sum(self.actor_steps.values())
+
+    def return_mean(self) -> float:
+        return float(np.mean(self.returns)) if len(self.returns) >= RETURN_WINDOW else math.nan
+
+    def state(self, wall_s: float) -> dict[str, Any]:
+        """Plain values for a checkpoint (loadable with ``torch.load(weights_only=True)``)."""
+        return {"returns": list(self.returns), "episodes": self.episodes, "updates": self.updates,
+                "env_steps": self.env_steps(), "wall_s": wall_s, "dropped_late": dict(self.dropped_late),
+                "dropped_stale": dict(self.dropped_stale), "target": dict(self.target)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Progress:
+        p = cls(episodes=int(state["episodes"]), updates=int(state["updates"]), steps_before=int(state["env_steps"]),
+                wall_before=float(state["wall_s"]), target=dict(state["target"]))
+        p.returns.extend(float(r) for r in state["returns"])
+        p.dropped_late.update(state["dropped_late"])
+        p.dropped_stale.update(state["dropped_stale"])
+        return p
