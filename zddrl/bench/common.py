@@ -20,13 +20,12 @@ import zmq
 from loguru import logger
 
 from .. import protocol as P
+from ..channel import CREDIT_WINDOW
 
 HWM = 16
 """Queue depth of every bench socket: BrokerConfig.trajectory_hwm, so all paths buffer alike."""
-CREDIT_WINDOW = 16
-"""zddrl.learner.CREDIT_WINDOW (not imported: zddrl.learner imports torch, seconds per process)."""
-REGRANT_EVERY = 1
-"""Credit is re-granted per trajectory consumed, as LearnerNode._round does (--regrant-every)."""
+REGRANT_EVERY = CREDIT_WINDOW // 2
+"""Credit goes back in batches of half the window, as the learner's DataChannel.ack does (--regrant-every)."""
 IO_TIMEOUT_MS = 100
 """Blocking socket calls give up after this so that workers notice a new mode promptly."""
 T_STEPS, N_ENVS = 16, 4
