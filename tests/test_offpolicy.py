@@ -102,8 +102,8 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
             trajectory(8, 4, "future", 3, version=7), trajectory(8, 4, "ok", 2, version=3)]
     channel = FakeChannel(msgs)
     node._stream(channel, threading.Event())
-    assert node.dropped_stale == {"old": 1, "future": 1}
-    assert node.updates == 1 and node.version == 6
+    assert node.progress.dropped_stale == {"old": 1, "future": 1}
+    assert node.progress.updates == 1 and node.version == 6
     assert channel.granted == 4 and channel.sent == []  # publish_every = 2: nothing published yet
     assert node.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
     second = FakeChannel([trajectory(8, 4, "fresh", 4, version=6), trajectory(8, 4, "fresh", 5, version=6)])

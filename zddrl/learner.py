@@ -11,6 +11,7 @@ actors join or leave, and a round also closes as soon as every connected actor h
 """
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import threading
@@ -33,6 +34,7 @@ from .core import LearnerCore
 from .impala import ImpalaLearner
 from .ppo import PPOLearner
 from .progress import Progress
+from .proc import rss_mb
 from .runlog import RunLog, latest_checkpoint, load_checkpoint
 from .status import request_status
 
@@ -44,6 +46,10 @@ FLEET_QUERY_TIMEOUT_S = 1.0
 LAG_WINDOW = 20
 """Updates over which a steadily growing median actor lag raises a warning."""
 STATS_EVERY_S = 1.0
+REPORTED_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
+                    "grad_norm", "lr", "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean",
+                    "rho_mean", "sps")
+"""The last update's figures that go to `zddrl status` with the learner's stats."""
 MEDIAN_WINDOW = 50
 
 
@@ -71,6 +77,9 @@ class LearnerNode:
         """Per actor: staleness of its newest trajectory (learner version - its version)."""
         self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
         self.next_stats = 0.0
+        self.last_row: dict[str, Any] = {}
+        self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0}
+        """Since the last stats report: updates, samples trained on, seconds waiting for data / updating."""
         self.last_checkpoint_updates = -1
         self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         """Seconds from a round's start to each actor's in-time report, over recent rounds."""
@@ -99,6 +108,8 @@ class LearnerNode:
             channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
             self._refresh_fleet()
             self._publish(channel)
+            self.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
+                              "broker": self.connect})
             self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
                           f"batch {self.algo.batch_size} steps, version {self.version} published")
             step = self._round if self.algo.mode == "sync" else self._stream
@@ -115,6 +126,7 @@ class LearnerNode:
         finally:
             summary = self._summary()
             self.runlog.summary(summary)
+            self._record_hosts()
             self._checkpoint(final=True)
             self.runlog.close()
             if channel is not None:
@@ -253,13 +265,19 @@ class LearnerNode:
         now = time.monotonic()
         if now < self.next_stats:
             return
+        elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         ret = self.return_mean()
+        timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0}
+        row = {k: v for k, v in self.last_row.items() if k in REPORTED_FIGURES and isinstance(v, (int, float, str))}
         link.send(P.Stats(sender=self.peer_id, role="learner", stats={
-            "policy_version": self.version, "updates": self.progress.updates, "env_steps": self.total_env_steps(),
-            "return_mean_20": None if math.isnan(ret) else ret,
+            **row, "policy_version": self.version, "updates": self.progress.updates,
+            "env_steps": self.total_env_steps(), "return_mean_20": None if math.isnan(ret) else ret,
+            "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
+            "wait_data_share": timing["wait_s"] / elapsed, "rss_mb": rss_mb(),
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
-            "dropped_late": sum(self.progress.dropped_late.values()), "dropped_stale": sum(self.progress.dropped_stale.values())}))
+            "dropped_late": sum(self.progress.dropped_late.values()),
+            "dropped_stale": sum(self.progress.dropped_stale.values())}))
 
     def _straggler_timeout(self) -> float:
         """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
@@ -334,6 +352,11 @@ class LearnerNode:
                "dropped_stale": sum(self.progress.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
+        self.last_row = row
+        self.timing["updates"] += 1
+        self.timing["samples"] += int(figures.get("batch_steps", 0))
+        self.timing["wait_s"] += round_s
+        self.timing["update_s"] += update_s
         if not self.progress.target and ret >= self.config.train.until_return:
             self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
             self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "
@@ -356,6 +379,17 @@ class LearnerNode:
                 "dropped_late": dict(self.progress.dropped_late), "dropped_stale": dict(self.progress.dropped_stale),
                 "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
                 "run_id": self.run_id}
+
+    def _record_hosts(self) -> None:
+        """Add the fleet's hosts to meta.json (best effort: the broker may be gone)."""
+        body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
+        path = self.runlog.dir / "meta.json"
+        if body is None or not path.exists():
+            return
+        meta = json.loads(path.read_text())
+        meta["hosts"] = sorted({m["host"] for m in body["members"].values() if m.get("host")})
+        meta["actors"] = sorted(p for p, m in body["members"].items() if m["role"] == "actor")
+        self.runlog.meta(meta)
 
     # ---------------------------------------------------------------- checkpoints
     def _maybe_checkpoint(self) -> None:

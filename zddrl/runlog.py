@@ -3,6 +3,7 @@
 Layout (names that scripts and CI rely on; docs/run-directory.md documents each column)::
 
     RUN_DIR/config.toml        the resolved config
+    RUN_DIR/meta.json          versions, git SHA, host, command line, run id, the hosts of the fleet
     RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
     RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
     RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
@@ -14,6 +15,11 @@ import csv
 import json
 import math
 import os
+import platform
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +76,10 @@ class RunLog:
         self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
         self._csv_file.flush()
 
+    def meta(self, extra: dict[str, Any]) -> None:
+        """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``."""
+        atomic_write_bytes(self.dir / "meta.json", json.dumps({**run_metadata(), **extra}, indent=2).encode())
+
     def summary(self, summary: dict[str, Any]) -> None:
         atomic_write_bytes(self.dir / "summary.json", json.dumps(summary, indent=2).encode())
 
@@ -97,6 +107,29 @@ def _fmt(value: Any) -> Any:
     if isinstance(value, float):
         return "" if math.isnan(value) else f"{value:.6g}"
     return "" if value is None else value
+
+
+def git_sha() -> str | None:
+    """The commit of the zddrl source tree this process runs, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_metadata() -> dict[str, Any]:
+    import gymnasium
+    import numpy
+    import zmq
+
+    from . import __version__
+
+    return {"zddrl": __version__, "git_sha": git_sha(), "host": socket.gethostname(), "pid": os.getpid(),
+            "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
+            "torch": torch.__version__, "gymnasium": gymnasium.__version__, "numpy": numpy.__version__,
+            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
