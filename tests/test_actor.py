@@ -81,6 +81,7 @@ def test_actor_and_broker_processes_do_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = "import sys, zddrl.actor, zddrl.broker, zddrl.cli, zddrl.status; print('torch' in sys.modules)"
+    code = ("import sys, zddrl.actor, zddrl.broker, zddrl.cli, zddrl.status, zddrl.train, zddrl.runlog; "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

@@ -6,6 +6,7 @@ Layout (names that scripts and CI rely on; docs/run-directory.md documents each 
     RUN_DIR/meta.json          versions, git SHA, host, command line, run id, the hosts of the fleet
     RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
     RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
+    RUN_DIR/tb/                TensorBoard event files (charts/, losses/, perf/), when tensorboard is installed
     RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
     RUN_DIR/checkpoints/final.pt   the last state: model, optimizer, version, statistics, RNG, config
 """
@@ -23,9 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .config import to_toml
+from .tensorboard import make_tensorboard_writer
 
 METRIC_COLUMNS = (
     "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
@@ -63,6 +63,9 @@ class RunLog:
         self._csv.writeheader()
         self._csv.writerows(kept)
         self._csv_file.flush()
+        # TensorBoard when installed (extra `tensorboard`); a resumed run hides events written after its checkpoint.
+        purge = None if resume_version is None else (int(kept[-1]["env_steps"]) + 1 if kept else 0)
+        self._tb = make_tensorboard_writer(self.dir, purge_step=purge)
 
     def _rows_up_to(self, version: int) -> list[dict[str, str]]:
         try:
@@ -75,6 +78,8 @@ class RunLog:
     def write(self, row: dict[str, Any]) -> None:
         self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
         self._csv_file.flush()
+        if self._tb is not None:
+            self._tb.write(int(row["env_steps"]), row)
 
     def meta(self, extra: dict[str, Any]) -> None:
         """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``."""
@@ -89,6 +94,8 @@ class RunLog:
         path = self.dir / "checkpoints" / name
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
+        import torch  # here, not at import: `zddrl train` (no torch) finds checkpoints through this module
+
         with open(tmp, "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -101,6 +108,8 @@ class RunLog:
 
     def close(self) -> None:
         self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _fmt(value: Any) -> Any:
@@ -122,6 +131,7 @@ def git_sha() -> str | None:
 def run_metadata() -> dict[str, Any]:
     import gymnasium
     import numpy
+    import torch
     import zmq
 
     from . import __version__
@@ -140,4 +150,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint without unpickling arbitrary objects (``weights_only=True``)."""
+    import torch
+
     return torch.load(path, map_location="cpu", weights_only=True)

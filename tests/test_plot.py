@@ -1,0 +1,111 @@
+"""`zddrl plot`: a PNG from real run directories (one short `zddrl train`, reused), and clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zddrl.plot import PlotError, load_run, plot_runs
+
+ROOT = Path(__file__).resolve().parent.parent
+CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
+NEEDS_MPL = "matplotlib is not installed (pip install 'zddrl[plot]')"
+
+
+def zddrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT)
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height of a PNG, after checking its signature and IHDR chunk."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    assert data[-8:-4] == b"IEND"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real run directory: `zddrl train` CartPole for 3000 env steps (a few seconds)."""
+    path = tmp_path_factory.mktemp("plot") / "run"
+    done = zddrl("train", CARTPOLE, "--run-dir", str(path), "--max-steps", "3000", "--max-seconds", "90")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return path
+
+
+def test_load_run_reads_a_real_run_with_empty_return_cells(run_dir: Path) -> None:
+    run = load_run(run_dir)
+    steps, ret = run.series["env_steps"], run.series["return_mean_20"]
+    assert len(steps) >= 5 and steps == sorted(steps) and steps[-1] >= 3000
+    assert math.isnan(ret[0])  # fewer than 20 episodes after the first update: an empty cell
+    assert run.series["staleness_max"] == [0.0] * len(steps)  # sync mode
+    assert run.label() == "cartpole_ppo, sync, seed 1"
+    assert run.target == 475.0 and run.env_id == "CartPole-v1"
+
+
+def test_plot_writes_a_png_from_a_real_run(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason=NEEDS_MPL)
+    out = tmp_path / "out.png"
+    done = zddrl("plot", str(run_dir), "-o", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str(out)
+    width, height = png_size(out)
+    assert width >= 1000 and height >= 700
+    assert out.stat().st_size > 30_000  # four panels of axes, curves and text, not a blank canvas
+
+
+def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason=NEEDS_MPL)
+    other = tmp_path / "async-run"
+    shutil.copytree(run_dir, other)
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "mode": "async", "seed": 2}))
+    twin = tmp_path / "twin"  # same name, mode and seed as run_dir: the legend adds the directory name
+    shutil.copytree(run_dir, twin)
+    (twin / "summary.json").unlink()  # a run in progress: label from config.toml, no target line
+    one, three = tmp_path / "one.png", tmp_path / "three.png"
+    plot_runs([run_dir], one)
+    done = zddrl("plot", str(run_dir), str(other), str(twin), "-o", str(three))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert png_size(three) == png_size(one)
+    assert three.read_bytes() != one.read_bytes()
+    assert load_run(other).label() == "cartpole_ppo, async, seed 2"
+    assert load_run(twin).label() == "cartpole_ppo, sync, seed 1" and load_run(twin).target is None
+
+
+def test_plot_of_a_dir_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    out = tmp_path / "out.png"
+    done = zddrl("plot", str(empty), "-o", str(out))
+    assert done.returncode != 0
+    assert "no metrics.csv" in done.stderr and str(empty) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("content, message", [("", "empty or not a zddrl metrics file"),
+                                               ("wall_s,env_steps,return_mean_20\n", "has no rows yet"),
+                                               ("a,b\n1,2\n", "no column wall_s, env_steps")])
+def test_plot_of_an_empty_or_foreign_metrics_file_is_a_clear_error(tmp_path: Path, content: str,
+                                                                   message: str) -> None:
+    (tmp_path / "metrics.csv").write_text(content)
+    with pytest.raises(PlotError, match=message):
+        plot_runs([tmp_path], tmp_path / "out.png")
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(run_dir: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes the import raise ImportError
+    with pytest.raises(PlotError, match=r"pip install 'zddrl\[plot\]'"):
+        plot_runs([run_dir], tmp_path / "out.png")
+    assert not (tmp_path / "out.png").exists()
