@@ -104,7 +104,7 @@ class AlgoConfig:
     max_grad_norm: float = 0.5
     """Global gradient-norm clip."""
     norm_adv: bool = True
-    """Normalise advantages per minibatch."""
+    """Normalise advantages per minibatch (sync and async PPO; IMPALA uses V-trace advantages as they are)."""
     clip_vloss: bool = False
     """Clip the value update like the policy ratio."""
     normalize_obs: bool = False
