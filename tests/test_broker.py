@@ -582,8 +582,9 @@ def test_without_a_run_trajectories_are_dropped_as_unknown_run(broker: BrokerHan
 def test_a_new_run_rewelcomes_actors_and_resets_versions(broker: BrokerHandle, bus: Bus) -> None:
     learner = start_run(bus, broker, run_id="run-1")
     learner.publish(5)
+    wait_for(lambda: counters(broker, bus)["policy_version"] == 5, WAIT_S, "version 5 at the broker")
     link = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-0"), subscribe_params=True)
-    got = link.wait_params(-1, WAIT_S)
+    got = link.wait_params(4, WAIT_S)
     assert got is not None and got.policy_version == 5
     generation = link.generation
     learner2 = Shard(bus, broker, "learner-9", "run-2", run_spec())

@@ -8,6 +8,7 @@ after each rollout; in async/impala modes it never waits and swaps versions betw
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from .client import BrokerLink, hello_fields
 from .config import Config
 from .envs import VecEnv, env_factory
 from .policy import NumpyPolicy
+from .proc import rss_mb
 
 WELCOME_TIMEOUT_S = 3600.0
 """An actor may be started long before any learner; it waits (heartbeating) for a run."""
@@ -38,6 +40,14 @@ def action_rng(base_seed: int, actor_id: int) -> np.random.Generator:
     return np.random.default_rng([base_seed + actor_id * 1000, 0xAC7])
 
 
+def first_obs_hash(obs: np.ndarray) -> str:
+    """Short hash of env 0's first observation after the first reset (stats key ``first_obs_hash``).
+
+    The broker warns when two actors report the same one: their seeds are not split. Env 0 only,
+    so that two actors given the same --actor-id but different --envs still collide."""
+    return hashlib.sha1(np.ascontiguousarray(obs[0], dtype=np.float32).tobytes()).hexdigest()[:16]
+
+
 @dataclass
 class ActorTimers:
     """Where an actor's wall time goes; the basis of its comm-share and waiting figures."""
@@ -47,13 +57,28 @@ class ActorTimers:
     step_s: float = 0.0
     wait_params_s: float = 0.0
     send_s: float = 0.0
+    """Encoding and handing trajectories to the socket: communication proper."""
+    backpressure_s: float = 0.0
+    """Waiting for the broker to read earlier trajectories (the learner is the bottleneck)."""
     rollouts: int = 0
+    _mark: tuple[float, int, float, float] | None = field(default=None, repr=False)
+    """(time, env_steps, send seconds, waiting seconds) at the previous report."""
 
     def stats(self) -> dict[str, float]:
-        wall = max(time.monotonic() - self.started, 1e-9)
-        return {"env_steps": self.env_steps, "sps": self.env_steps / wall, "rollouts": self.rollouts,
-                "wait_params_s": self.wait_params_s, "send_s": self.send_s,
-                "comm_share": (self.wait_params_s + self.send_s) / wall}
+        """Totals since start; ``sps`` and ``comm_share`` over the interval since the previous call.
+
+        Rates are per interval, not since start: a lifetime average hides a collapse or a stall
+        for ever longer as a run goes on, and the broker's health checks (sps_collapse, comm_share)
+        and `zddrl status --watch` need what the actor does now."""
+        now = time.monotonic()
+        waiting = self.wait_params_s + self.backpressure_s
+        since, steps0, send0, waiting0 = self._mark or (self.started, 0, 0.0, 0.0)
+        self._mark = (now, self.env_steps, self.send_s, waiting)
+        window = max(now - since, 1e-9)
+        return {"env_steps": self.env_steps, "sps": (self.env_steps - steps0) / window, "rollouts": self.rollouts,
+                "wait_params_s": self.wait_params_s, "backpressure_s": self.backpressure_s, "send_s": self.send_s,
+                "comm_share": min(max((self.send_s - send0) / window, 0.0), 1.0),
+                "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0)}
 
 
 class Rollout:
@@ -130,6 +155,13 @@ class ActorHost:
                 if welcome is None or welcome.run is None:
                     continue
                 self._serve_run(link, Config.from_dict(welcome.run), welcome.run_id, stop)
+        except (KeyboardInterrupt, SystemExit):
+            raise  # asked to stop: an ordinary bye
+        except BaseException as exc:
+            # The traceback would otherwise be only in this host's own log; the broker keeps it in
+            # `zddrl status` (departures). Re-raised: the process still dies with it, as before.
+            link.report_crash(exc)
+            raise
         finally:
             link.close(reason="actor stopping")
 
@@ -141,6 +173,7 @@ class ActorHost:
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
         vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps), seeds)
+        first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, "
                       f"mode {config.algo.mode}")
@@ -169,9 +202,10 @@ class ActorHost:
                 self._send(link, push, run_id, params, arrays, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
-                                      stats={**self.timers.stats(), "num_envs": num_envs,
+                                      stats={**self.timers.stats(), "num_envs": num_envs, "run_id": run_id,
                                              "policy_version": params.policy_version,
-                                             "param_hash": params.param_hash, "reconnects": link.reconnects}))
+                                             "param_hash": params.param_hash, "reconnects": link.reconnects,
+                                             "rss_mb": round(rss_mb(), 1), "first_obs_hash": first_obs}))
                     next_stats = time.monotonic() + STATS_EVERY_S
         finally:
             push.close(linger=0)
@@ -202,17 +236,20 @@ class ActorHost:
                            info={"actor_id": self.actor_id, "num_envs": int(arrays["rewards"].shape[1]),
                                  "total_env_steps": self.timers.env_steps})
         self.seq += 1
-        frames = P.encode(msg)
         t0 = time.monotonic()
+        frames = P.encode(msg)
         generation = link.generation
+        t_wait = time.monotonic()
         # Backpressure, stoppable: wait for the broker to read enough of what this actor sent (ZeroMQ's
         # queues and the kernel's would otherwise hold many rollouts, each older by the time it is used).
         while not stop.is_set() and link.generation == generation:
             if link.wait_in_flight_below(max_in_flight, SEND_POLL_MS / 1000):
                 break
+        waited = time.monotonic() - t_wait
+        self.timers.backpressure_s += waited
         while not stop.is_set():
             if push.poll(SEND_POLL_MS, zmq.POLLOUT):
                 push.send_multipart(frames, copy=False)
                 link.note_sent()
                 break
-        self.timers.send_s += time.monotonic() - t0
+        self.timers.send_s += time.monotonic() - t0 - waited

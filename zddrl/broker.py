@@ -21,7 +21,6 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import zmq
@@ -29,7 +28,10 @@ from loguru import logger
 
 from . import protocol as P
 from .config import BrokerConfig, ConfigError, split_endpoint
-from .membership import ROLES, Member, RateLimitedLog, checked_stats, staleness_of
+from .client import CRASH_PREFIX
+from .health import HealthMonitor
+from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, log_health_events, staleness_of,
+                         trajectory_refusal)
 
 DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
 POLL_TIMEOUT_S = 0.1
@@ -79,6 +81,8 @@ class Broker:
         self.started = time.monotonic()
         self.ports: dict[str, int] = {}
         self._ratelog = RateLimitedLog()
+        self.health = HealthMonitor()
+        self.departures = Departures()
         self._next_beat = 0.0
         self._poll_traj = False
         self._staleness = 0
@@ -149,6 +153,8 @@ class Broker:
             if now >= self._next_beat:
                 self._send_heartbeats()
                 self._purge_expired(now)
+                self.health.evaluate(now)
+                self._log_health()
                 self._ratelog.flush()
                 self._next_beat = now + self.config.heartbeat_interval_s
 
@@ -243,7 +249,7 @@ class Broker:
         actor = self.members.get(msg["sender"])
         if actor is not None:
             actor.last_seen = time.monotonic()
-        reason, why = self._refusal(msg)
+        reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._max_staleness())
         if reason:
             self._drop(reason, actor, why)
             return actor
@@ -269,21 +275,6 @@ class Broker:
                 actor.counters["bytes"] += nbytes
                 actor.counters["env_steps"] += msg["env_steps"]
             return actor
-
-    def _refusal(self, header: dict[str, Any]) -> tuple[str, str]:
-        """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
-        sender, run_id, version = header["sender"], header["run_id"], header["policy_version"]
-        # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
-        if not self.run_id or run_id != self.run_id:
-            return "unknown_run", (f"dropped a trajectory of unknown run {run_id!r} from {sender} "
-                                   f"(current run {self.run_id!r})")
-        # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
-        if version < 0 or version > self.params_version:
-            return "unknown_version", (f"dropped a trajectory from {sender} with version {version} "
-                                       f"never published (latest {self.params_version})")
-        if version < self.params_version - self._max_staleness():
-            return "stale", f"dropped stale data from {sender}: version {version}, latest {self.params_version}"
-        return "", ""
 
     def _set_credit(self, shard: Member, credit: int) -> None:
         """Every change of a shard's credit goes through here, so the running total stays exact."""
@@ -320,11 +311,17 @@ class Broker:
         elif isinstance(msg, P.ParamsRequest):
             member.policy_version = max(member.policy_version, msg.have_version)
             self._maybe_resend_params(member, force=True)
-        elif isinstance(msg, P.Stats):
+        elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.sender cannot speak for others
             member.stats = checked_stats(msg.stats)
+            self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
+            self._log_health()
         elif isinstance(msg, P.Bye):
-            self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
-            self._remove(member)
+            if msg.reason.startswith(CRASH_PREFIX):
+                self.log.error(f"{member.role} {member.peer_id} on {member.host or '?'} (pid {member.pid}) "
+                               f"{msg.reason}")
+            else:
+                self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
+            self._remove(member, msg.reason or "bye")
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
@@ -344,11 +341,13 @@ class Broker:
             self._send(self.control, identity, P.Reject(reason=f"hello refused: {exc}"))
             raise
         if new_run:
-            self._start_run(msg.run_id, msg.run)
-            self._staleness = staleness
+            self._start_run(msg.run_id, msg.run, staleness)
         old = self.members.get(msg.peer_id)
         if old is not None:
             self._forget(old)
+            if (old.host, old.pid) != (msg.host, msg.pid):  # another process took the id: judge it afresh
+                self.departures.record(old, f"replaced by pid {msg.pid} on {msg.host or '?'}")
+                self.health.forget(msg.peer_id)
         member = Member(peer_id=msg.peer_id, role=msg.role, identity=identity, host=msg.host, pid=msg.pid,
                         num_envs=msg.num_envs)
         if old is not None:
@@ -369,10 +368,12 @@ class Broker:
         if msg.role == "actor":
             self._maybe_resend_params(member, force=True)
 
-    def _start_run(self, run_id: str, run: dict) -> None:
+    def _start_run(self, run_id: str, run: dict, staleness: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
         self.params_frames, self.params_version = None, -1
+        self._staleness = staleness
+        self.health.start_run(staleness, run_id)
         for member in self.members.values():  # actors waiting without a run (or on an old one) get it now
             if member.role == "actor":
                 self._send(self.control, member.identity, self._welcome(member.peer_id))
@@ -431,6 +432,7 @@ class Broker:
             return
         self.params_frames, self.params_version = list(frames), msg.policy_version
         self.params_published_at = time.monotonic()
+        self.health.published(msg.policy_version, msg.param_hash)
         member.policy_version = msg.policy_version
         self.params.send_multipart(self.params_frames, copy=False)
         self.counters["params_published"] += 1
@@ -445,12 +447,20 @@ class Broker:
         limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
         for member in list(self.members.values()):
             if now - member.last_seen > limit:
-                self.log.warning(f"{member.role} {member.peer_id} expired: silent for {now - member.last_seen:.1f} s")
-                self._remove(member)
+                silent = f"silent for {now - member.last_seen:.1f} s"
+                self.log.warning(f"{member.role} {member.peer_id} expired: {silent}")
+                self._remove(member, f"expired: {silent}")
 
-    def _remove(self, member: Member) -> None:
+    def _remove(self, member: Member, reason: str) -> None:
+        """The member left (bye) or expired: not a re-hello, which only replaces its session."""
         self._forget(member)
         self.counters["expired_or_left"] += 1
+        self.departures.record(member, reason)
+        self.health.forget(member.peer_id)
+        self._log_health()
+
+    def _log_health(self) -> None:
+        log_health_events(self._ratelog, self.health.pop_events())
 
     def _forget(self, member: Member) -> None:
         """Drop every index of ``member``; a shard's outstanding credit leaves the total with it."""
@@ -481,4 +491,6 @@ class Broker:
                        "accounted": c["received"] == c["forwarded"] + dropped + self.in_flight,
                        **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")}},
             "members": {pid: m.row(now) for pid, m in self.members.items()},
+            "health": self.health.rows(now),
+            "departures": self.departures.rows(now),
         }

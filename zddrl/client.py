@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+import traceback
 from typing import Any
 
 import zmq
@@ -29,6 +30,13 @@ RECONNECT_INITIAL_S = 0.25
 RECONNECT_MAX_S = 8.0
 BYE_LINGER_MS = 500
 """How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
+CRASH_PREFIX = "crashed: "
+"""A bye reason that starts with this is a crash report (``report_crash``); the broker logs it as an
+error and lists it among the departures in the status body."""
+CRASH_MESSAGE_CHARS = 1000
+"""Longest exception message sent in a crash report."""
+CRASH_TRACEBACK_CHARS = 4000
+"""Longest traceback sent in a crash report; its end is kept (the innermost frames and the error)."""
 
 
 class BrokerLink:
@@ -107,6 +115,12 @@ class BrokerLink:
     def send(self, msg: P.Message) -> None:
         """Queue a control message (stats, bye) for the link thread to send."""
         self._outbox.put(msg)
+
+    def report_crash(self, exc: BaseException) -> None:
+        """Tell the broker why this process is dying (bye with ``crash_reason(exc)``), then close.
+
+        Best effort: delivered only if the broker is reachable now (the bye gets BYE_LINGER_MS)."""
+        self.close(reason=crash_reason(exc))
 
     def close(self, reason: str = "") -> None:
         if self._thread.is_alive():
@@ -297,6 +311,28 @@ class BrokerLink:
             if self.params is None or msg.policy_version > self.params.policy_version:
                 self.params = msg
                 self._cond.notify_all()
+
+
+def crash_reason(exc: BaseException) -> str:
+    """``crashed: <type>: <message>`` then the traceback, both truncated to a few KB.
+
+    Never raises: it runs while the process is already dying, and a broken ``__str__`` must not hide
+    the original exception."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = "<unprintable message>"
+    if len(message) > CRASH_MESSAGE_CHARS:
+        message = message[:CRASH_MESSAGE_CHARS] + " ..."
+    try:
+        # Each piece bounded too: the last one repeats the message, which must not crowd out the frames.
+        tb = "".join(p if len(p) <= CRASH_MESSAGE_CHARS else p[:CRASH_MESSAGE_CHARS] + " ...\n"
+                     for p in traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:  # noqa: BLE001
+        tb = ""
+    if len(tb) > CRASH_TRACEBACK_CHARS:
+        tb = "... (traceback truncated)\n" + tb[-CRASH_TRACEBACK_CHARS:]
+    return f"{CRASH_PREFIX}{type(exc).__name__}: {message}\n{tb}".rstrip("\n")
 
 
 def default_peer_id(role: str, index: int | str | None = None) -> str:

@@ -118,10 +118,10 @@ class LearnerNode:
                 step(channel, stop)
                 self._report(link)
                 self._maybe_checkpoint()
-        except Exception as exc:
-            report = getattr(link, "report_crash", None)  # forensics: the broker shows why we died
-            if report is not None:
-                report(exc)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            link.report_crash(exc)  # forensics: `zddrl status` shows why the learner died
             raise
         finally:
             summary = self._summary()

@@ -6,14 +6,16 @@ sockets.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from loguru import logger
 
 from . import protocol as P
+from .client import CRASH_PREFIX
 from .config import MODES, AlgoConfig
+from .health import HealthWarning
 
 LOG_EVERY_S = 5.0
 ROLES = ("actor", "learner", "monitor")
@@ -21,6 +23,10 @@ MAX_STATS_KEYS = 4096
 """Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
 STATS_NUMERIC_KEYS = ("sps", "comm_share")
 """Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
+DEPARTURES_KEPT = 20
+"""Departures (with their reasons) listed in the status body."""
+DEPARTURE_REASON_CHARS = 6000
+"""Longest reason kept: 20 of them must fit in one status message (MAX_HEADER_BYTES) with the rest."""
 
 
 @dataclass
@@ -53,18 +59,24 @@ class RateLimitedLog:
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = defaultdict(int)
-        self._pending: dict[str, str] = {}
+        self._pending: dict[str, tuple[str, str]] = {}
 
     def warning(self, key: str, text: str) -> None:
+        self.log(key, text, "WARNING")
+
+    def info(self, key: str, text: str) -> None:
+        self.log(key, text, "INFO")
+
+    def log(self, key: str, text: str, level: str) -> None:
         now = time.monotonic()
         if now - self._last.get(key, -1e9) >= LOG_EVERY_S:
             extra = f" ({self._suppressed[key]} more like it since the last line)" if self._suppressed[key] else ""
-            logger.warning(text + extra)
+            logger.log(level, text + extra)
             self._last[key] = now
             self._suppressed[key] = 0
         else:
             self._suppressed[key] += 1
-            self._pending[key] = text
+            self._pending[key] = (level, text)
 
     def flush(self) -> None:
         """Report suppressed repeats whose window has passed.
@@ -76,10 +88,33 @@ class RateLimitedLog:
         now = time.monotonic()
         for key, n in list(self._suppressed.items()):
             if n and now - self._last.get(key, -1e9) >= LOG_EVERY_S:
-                logger.warning(f"{n} more like it since the last line: {self._pending.pop(key, key)}")
+                level, text = self._pending.pop(key, ("WARNING", key))
+                logger.log(level, f"{n} more like it since the last line: {text}")
                 self._last[key] = now
                 self._suppressed[key] = 0
 
+
+class Departures:
+    """The last DEPARTURES_KEPT members that left (bye, crash report or expiry), newest first.
+
+    Kept for forensics: a crashed actor is gone from ``members`` by the time anyone looks, and its
+    last words (exception and traceback, sent in its bye) would otherwise be only in its own log,
+    on its own host.
+    """
+
+    def __init__(self) -> None:
+        self._rows: deque[dict[str, Any]] = deque(maxlen=DEPARTURES_KEPT)
+
+    def record(self, member: Member, reason: str) -> None:
+        if len(reason) > DEPARTURE_REASON_CHARS:  # the status body must stay under MAX_HEADER_BYTES
+            reason = reason[:DEPARTURE_REASON_CHARS] + "\n... (truncated by the broker)"
+        self._rows.appendleft({"member": member.peer_id, "role": member.role, "host": member.host,
+                               "pid": member.pid, "reason": reason, "crashed": reason.startswith(CRASH_PREFIX),
+                               "time": time.time(), "at": time.monotonic()})
+
+    def rows(self, now: float) -> list[dict[str, Any]]:
+        return [{**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)}
+                for row in self._rows]
 
 
 def checked_stats(stats: dict) -> dict:
@@ -115,3 +150,28 @@ def staleness_of(run: Any) -> int:
         raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
     return 0 if mode == "sync" else staleness
 
+
+
+def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
+    """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
+    sender, version = header["sender"], header["policy_version"]
+    # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
+    if not run_id or header["run_id"] != run_id:
+        return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {sender} "
+                               f"(current run {run_id!r})")
+    # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
+    if version < 0 or version > latest:
+        return "unknown_version", (f"dropped a trajectory from {sender} with version {version} "
+                                   f"never published (latest {latest})")
+    if version < latest - max_staleness:
+        return "stale", f"dropped stale data from {sender}: version {version}, latest {latest}"
+    return "", ""
+
+
+def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
+    """Each onset once (rate-limited per member and check, should a condition flap), each end once."""
+    for raised, w in events:
+        if raised:
+            log.warning(f"health/{w.check}/{w.member}", f"health: {w.member}: {w.check}: {w.message}")
+        else:
+            log.info(f"health-end/{w.check}/{w.member}", f"health: {w.member}: {w.check} cleared")
