@@ -70,6 +70,8 @@ class Broker:
         self.shards: dict[str, Member] = {}
         """The learner members, by peer id (their data identity)."""
         self.credit = 0
+        self.rates: dict[str, float] = {}
+        self._rate_mark: tuple[float, int, int, int, int] | None = None
         """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.run_id = ""
         self.run_spec: dict | None = None
@@ -156,6 +158,7 @@ class Broker:
                 self.health.evaluate(now)
                 self._log_health()
                 self._ratelog.flush()
+                self._sample_rates(now)
                 self._next_beat = now + self.config.heartbeat_interval_s
 
     def _update_trajectory_polling(self) -> None:
@@ -479,6 +482,17 @@ class Broker:
             self.counters["control_unroutable"] += 1
 
     # ---------------------------------------------------------------- status
+    def _sample_rates(self, now: float) -> None:
+        """Throughput over the last heartbeat interval, for `zddrl status`."""
+        c = self.counters
+        mark = (now, c["received"], c["forwarded"], c["bytes_in"], c["bytes_out"])
+        if self._rate_mark is not None:
+            dt = max(now - self._rate_mark[0], 1e-9)
+            self.rates = {key: round((new - old) / dt, 1) for key, new, old in
+                          zip(("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s"),
+                              mark[1:], self._rate_mark[1:])}
+        self._rate_mark = mark
+
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         c = self.counters
@@ -489,6 +503,7 @@ class Broker:
                        "received": c["received"], "forwarded": c["forwarded"], "dropped": dict(self.dropped),
                        "in_flight": self.in_flight, "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
                        "accounted": c["received"] == c["forwarded"] + dropped + self.in_flight,
+                       "credit": self.credit, **self.rates,
                        **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")}},
             "members": {pid: m.row(now) for pid, m in self.members.items()},
             "health": self.health.rows(now),

@@ -64,11 +64,16 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
              f"trajectories: received {b['received']} = forwarded {b['forwarded']} + dropped "
              f"{sum(b['dropped'].values())} ({dropped}) + in flight {b['in_flight']}"
              f"  [{'ok' if b['accounted'] else 'MISMATCH'}]",
-             f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}"]
+             f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}",
+             f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
+             f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}"]
     learner = next((m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")), None)
     if learner:
-        lines.append(f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')}  "
-                     f"return {learner.get('return_mean_20')}  dropped late {learner.get('dropped_late')} "
+        ret = learner.get("return_mean_20")
+        lines.append(f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')} "
+                     f"({learner.get('updates_per_s', 0):.1f}/s, {learner.get('samples_per_s', 0):.0f} samples/s, "
+                     f"waiting {100 * learner.get('wait_data_share', 0):.0f}%)  return "
+                     f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
                      f"stale {learner.get('dropped_stale')}")
     return lines
 

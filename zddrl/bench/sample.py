@@ -36,9 +36,10 @@ from ..train import free_ports
 WARMUP_S = 1.0
 
 
-def _config(env_id: str, envs: int, rollout_len: int) -> Config:
+def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Config().algo.max_in_flight) -> Config:
     return Config(name="bench-sample").replace({"env.id": env_id, "env.num_envs": envs, "env.rollout_len": rollout_len,
-                                                "algo.mode": "async", "algo.max_staleness": 1_000_000})
+                                                "algo.mode": "async", "algo.max_staleness": 1_000_000,
+                                                "algo.max_in_flight": max_in_flight})
 
 
 def _params(config: Config) -> tuple[np.ndarray, list]:
@@ -171,8 +172,8 @@ def _pipeline(config: Config, actors: int, seconds: float, flat: np.ndarray, lay
 
 
 def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id: str = "CartPole-v1",
-                     rollout_len: int = 32) -> dict[str, Any]:
-    config = _config(env_id, envs, rollout_len)
+                     rollout_len: int = 32, max_in_flight: int = Config().algo.max_in_flight) -> dict[str, Any]:
+    config = _config(env_id, envs, rollout_len, max_in_flight)
     flat, layout = _params(config)
     plain, pipe, gym_torch = [], [], []
     for _ in range(rounds):
@@ -181,6 +182,7 @@ def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id
     gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
     ratios = [p / q for p, q in zip(pipe, plain)]
     return {"env_id": env_id, "actors": actors, "envs_per_actor": envs, "rollout_len": rollout_len,
+            "max_in_flight": max_in_flight,
             "seconds": seconds, "rounds": rounds,
             "plain_sps": statistics.median(plain), "pipeline_sps": statistics.median(pipe),
             "gym_torch_sps": statistics.median(gym_torch), "ratio": statistics.median(ratios),
@@ -191,13 +193,15 @@ def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id
 @click.option("--seconds", type=float, default=5.0, show_default=True, help="Measured window per phase.")
 @click.option("--actors", type=int, default=2, show_default=True)
 @click.option("--envs", type=int, default=4, show_default=True, help="Envs per actor.")
-@click.option("--rollout-len", type=int, default=32, show_default=True)
+@click.option("--rollout-len", type=int, default=128, show_default=True, help="Steps per env per trajectory message.")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Alternating plain/pipeline rounds.")
 @click.option("--env-id", default="CartPole-v1", show_default=True)
+@click.option("--max-in-flight", type=int, default=Config().algo.max_in_flight, show_default=True,
+              help="algo.max_in_flight of the run (unread trajectories an actor may have queued).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def sample(seconds, actors, envs, rollout_len, rounds, env_id, as_json) -> None:
+def sample(seconds, actors, envs, rollout_len, rounds, env_id, max_in_flight, as_json) -> None:
     """Pipeline env steps/s (broker + actors + counting learner) vs plain loops side by side."""
-    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len)
+    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len, max_in_flight)
     if as_json:
         click.echo(json.dumps(result))
         return
