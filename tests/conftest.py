@@ -8,9 +8,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
+import zmq
+
+from zddrl import protocol as P
+from zddrl.client import BrokerLink
 
 from zddrl.train import free_ports
 
@@ -101,3 +105,37 @@ class BrokerHandle:
 def broker(procs: Procs, tmp_path: Path) -> BrokerHandle:
     """A real `zddrl broker` process on free loopback ports."""
     return BrokerHandle(procs, tmp_path).start()
+
+
+class Bus:
+    """The test's own ZeroMQ context; owns every link and socket it made and closes them all."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.links: list[BrokerLink] = []
+
+    def socket(self, kind: int, **opts: Any) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in opts.items():
+            sock.setsockopt(getattr(zmq, name.upper()), value)
+        return sock
+
+    def link(self, connect: str, hello: P.Hello, **kw: Any) -> BrokerLink:
+        link = BrokerLink(connect, hello, context=self.ctx, **kw).start()
+        self.links.append(link)
+        return link
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close("test over")
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def bus() -> Iterator[Bus]:
+    b = Bus()
+    try:
+        yield b
+    finally:
+        b.close()

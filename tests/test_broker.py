@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import BrokerHandle, Procs, wait_for
+from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.client import BrokerLink
 from zddrl.config import Config
@@ -51,40 +51,6 @@ def parameters(run_id: str, version: int, sender: str = "learner-0") -> P.Parame
     flat = np.arange(16, dtype=np.float32) + version
     return P.Parameters(run_id=run_id, sender=sender, policy_version=version, param_hash=P.param_hash(flat),
                         layout=[["w", "float32", [16], 0]], arrays={"flat": flat})
-
-
-class Bus:
-    """The test's own ZeroMQ context; owns every link and socket it made and closes them all."""
-
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.links: list[BrokerLink] = []
-
-    def socket(self, kind: int, **opts: Any) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        for name, value in opts.items():
-            sock.setsockopt(getattr(zmq, name.upper()), value)
-        return sock
-
-    def link(self, connect: str, hello: P.Hello, **kw: Any) -> BrokerLink:
-        link = BrokerLink(connect, hello, context=self.ctx, **kw).start()
-        self.links.append(link)
-        return link
-
-    def close(self) -> None:
-        for link in self.links:
-            link.close("test over")
-        self.ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def bus() -> Iterator[Bus]:
-    b = Bus()
-    try:
-        yield b
-    finally:
-        b.close()
 
 
 class Shard:

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import zmq
 
+from conftest import Bus
 from zddrl import health as H
 from zddrl import protocol as P
 from zddrl.actor import ActorTimers, first_obs_hash
@@ -300,16 +301,11 @@ def test_report_crash_sends_the_bye_with_the_exception() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class Clients:
-    """The test's own context, links and sockets, all closed at the end."""
+class Clients(Bus):
+    """Links that have been welcomed, and status requests, on the test's own context."""
 
-    def __init__(self) -> None:
-        self.ctx = zmq.Context()
-        self.links: list[BrokerLink] = []
-
-    def link(self, broker: Any, hello: P.Hello) -> BrokerLink:
-        link = BrokerLink(broker.connect, hello, context=self.ctx).start()
-        self.links.append(link)
+    def link(self, broker: Any, hello: P.Hello) -> BrokerLink:  # type: ignore[override]
+        link = super().link(broker.connect, hello)
         assert link.wait_welcome(WAIT_S) is not None, f"{hello.peer_id}: no welcome"
         return link
 
@@ -317,11 +313,6 @@ class Clients:
         body = request_status(broker.connect, WAIT_S, self.ctx)
         assert body is not None, "the broker did not answer a status request"
         return body
-
-    def close(self) -> None:
-        for link in self.links:
-            link.close("test over")
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture
