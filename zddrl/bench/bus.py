@@ -289,6 +289,8 @@ def run_codec(payload: int = CODEC_PAYLOAD, repeats: int = 7) -> list[dict]:
                "arrays": dict(msg.arrays), "info": msg.info}
     codecs: dict[str, Callable[[], object]] = {
         "zddrl": lambda: P.decode(P.encode(msg)),
+        # The baseline the issue names: pickle round trip of the same arrays, in this process only (nothing
+        # here comes off a socket; zddrl never unpickles wire data).
         "pickle": lambda: pickle.loads(pickle.dumps(as_dict, protocol=pickle.HIGHEST_PROTOCOL)),
         # Local only: msgpack-numpy never decodes anything that came off a socket.
         "msgpack-numpy": lambda: msgpack.unpackb(msgpack.packb(as_dict, default=msgpack_numpy.encode),
