@@ -704,3 +704,16 @@ def test_status_cli_table_json_and_dead_broker(broker: BrokerHandle, bus: Bus) -
     assert out.returncode != 0
     assert f"no answer from a broker at tcp://127.0.0.1:{dead} within 0.5 s" in out.stderr
     assert time.monotonic() - t0 < 10
+
+
+def test_a_second_live_process_with_the_same_peer_id_is_refused(procs: Procs, broker: BrokerHandle) -> None:
+    """Two actors started with the same --actor-id: the second exits with a clear error, the first keeps its id."""
+    first = procs.start("actor-a", "actor", "--connect", broker.connect, "--actor-id", "0")
+    wait_for(lambda: "actor-0" in json.loads(cli("status", "--connect", broker.connect, "--json").stdout)["members"],
+             WAIT_S, "the first actor to join")
+    second = procs.start("actor-b", "actor", "--connect", broker.connect, "--actor-id", "0")
+    assert second.wait(timeout=WAIT_S) != 0
+    assert "peer id 'actor-0' is in use by pid" in procs.log("actor-b")
+    body = json.loads(cli("status", "--connect", broker.connect, "--json").stdout)
+    assert body["members"]["actor-0"]["pid"] == first.pid and first.poll() is None
+    assert not any("replaced by" in d["reason"] for d in body.get("departures", []))

@@ -18,7 +18,7 @@ import zmq
 from loguru import logger
 
 from . import protocol as P
-from .client import BrokerLink, hello_fields
+from .client import BrokerLink, Refused, hello_fields
 from .config import Config
 from .envs import VecEnv, env_factory
 from .policy import NumpyPolicy
@@ -152,6 +152,8 @@ class ActorHost:
         try:
             while not stop.is_set() and not self._done():
                 welcome = link.wait_welcome(timeout_s=1.0, need_run=True)
+                if link.refused:
+                    raise Refused(link.refused)
                 if welcome is None or welcome.run is None:
                     continue
                 self._serve_run(link, Config.from_dict(welcome.run), welcome.run_id, stop)

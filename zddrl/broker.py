@@ -28,7 +28,7 @@ from loguru import logger
 
 from . import protocol as P
 from .config import BrokerConfig, ConfigError, split_endpoint
-from .client import CRASH_PREFIX
+from .client import CRASH_PREFIX, REFUSED_PREFIX
 from .health import HealthMonitor
 from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, log_health_events, staleness_of,
                          trajectory_refusal)
@@ -320,8 +320,9 @@ class Broker:
                 if msg.run is None:
                     raise P.ProtocolError("a learner hello for a new run must carry the run spec")
                 staleness = staleness_of(msg.run)
+            self._check_id_free(msg)
         except P.ProtocolError as exc:
-            self._send(self.control, identity, P.Reject(reason=f"hello refused: {exc}"))
+            self._send(self.control, identity, P.Reject(reason=f"{REFUSED_PREFIX}{exc}"))
             raise
         if new_run:
             self._start_run(msg.run_id, msg.run, staleness)
@@ -350,6 +351,18 @@ class Broker:
         self._send(self.control, identity, self._welcome(msg.peer_id))
         if msg.role == "actor":
             self._maybe_resend_params(member, force=True)
+
+    def _check_id_free(self, msg: P.Hello) -> None:
+        """Refuse a peer id that another live process holds (two actors started with the same --actor-id
+        would otherwise take the id from each other at every re-hello, and share seeds). A member silent
+        for a heartbeat interval is taken over: that is a crashed process coming back."""
+        old = self.members.get(msg.peer_id)
+        if old is None or (old.host, old.pid) == (msg.host, msg.pid):
+            return
+        silent = time.monotonic() - old.last_seen
+        if silent < self.config.heartbeat_interval_s:
+            raise P.ProtocolError(f"peer id {msg.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen "
+                                  f"{silent:.1f} s ago); give each actor host its own --actor-id")
 
     def _start_run(self, run_id: str, run: dict, staleness: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")

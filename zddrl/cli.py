@@ -12,6 +12,7 @@ from loguru import logger
 
 from . import STARTED_AT, __version__
 from .config import ConfigError, load_broker_config, load_config, parse_override
+from .client import Refused
 from .logs import configure
 
 CONNECT_HELP = "Broker control endpoint, the only address a client needs."
@@ -105,7 +106,10 @@ def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
-    ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps).run(stop_on_signals())
+    try:
+        ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps).run(stop_on_signals())
+    except Refused as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 @main.command()
@@ -130,7 +134,10 @@ def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None
         node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0, resume=resume)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    summary = node.run(stop_on_signals())
+    try:
+        summary = node.run(stop_on_signals())
+    except Refused as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(summary))
 
 

@@ -26,6 +26,8 @@ from .config import split_endpoint
 HEARTBEAT_INTERVAL_S = 1.0
 """Until the welcome says otherwise."""
 HEARTBEAT_LIVENESS = 3
+REFUSED_PREFIX = "hello refused: "
+"""Start of a reject's reason when the broker will not take this client at all (no retry)."""
 RECONNECT_INITIAL_S = 0.25
 RECONNECT_MAX_S = 8.0
 BYE_LINGER_MS = 500
@@ -37,6 +39,10 @@ CRASH_MESSAGE_CHARS = 1000
 """Longest exception message sent in a crash report."""
 CRASH_TRACEBACK_CHARS = 4000
 """Longest traceback sent in a crash report; its end is kept (the innermost frames and the error)."""
+
+
+class Refused(RuntimeError):
+    """The broker refused this client's hello (the message says why); retrying would not help."""
 
 
 class BrokerLink:
@@ -62,6 +68,8 @@ class BrokerLink:
         self._outbox: queue.SimpleQueue[P.Message] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"link-{hello.peer_id}", daemon=True)
         self.welcome: P.Welcome | None = None
+        self.refused: str | None = None
+        """Why the broker refused our hello, if it did (the link has stopped)."""
         self.generation = 0
         self.sent = 0
         self.acked = 0
@@ -226,6 +234,9 @@ class BrokerLink:
                         self.log.warning(f"broker rejected us: {msg.reason}")
                         if msg.rehello:
                             self._try_send(control, self.hello)
+                        elif msg.reason.startswith(REFUSED_PREFIX):
+                            self._refuse(msg.reason)
+                            return welcomed
                     elif isinstance(msg, P.Parameters):
                         self._on_params(msg)
                     elif isinstance(msg, P.Credit):
@@ -292,6 +303,13 @@ class BrokerLink:
             self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
             self._cond.notify_all()
         self.log.info(f"welcomed by broker: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
+
+    def _refuse(self, reason: str) -> None:
+        """The broker will not have us (bad hello, peer id in use): stop, and let the owner say why."""
+        with self._cond:
+            self.refused = reason
+            self._stop.set()
+            self._cond.notify_all()
 
     def _on_credit(self, msg: P.Credit) -> None:
         with self._cond:

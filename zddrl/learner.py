@@ -27,7 +27,7 @@ from loguru import logger
 
 from . import protocol as P
 from .channel import CREDIT_WINDOW, DataChannel
-from .client import BrokerLink, hello_fields
+from .client import BrokerLink, Refused, hello_fields
 from .config import Config, ConfigError
 from .envs import probe_spec
 from .core import LearnerCore
@@ -103,7 +103,9 @@ class LearnerNode:
         link = BrokerLink(self.connect, hello, context=self.ctx).start()
         channel = None
         try:
-            if link.wait_welcome(WELCOME_TIMEOUT_S) is None:
+            if link.wait_welcome(WELCOME_TIMEOUT_S) is None or link.refused:
+                if link.refused:
+                    raise Refused(link.refused)
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
             channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
             self._refresh_fleet()
