@@ -97,6 +97,7 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
     config = Config().replace({"algo.mode": mode, "algo.batch_size": 64, "algo.max_staleness": 2,
                                "algo.publish_every": 2, "train.max_steps": 10_000})
     node = LearnerNode("tcp://127.0.0.1:9", config, tmp_path / "run")
+    node.run_id = "r"  # the run the test trajectories belong to
     node.version = 5
     msgs = [trajectory(8, 4, "fresh", 0, version=5), trajectory(8, 4, "old", 1, version=2),
             trajectory(8, 4, "future", 3, version=7), trajectory(8, 4, "ok", 2, version=3)]
@@ -138,3 +139,26 @@ def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
         logger.remove(sink)
         node.runlog.close()
     assert any("median actor lag keeps growing" in line for line in lines)
+
+
+def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:
+    from zddrl.progress import Progress
+
+    p = Progress()
+    p.count_steps("a", 5000, 100)  # an actor host that served an earlier run: 4900 steps not ours
+    p.count_steps("a", 5100, 100)
+    assert p.env_steps() == 200
+    p.count_steps("a", 100, 100)  # the actor process restarted with the same id
+    p.count_steps("a", 200, 100)
+    assert p.env_steps() == 400
+    p.count_steps("b", None, 50)  # no totals reported: add up
+    p.count_steps("b", None, 50)
+    assert p.env_steps() == 500
+
+
+def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
+    from zddrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="publish_every"):
+        Config().replace({"algo.mode": "async", "algo.publish_every": 6, "algo.max_staleness": 4})
+    Config().replace({"algo.mode": "async", "algo.publish_every": 5, "algo.max_staleness": 4})

@@ -151,3 +151,14 @@ def test_async_modes_learn_through_the_real_processes(mode: str, config: str, tm
     staleness = [int(r["staleness_max"]) for r in rows]
     assert max(staleness) <= 8 and max(staleness) >= 1  # trained on older data, within the bound
     assert all(r["staleness_hist"] for r in rows)
+
+
+def test_run_directories_are_protected(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    train(run_dir, "--max-steps", "2000")
+    done = zddrl("train", CARTPOLE, "--run-dir", str(run_dir), timeout=30)
+    assert done.returncode == 2 and "holds the checkpoints of another run" in done.stderr
+    done = zddrl("train", CARTPOLE, "--resume", str(run_dir), "--set", "model.hidden=[32]", timeout=30)
+    assert done.returncode == 2 and "[model] differs" in done.stderr
+    done = zddrl("eval", str(ROOT / "README.md"), timeout=30)
+    assert done.returncode == 1 and "cannot evaluate" in done.stderr and "Traceback" not in done.stderr

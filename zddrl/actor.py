@@ -184,13 +184,18 @@ class ActorHost:
         next_stats = 0.0
         try:
             while not stop.is_set() and not self._done():
-                if link.welcome is None or link.welcome.run_id != run_id:
-                    return
+                welcome = link.welcome
+                if welcome is None or (welcome.run_id and welcome.run_id != run_id):
+                    return  # another run (a "" run id is a restarted broker: same run, keep going)
+                resample = False
                 if link.generation != generation:  # re-welcomed: ports may have moved
                     push.close(linger=0)
                     generation, push = link.generation, self._push(link)
-                newest = self._next_params(link, params, config.algo.mode)
-                if newest is None:
+                    # A restarted broker may have lost our last rollout; in sync mode the learner would
+                    # wait for it and we for the next version. Sample once more with the version held.
+                    resample = params is not None
+                newest = params if resample else self._next_params(link, params, config.algo.mode)
+                if newest is None or newest.run_id != run_id:
                     continue
                 if params is None or newest.policy_version != params.policy_version:
                     params = newest
@@ -240,6 +245,10 @@ class ActorHost:
         self.seq += 1
         t0 = time.monotonic()
         frames = P.encode(msg)
+        limit = link.welcome.max_message_bytes if link.welcome is not None else 0
+        if limit and P.message_nbytes(frames) > limit:  # the broker would drop every one as malformed
+            raise ValueError(f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
+                             f"max_message_bytes {limit}: lower env.rollout_len or --envs")
         generation = link.generation
         t_wait = time.monotonic()
         # Backpressure, stoppable: wait for the broker to read enough of what this actor sent (ZeroMQ's
@@ -252,6 +261,6 @@ class ActorHost:
         while not stop.is_set():
             if push.poll(SEND_POLL_MS, zmq.POLLOUT):
                 push.send_multipart(frames, copy=False)
-                link.note_sent()
+                link.note_sent(generation)
                 break
         self.timers.send_s += time.monotonic() - t0 - waited

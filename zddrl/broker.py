@@ -333,15 +333,13 @@ class Broker:
                 self.departures.record(old, f"replaced by pid {msg.pid} on {msg.host or '?'}")
                 self.health.forget(msg.peer_id)
         member = Member(peer_id=msg.peer_id, role=msg.role, identity=identity, host=msg.host, pid=msg.pid,
-                        num_envs=msg.num_envs)
+                        num_envs=msg.num_envs, run_id=msg.run_id)
         if old is not None:
+            # A learner's credit starts again from zero with every hello: a shard re-grants its window
+            # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
+            # this one). Keeping the old credit as well counted the window twice and broke the bound
+            # on queued data that async modes rely on.
             member.counters = old.counters
-            if old.role == "learner" and member.role == "learner":
-                # Fix: credit belongs to the shard's data connection (its identity on the learner
-                # socket), not to the control session. A re-hello on control (the link timed out
-                # and reconnected) used to zero it while the shard, whose data DEALER is unchanged,
-                # kept waiting for the trajectories it had already asked for: a stall for good.
-                member.credit = old.credit
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
         if member.role == "learner":
@@ -370,6 +368,9 @@ class Broker:
         self.params_frames, self.params_version = None, -1
         self._staleness = staleness
         self.health.start_run(staleness, run_id)
+        for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
+            if shard.run_id != run_id:
+                self._set_credit(shard, 0)
         for member in self.members.values():  # actors waiting without a run (or on an old one) get it now
             if member.role == "actor":
                 self._send(self.control, member.identity, self._welcome(member.peer_id))
@@ -410,7 +411,10 @@ class Broker:
         if isinstance(msg, P.Credit):
             if msg.credit <= 0 or msg.credit > 1 << 20:
                 raise P.ProtocolError(f"credit must be in 1..2**20, got {msg.credit}")
-            self._set_credit(member, member.credit + msg.credit)
+            if member.run_id == self.run_id:  # credit of another run's learner is not for this run's data
+                self._set_credit(member, member.credit + msg.credit)
+            else:
+                self.counters["credit_other_run"] += 1
         elif isinstance(msg, P.Parameters):
             self._on_params(member, msg, frames)
         else:

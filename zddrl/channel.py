@@ -20,7 +20,8 @@ class DataChannel:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
         self.sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the credit we grant
-        self.sock.connect(link.endpoint("learners"))
+        self.endpoint = link.endpoint("learners")
+        self.sock.connect(self.endpoint)
         self.peer_id = peer_id
         self.max_message_bytes = max_message_bytes
         self.generation = link.generation
@@ -30,6 +31,12 @@ class DataChannel:
 
     def grant(self, n: int) -> None:
         self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
+
+    def regrant(self, generation: int) -> None:
+        """After a new welcome on the same learners port: the broker's credit for us restarted at zero."""
+        self.generation = generation
+        self.consumed = 0
+        self.grant(self.window)
 
     def ack(self) -> None:
         """One received message consumed: its credit goes back, in batches of half the window (one
@@ -51,6 +58,14 @@ class DataChannel:
         except P.ProtocolError as exc:
             logger.warning(f"dropped a malformed message on the learner channel: {exc}")
             return None
+
+    def drain(self) -> list[P.Message]:
+        """Everything already received, without waiting (before this socket is replaced)."""
+        out = []
+        while (msg := self.recv(0)) is not None or self.sock.poll(0):
+            if msg is not None:
+                out.append(msg)
+        return out
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -50,6 +50,31 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
         raise click.UsageError(str(exc)) from None
 
 
+def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
+    """A run directory is continued only with --resume and with the same env and model; a new run never
+    writes into a directory that holds another run's checkpoints."""
+    from .runlog import latest_checkpoint
+
+    if run_dir is None:
+        if resume:
+            raise click.UsageError("--resume needs the run directory to continue")
+        return
+    checkpoint = latest_checkpoint(run_dir)
+    if not resume:
+        if checkpoint is not None:
+            raise click.UsageError(f"{run_dir} holds the checkpoints of another run: continue it with --resume, "
+                                   "or choose another --run-dir")
+        return
+    if checkpoint is None:
+        raise click.UsageError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
+    saved = run_dir / "config.toml"
+    if saved.exists():
+        before = load_config(saved)
+        for section in ("env", "model"):
+            if getattr(before, section) != getattr(config, section):
+                raise click.UsageError(f"--resume: [{section}] differs from the run's {saved}; resume with it")
+
+
 set_option = click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
                           help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).")
 
@@ -130,6 +155,7 @@ def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
     config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed}))
+    _check_run_dir(config, Path(run_dir) if run_dir else None, resume)
     try:
         node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0, resume=resume)
     except ConfigError as exc:
@@ -155,14 +181,12 @@ def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None
 @set_option
 def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, resume_dir, sets) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
-    from .runlog import latest_checkpoint
     from .train import run_training
 
     config = _load(config_path, _overrides(sets, **{
         "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
         "train.max_steps": max_steps, "train.max_seconds": max_seconds}))
-    if resume_dir and latest_checkpoint(Path(resume_dir)) is None:
-        raise click.UsageError(f"--resume: no checkpoint in {Path(resume_dir) / 'checkpoints'}")
+    _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir))
     click.echo(json.dumps(summary))
 
@@ -176,7 +200,11 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
     """Deterministic evaluation of a checkpoint: mean/std return over episodes."""
     from .evaluate import evaluate
 
-    result = evaluate(checkpoint, episodes, seed)
+    try:
+        result = evaluate(checkpoint, episodes, seed)
+    except Exception as exc:  # not a zddrl checkpoint, or an env that cannot be built here
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise click.ClickException(f"cannot evaluate {checkpoint}: {type(exc).__name__}: {first_line}") from None
     click.echo(json.dumps(result) if as_json else
                f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} "
                f"+- {result['std']:.2f}")

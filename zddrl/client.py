@@ -102,10 +102,13 @@ class BrokerLink:
             self._cond.wait_for(lambda: self._newer(newer_than) or self._stop.is_set(), timeout_s)
             return self.params if self._newer(newer_than) else None
 
-    def note_sent(self) -> None:
-        """The caller pushed one trajectory; it is in flight until the broker returns its credit."""
+    def note_sent(self, generation: int) -> None:
+        """The caller pushed one trajectory while ``generation`` was current; it is in flight until the
+        broker returns its credit. One pushed just as a new welcome arrived went to the old session,
+        whose count was reset: counting it now would leave a credit that never comes back."""
         with self._cond:
-            self.sent += 1
+            if generation == self.generation:
+                self.sent += 1
 
     def wait_in_flight_below(self, limit: int, timeout_s: float) -> bool:
         """Block until fewer than ``limit`` pushed trajectories are unread by the broker (actor-side

@@ -112,7 +112,7 @@ class AlgoConfig:
     normalize_reward: bool = False
     """Scale rewards by the running std of the discounted return (learner side, per env stream)."""
     total_steps: int = 100_000
-    """Horizon of the linear schedules (env steps)."""
+    """Horizon of the linear schedules, in env steps trained on."""
     straggler_factor: float = 3.0
     """Sync mode: a round closes without the actors that take longer than this times the median actor."""
     min_round_timeout_s: float = 0.05
@@ -150,6 +150,10 @@ class AlgoConfig:
         _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
         _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
         _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
+        _require(self.mode == "sync" or self.publish_every <= self.max_staleness + 1,
+                 f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
+                 f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
+                 "too stale to train on before the next version is published")
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
 
 

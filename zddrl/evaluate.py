@@ -13,7 +13,8 @@ from .runlog import load_checkpoint
 
 
 def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
-    """Mean and std of the return of ``episodes`` deterministic episodes (one env, seeds seed, seed+1, ...)."""
+    """Mean and std of the return of ``episodes`` deterministic episodes on one env (its first reset is
+    seeded with ``seed``; later resets continue that env's generator)."""
     state = load_checkpoint(checkpoint)
     config = Config.from_dict(state["config"])
     make = env_factory(config.env.id, config.env.max_episode_steps)

@@ -68,8 +68,6 @@ class ImpalaLearner(LearnerCore):
         tm = stack_time_major(trajectories, rewards)
         T, B = tm.rewards.shape
         obs = torch.as_tensor(self.normalize(tm.obs))
-        if self.obs_rms is not None:
-            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]))
         lr = self.set_lr(staleness)
         mb = max(1, B // self.algo.minibatches)
         sums: dict[str, float] = defaultdict(float)
@@ -80,6 +78,8 @@ class ImpalaLearner(LearnerCore):
                 for k, v in self._step(tm, obs, perm[start:start + mb]).items():
                     sums[k] += v
                 n += 1
+        if self.obs_rms is not None:  # after the epochs: bootstrap values must see the same statistics
+            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]))
         self.steps_trained += T * B
         return {**{k: v / n for k, v in sums.items()}, "lr": lr, "batch_steps": T * B}
 

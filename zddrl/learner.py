@@ -77,6 +77,10 @@ class LearnerNode:
         """Per actor: staleness of its newest trajectory (learner version - its version)."""
         self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
         self.next_stats = 0.0
+        self.link: BrokerLink | None = None
+        self.pending: list[P.Trajectory] = []
+        """Accounted trajectories to use first: taken off a replaced data socket, or collected before a
+        re-welcome interrupted a round."""
         self.last_row: dict[str, Any] = {}
         self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0}
         """Since the last stats report: updates, samples trained on, seconds waiting for data / updating."""
@@ -100,8 +104,9 @@ class LearnerNode:
     def run(self, stop: threading.Event) -> dict[str, Any]:
         hello = P.Hello(role="learner", peer_id=self.peer_id, run_id=self.run_id, run=self.config.to_dict(),
                         **hello_fields())
-        link = BrokerLink(self.connect, hello, context=self.ctx).start()
+        link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
         channel = None
+        crashed = False
         try:
             if link.wait_welcome(WELCOME_TIMEOUT_S) is None or link.refused:
                 if link.refused:
@@ -123,13 +128,15 @@ class LearnerNode:
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
+            crashed = True  # the state may be half-updated: never write it over the last good checkpoint
             link.report_crash(exc)  # forensics: `zddrl status` shows why the learner died
             raise
         finally:
             summary = self._summary()
             self.runlog.summary(summary)
             self._record_hosts()
-            self._checkpoint(final=True)
+            if not crashed:
+                self._checkpoint(final=True)
             self.runlog.close()
             if channel is not None:
                 channel.close()
@@ -145,11 +152,18 @@ class LearnerNode:
         return per_batch + 1
 
     def _reconnect_if_needed(self, link: BrokerLink, channel: DataChannel) -> DataChannel:
+        """After a new welcome: re-grant credit (the broker's restarted at zero) and re-publish the
+        current parameters (a restarted broker has none). The data socket is kept while the learners
+        port is the same, so trajectories already on their way are not lost."""
         if link.generation == channel.generation:
             return channel
-        self.log.warning("re-welcomed by the broker: reopening the data channel and re-publishing parameters")
-        channel.close()
-        channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
+        self.log.warning("re-welcomed by the broker: granting credit and publishing parameters again")
+        if link.endpoint("learners") == channel.endpoint:
+            channel.regrant(link.generation)
+        else:
+            self.pending.extend(t for t in map(self._take, channel.drain()) if t is not None)
+            channel.close()
+            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
         if self.published is not None:
             channel.send(self.published)
         return channel
@@ -174,9 +188,13 @@ class LearnerNode:
                 break
             msg = self._receive(channel)
             if msg is None:
-                if self._finished():
+                if self._finished() or self._rewelcomed(channel):
+                    self.pending.extend(batch)  # still version v: the round goes on after the renewal
                     return
                 continue
+            if msg.sender not in self.fleet:  # joined after the last look: count it in from now on
+                self._refresh_fleet()
+                expected = self.fleet.keys() - self.stragglers
             if msg.policy_version != self.version:
                 self._drop_late(msg)
                 continue
@@ -193,15 +211,28 @@ class LearnerNode:
         self._log_update(figures, round_s, update_s, len(reported))
 
     def _receive(self, channel: DataChannel) -> P.Trajectory | None:
-        """The next trajectory, accounted and its credit returned; None after a quiet poll."""
+        """The next trajectory of this run, accounted and its credit returned; None after a quiet poll."""
+        if self.pending:
+            return self.pending.pop(0)  # accounted when it first arrived
         msg = channel.recv(RECV_POLL_MS)
-        if msg is None:
-            return None
-        channel.ack()
+        if isinstance(msg, P.Trajectory):
+            channel.ack()  # only trajectories cost credit
+        return self._take(msg)
+
+    def _take(self, msg: P.Message | None) -> P.Trajectory | None:
+        """A trajectory of this run, accounted; anything else is ignored."""
         if not isinstance(msg, P.Trajectory):
+            return None
+        if msg.run_id != self.run_id:  # another run's data (a broker serving two runs): never trained on
+            self.log.warning(f"ignored a trajectory of run {msg.run_id!r} from {msg.sender}")
             return None
         self._account(msg)
         return msg
+
+    def _rewelcomed(self, channel: DataChannel) -> bool:
+        """The broker welcomed us again (restart, expiry): the round loop must hand back control so
+        that credit and parameters are renewed, or it would wait for data that cannot come."""
+        return self.link is not None and self.link.generation != channel.generation
 
     def _train(self, batch: list[P.Trajectory], staleness: float = 0.0) -> tuple[dict[str, float], float]:
         """One update on ``batch``; the version moves on. Returns the figures and the seconds it took."""
@@ -220,9 +251,12 @@ class LearnerNode:
         batch: list[P.Trajectory] = []
         steps = 0
         while not stop.is_set() and steps < self.algo.batch_size:
+            if self._finished():  # also while everything arriving is dropped (no quiet poll then)
+                return
             msg = self._receive(channel)
             if msg is None:
-                if self._finished():
+                if self._finished() or self._rewelcomed(channel):
+                    self.pending.extend(batch)  # what was collected counts toward the next batch
                     return
                 continue
             staleness = self.version - msg.policy_version
@@ -303,7 +337,7 @@ class LearnerNode:
                                  "their data is dropped until they keep up")
             self.stragglers = late
         envs = sum(n for peer, n in self.fleet.items() if peer not in self.stragglers)
-        if envs:
+        if envs and self.algo.mode == "sync":  # async modes keep env.rollout_len
             self.rollout_len = max(1, math.ceil(self.algo.batch_size / envs))
 
     def _account(self, msg: P.Trajectory) -> None:
@@ -318,6 +352,11 @@ class LearnerNode:
         self.progress.add_episodes(msg.arrays["ep_returns"])
 
     def _drop_late(self, msg: P.Trajectory) -> None:
+        if msg.sender in self.stragglers and self.version - msg.policy_version <= 1:
+            # It missed the round by less than one update: wait for it again (up to the straggler
+            # timeout) rather than leave it out for the rest of the run.
+            self.stragglers.discard(msg.sender)
+            self.log.info(f"{msg.sender} is only one version late: back in the quota")
         self.progress.dropped_late[msg.sender] += 1
         n = self.progress.dropped_late[msg.sender]
         if n == 1 or n % 100 == 0:
@@ -414,6 +453,11 @@ class LearnerNode:
 
     def _restore(self, state: dict[str, Any], path: Path) -> None:
         """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters."""
+        saved = state.get("config", {})
+        for section in ("env", "model"):
+            if saved.get(section) != self.config.to_dict()[section]:
+                raise ConfigError(f"--resume: the [{section}] of {path.name} differs from this config; resume "
+                                  f"with the run's own config.toml")
         self.core.load_state(state)
         self.version = int(state["policy_version"])
         self.rollout_len = int(state.get("rollout_len", self.rollout_len))

@@ -21,6 +21,9 @@ LOG_EVERY_S = 5.0
 ROLES = ("actor", "learner", "monitor")
 MAX_STATS_KEYS = 4096
 """Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
+MAX_STATS_STRING = 256
+"""Longest string value in a stats map: the status body, every member's stats in one message, must stay
+well under the protocol's header limit (MAX_HEADER_BYTES)."""
 STATS_NUMERIC_KEYS = ("sps", "comm_share")
 """Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
 DEPARTURES_KEPT = 20
@@ -43,6 +46,8 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     policy_version: int = -1
     credit: int = 0
+    run_id: str = ""
+    """Learners: the run they train (trajectories go only to shards of the current run)."""
     last_snapshot: float = 0.0
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     stats: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +136,8 @@ def checked_stats(stats: dict) -> dict:
                                   f"not {type(value).__name__}")
         if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
             raise P.ProtocolError(f"stats: {key!r} must be a number")
+        if isinstance(value, str) and len(value) > MAX_STATS_STRING:
+            raise P.ProtocolError(f"stats: {key!r} is longer than {MAX_STATS_STRING} characters")
     return stats
 
 

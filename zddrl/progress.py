@@ -29,16 +29,24 @@ class Progress:
     """Wall seconds of earlier incarnations of this run (resume)."""
     actor_steps: dict[str, int] = field(default_factory=dict)
     actor_base: dict[str, int] = field(default_factory=dict)
+    actor_last: dict[str, int] = field(default_factory=dict)
     dropped_late: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target`` and ``env_steps_to_target`` once the target return was reached."""
 
     def count_steps(self, sender: str, reported_total: Any, env_steps: int) -> None:
-        total = reported_total if isinstance(reported_total, int) else self.actor_steps.get(sender, 0) + env_steps
+        counted = self.actor_steps.get(sender, 0)
+        if not isinstance(reported_total, int):  # a client that does not report totals: add up
+            self.actor_steps[sender] = counted + env_steps
+            return
         if sender not in self.actor_base:
-            self.actor_base[sender] = total - env_steps  # this message's own steps count
-        self.actor_steps[sender] = max(self.actor_steps.get(sender, 0), total - self.actor_base[sender])
+            self.actor_base[sender] = reported_total - env_steps  # this message's own steps count
+        elif reported_total < self.actor_last.get(sender, 0):
+            # The actor process restarted with the same id: its total began again from zero.
+            self.actor_base[sender] = reported_total - env_steps - counted
+        self.actor_last[sender] = reported_total
+        self.actor_steps[sender] = max(counted, reported_total - self.actor_base[sender])
 
     def add_episodes(self, returns: np.ndarray) -> None:
         for r in returns:

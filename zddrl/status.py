@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, TextIO
 
 import zmq
+from loguru import logger
 
 from . import protocol as P
 
@@ -24,7 +25,8 @@ traceback: `zddrl status --json` has it in full)."""
 
 
 def request_status(connect: str, timeout_s: float, context: zmq.Context | None = None) -> dict[str, Any] | None:
-    """One status request on a fresh DEALER; None if no broker answers within the timeout."""
+    """One status request on a fresh DEALER; None if no broker answers within the timeout (or its answer
+    is not a valid status message: the learner asks every round and must not die of a bad answer)."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -34,7 +36,11 @@ def request_status(connect: str, timeout_s: float, context: zmq.Context | None =
         if not sock.poll(int(timeout_s * 1000)):
             return None
         while True:  # anything else the broker might send first is skipped
-            msg = P.decode(sock.recv_multipart())
+            try:
+                msg = P.decode(sock.recv_multipart())
+            except P.ProtocolError as exc:
+                logger.warning(f"unusable status answer from {connect}: {exc}")
+                return None
             if isinstance(msg, P.Status):
                 return msg.body
             if not sock.poll(int(timeout_s * 1000)):
