@@ -31,7 +31,7 @@ from .config import BrokerConfig, ConfigError, split_endpoint
 from .client import CRASH_PREFIX, REFUSED_PREFIX
 from .health import HealthMonitor
 from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, log_health_events, staleness_of,
-                         trajectory_refusal)
+                         id_conflict, throughput, trajectory_refusal)
 from .wire import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
@@ -351,16 +351,9 @@ class Broker:
             self._maybe_resend_params(member, force=True)
 
     def _check_id_free(self, msg: P.Hello) -> None:
-        """Refuse a peer id that another live process holds (two actors started with the same --actor-id
-        would otherwise take the id from each other at every re-hello, and share seeds). A member silent
-        for a heartbeat interval is taken over: that is a crashed process coming back."""
-        old = self.members.get(msg.peer_id)
-        if old is None or (old.host, old.pid) == (msg.host, msg.pid):
-            return
-        silent = time.monotonic() - old.last_seen
-        if silent < self.config.heartbeat_interval_s:
-            raise P.ProtocolError(f"peer id {msg.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen "
-                                  f"{silent:.1f} s ago); give each actor host its own --actor-id")
+        conflict = id_conflict(self.members.get(msg.peer_id), msg, self.config.heartbeat_interval_s)
+        if conflict:
+            raise P.ProtocolError(conflict)
 
     def _start_run(self, run_id: str, run: dict, staleness: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
@@ -481,14 +474,8 @@ class Broker:
     # ---------------------------------------------------------------- status
     def _sample_rates(self, now: float) -> None:
         """Throughput over the last heartbeat interval, for `zddrl status`."""
-        c = self.counters
-        mark = (now, c["received"], c["forwarded"], c["bytes_in"], c["bytes_out"])
-        if self._rate_mark is not None:
-            dt = max(now - self._rate_mark[0], 1e-9)
-            self.rates = {key: round((new - old) / dt, 1) for key, new, old in
-                          zip(("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s"),
-                              mark[1:], self._rate_mark[1:])}
-        self._rate_mark = mark
+        self._rate_mark, rates = throughput(self._rate_mark, self.counters, now)
+        self.rates = rates or self.rates
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

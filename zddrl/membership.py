@@ -182,3 +182,26 @@ def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWa
             log.warning(f"health/{w.check}/{w.member}", f"health: {w.member}: {w.check}: {w.message}")
         else:
             log.info(f"health-end/{w.check}/{w.member}", f"health: {w.member}: {w.check} cleared")
+
+
+def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
+    """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
+    with the same --actor-id would otherwise take the id from each other at every re-hello, and share
+    seeds. A member silent for a heartbeat interval is taken over: a crashed process coming back."""
+    if old is None or (old.host, old.pid) == (hello.host, hello.pid):
+        return ""
+    silent = time.monotonic() - old.last_seen
+    if silent >= interval_s:
+        return ""
+    return (f"peer id {hello.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago); "
+            "give each actor host its own --actor-id")
+
+
+def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tuple[tuple, dict[str, float]]:
+    """(new mark, rates since ``mark``): messages and bytes per second in and out of the broker."""
+    new = (now, counters["received"], counters["forwarded"], counters["bytes_in"], counters["bytes_out"])
+    if mark is None:
+        return new, {}
+    dt = max(now - mark[0], 1e-9)
+    names = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
+    return new, {k: round((a - b) / dt, 1) for k, a, b in zip(names, new[1:], mark[1:])}
