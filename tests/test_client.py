@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import wait_for
+from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.client import BrokerLink
 
@@ -126,13 +126,12 @@ def test_wait_params_returns_on_arrival_or_times_out(link: BrokerLink) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-class FakeBroker:
+class FakeBroker(Bus):
     """A ROUTER (control) and PUB sockets bound on loopback, driven by the test."""
 
     def __init__(self) -> None:
-        self.ctx = zmq.Context()
+        super().__init__()
         self.control = self._bind(zmq.ROUTER)
-        self.links: list[BrokerLink] = []
 
     def _bind(self, kind: int) -> zmq.Socket:
         sock = self.ctx.socket(kind)
@@ -151,10 +150,8 @@ class FakeBroker:
     def connect(self) -> str:
         return f"tcp://127.0.0.1:{self.port(self.control)}"
 
-    def link(self, role: str = "actor", **kw: Any) -> BrokerLink:
-        link = BrokerLink(self.connect, P.Hello(role=role, peer_id="actor-0"), context=self.ctx, **kw).start()
-        self.links.append(link)
-        return link
+    def link(self, role: str = "actor", **kw: Any) -> BrokerLink:  # type: ignore[override]
+        return super().link(self.connect, P.Hello(role=role, peer_id="actor-0"), **kw)
 
     def recv(self, timeout_s: float = WAIT_S, kind: type[P.Message] | None = None) -> tuple[bytes, P.Message]:
         """Next message (of ``kind``, skipping others) from any link."""
@@ -170,10 +167,6 @@ class FakeBroker:
     def send(self, identity: bytes, msg: P.Message) -> None:
         self.control.send_multipart([identity, *P.encode(msg)])
 
-    def close(self) -> None:
-        for link in self.links:
-            link.close("test over")
-        self.ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ actors join or leave, and a round also closes as soon as every connected actor h
 """
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import threading
@@ -424,13 +423,10 @@ class LearnerNode:
     def _record_hosts(self) -> None:
         """Add the fleet's hosts to meta.json (best effort: the broker may be gone)."""
         body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
-        path = self.runlog.dir / "meta.json"
-        if body is None or not path.exists():
+        if body is None:
             return
-        meta = json.loads(path.read_text())
-        meta["hosts"] = sorted({m["host"] for m in body["members"].values() if m.get("host")})
-        meta["actors"] = sorted(p for p, m in body["members"].items() if m["role"] == "actor")
-        self.runlog.meta(meta)
+        self.runlog.meta({"hosts": sorted({m["host"] for m in body["members"].values() if m.get("host")}),
+                          "actors": sorted(p for p, m in body["members"].items() if m["role"] == "actor")})
 
     # ---------------------------------------------------------------- checkpoints
     def _maybe_checkpoint(self) -> None:

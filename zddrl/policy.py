@@ -71,8 +71,7 @@ class NumpyPolicy:
         return x
 
     def prepare(self, obs: np.ndarray) -> np.ndarray:
-        return normalize_obs(obs.reshape(obs.shape[0], -1), self.obs_mean,
-                             None if self.obs_var is None else self.obs_var)
+        return normalize_obs(obs.reshape(obs.shape[0], -1), self.obs_mean, self.obs_var)
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         return self._forward(self.v, self.prepare(obs))[:, 0]

@@ -56,6 +56,7 @@ class RunLog:
     def __init__(self, run_dir: str | Path, config: dict[str, Any], resume_version: int | None = None) -> None:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._meta: dict[str, Any] | None = None
         (self.dir / "config.toml").write_text(to_toml(config))
         kept = self._rows_up_to(resume_version) if resume_version is not None else []
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
@@ -82,8 +83,12 @@ class RunLog:
             self._tb.write(int(row["env_steps"]), row)
 
     def meta(self, extra: dict[str, Any]) -> None:
-        """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``."""
-        atomic_write_bytes(self.dir / "meta.json", json.dumps({**run_metadata(), **extra}, indent=2).encode())
+        """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``.
+        Collected once; later calls add to what was written."""
+        if self._meta is None:
+            self._meta = run_metadata()
+        self._meta.update(extra)
+        atomic_write_bytes(self.dir / "meta.json", json.dumps(self._meta, indent=2).encode())
 
     def summary(self, summary: dict[str, Any]) -> None:
         atomic_write_bytes(self.dir / "summary.json", json.dumps(summary, indent=2).encode())

@@ -89,15 +89,26 @@ class Fleet:
                 p.wait()
 
 
-def _progress(metrics: Path, t0: float) -> str | None:
+def _last_row(metrics: Path) -> dict[str, str] | None:
+    """The header and the last row of metrics.csv, reading only its end (the file grows all run)."""
     try:
-        with open(metrics) as f:
-            rows = list(csv.DictReader(f))
+        with open(metrics, "rb") as f:
+            header = f.readline()
+            f.seek(0, 2)
+            f.seek(max(len(header), f.tell() - 4096))
+            lines = f.read().splitlines()
     except FileNotFoundError:
         return None
-    if not rows:
+    if not header or not lines or not lines[-1].strip():
         return None
-    r = rows[-1]
+    rows = list(csv.DictReader([header.decode(), lines[-1].decode()]))
+    return rows[0] if rows and rows[0].get("env_steps") else None
+
+
+def _progress(metrics: Path, t0: float) -> str | None:
+    r = _last_row(metrics)
+    if r is None:
+        return None
     ret = r["return_mean_20"] or "-"
     return (f"[{time.time() - t0:6.1f} s] steps {int(r['env_steps']):>9,}  sps {float(r['sps']):>7.0f}  "
             f"return {ret:>7}  version {r['policy_version']}")
