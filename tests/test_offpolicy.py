@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,7 @@ class FakeChannel:
         self.messages = list(messages)
         self.sent: list[P.Message] = []
         self.granted = 0
+        self.generation = 0
 
     def recv(self, timeout_ms: int) -> P.Message | None:
         return self.messages.pop(0) if self.messages else None
@@ -101,14 +103,16 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
     node.version = 5
     msgs = [trajectory(8, 4, "fresh", 0, version=5), trajectory(8, 4, "old", 1, version=2),
             trajectory(8, 4, "future", 3, version=7), trajectory(8, 4, "ok", 2, version=3)]
-    channel = FakeChannel(msgs)
-    node._stream(channel, threading.Event())
+    channel = node.channel = FakeChannel(msgs)
+    node.link = SimpleNamespace(generation=0)
+    assert node._stream(threading.Event()) is False
     assert node.progress.dropped_stale == {"old": 1, "future": 1}
     assert node.progress.updates == 1 and node.version == 6
     assert channel.granted == 4 and channel.sent == []  # publish_every = 2: nothing published yet
     assert node.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
-    second = FakeChannel([trajectory(8, 4, "fresh", 4, version=6), trajectory(8, 4, "fresh", 5, version=6)])
-    node._stream(second, threading.Event())
+    second = node.channel = FakeChannel([trajectory(8, 4, "fresh", 4, version=6),
+                                         trajectory(8, 4, "fresh", 5, version=6)])
+    node._stream(threading.Event())
     assert node.version == 7 and [m.policy_version for m in second.sent] == [7]  # every 2nd update
     node.runlog.close()
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
@@ -121,7 +125,7 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
 def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
     from loguru import logger
 
-    from zddrl.learner import LAG_WINDOW
+    from zddrl.ledger import LAG_WINDOW
 
     node = LearnerNode("tcp://127.0.0.1:9", Config().replace({"algo.mode": "impala"}), tmp_path / "run")
     lines: list[str] = []

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -137,6 +138,10 @@ def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+GPUS_HELP = ("Learner shards: 'auto' (one; GPU 0 if any, else CPU), GPU indices '0,1' (a shard each), or 'cpu:N'. "
+             "Overrides learner.gpus.")
+
+
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
@@ -144,27 +149,92 @@ def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
               help="Run directory (default: train.run_dir/NAME-TIME).")
 @click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
+@click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
+@click.option("--shards", type=click.IntRange(1, 64), default=None, help="N CPU shards: the same as --gpus cpu:N.")
+@click.option("--nnodes", type=click.IntRange(1), default=1, show_default=True, envvar="ZDDRL_NNODES",
+              help="Nodes in the learner group (multi-node: the same command on every node).")
+@click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True, envvar="ZDDRL_NODE_RANK",
+              help="This node's index, 0..nnodes-1.")
+@click.option("--master-addr", default="127.0.0.1", show_default=True, envvar="ZDDRL_MASTER_ADDR",
+              help="Rendezvous host (node 0's address) for torch.distributed.")
+@click.option("--master-port", type=click.IntRange(0, 65535), default=0, envvar="ZDDRL_MASTER_PORT",
+              help="Rendezvous port; 0 picks a free one (one node only).")
 @click.option("--t0", type=float, default=None, hidden=True, help="Epoch time the whole command started.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its newest checkpoint.")
 @set_option
-def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None:
-    """Run the learner on CONFIG: publish the run, train, publish parameters."""
-    from .learner import LearnerNode
-    from .train import default_run_dir
+def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, node_rank, master_addr, master_port,
+            t0, resume, sets) -> None:
+    """Run the learner on CONFIG: publish the run, train, publish parameters.
+
+    With several devices (--gpus 0,1, --gpus cpu:2, --shards 2) or nodes (--nnodes), this process
+    starts one shard process per local device and supervises them; under torchrun (RANK and
+    WORLD_SIZE set) it is one shard itself."""
+    from .shards import launched_as_shard, plan_devices
 
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
-    config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed}))
-    _check_run_dir(config, Path(run_dir) if run_dir else None, resume)
+    if gpus is not None and shards is not None:
+        raise click.UsageError("give --gpus or --shards, not both")
+    if shards is not None:
+        gpus = f"cpu:{shards}"
+    config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed, "learner.gpus": gpus}))
     try:
-        node = LearnerNode(connect, config, run_dir or default_run_dir(config), t0=t0, resume=resume)
-    except ConfigError as exc:
+        plan = plan_devices(config.learner.gpus)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    run_dir = run_dir or str(_default_run_dir(config))
+    if os.environ.get("RANK", "0") == "0":  # the launcher, a lone learner, or shard 0 under torchrun
+        _check_run_dir(config, Path(run_dir), resume)
+    if not launched_as_shard():
+        if len(plan.devices) > 1 or nnodes > 1:
+            _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir)
+            return
+    _run_shard(config, plan, connect, run_dir, t0, resume)
+
+
+def _default_run_dir(config) -> Path:
+    from .train import default_run_dir
+
+    return default_run_dir(config)
+
+
+def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
+    """Re-run this command once per local device as a shard (same arguments, one run directory)."""
+    import sys
+
+    from .launch import LaunchError, Rendezvous, run_shards
+
+    argv = list(sys.argv[1:])
+    if "--run-dir" not in argv:  # every shard must agree on the (default, time-stamped) directory
+        argv += ["--run-dir", run_dir]
+    try:
+        run_shards(plan, Rendezvous(nnodes, node_rank, master_addr, master_port), argv)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    except LaunchError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
+    """This process is the learner, or one shard of it: join the group, train, leave the group."""
+    from .learner import LearnerNode
+    from .shards import ShardError, ShardGroup
+
+    try:
+        group = ShardGroup.from_env(plan, config.learner.collective_timeout_s)
+    except ShardError as exc:
         raise click.UsageError(str(exc)) from None
     try:
+        node = LearnerNode(connect, config, run_dir, t0=t0, resume=resume, group=group)
         summary = node.run(stop_on_signals())
-    except Refused as exc:
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    except (Refused, ShardError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps(summary))
+    finally:
+        group.close()
+    if group.is_main:
+        click.echo(json.dumps(summary))
 
 
 @main.command()
@@ -176,16 +246,18 @@ def learner(config_path, connect, run_dir, mode, seed, t0, resume, sets) -> None
 @click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Exact run directory to write.")
+@click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
 @click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
               help="Continue this run directory from its newest checkpoint (metrics append).")
 @set_option
-def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, resume_dir, sets) -> None:
+def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir,
+          sets) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
     from .train import run_training
 
     config = _load(config_path, _overrides(sets, **{
         "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
-        "train.max_steps": max_steps, "train.max_seconds": max_seconds}))
+        "train.max_steps": max_steps, "train.max_seconds": max_seconds, "learner.gpus": gpus}))
     _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir))
     click.echo(json.dumps(summary))

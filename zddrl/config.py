@@ -187,6 +187,26 @@ class TrainConfig:
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
 
 
+PARAM_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    gpus: str = "auto"
+    """Learner shards: ``auto`` (one, on GPU 0 if any, else the CPU), GPU indices ``0,1`` (one shard each), or ``cpu:N``."""
+    collective_timeout_s: float = 120.0
+    """A collective (all-reduce, exchange) that waits longer than this fails the shard group instead of hanging."""
+    param_chunk_bytes: int = 4 << 20
+    """Parameters travel to the actors in chunks of at most this many bytes, each with its own hash."""
+    param_dtype: str = "float32"
+    """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
+
+    def __post_init__(self) -> None:
+        _require(self.collective_timeout_s > 0, "learner.collective_timeout_s must be > 0")
+        _require(1024 <= self.param_chunk_bytes <= 1 << 28, "learner.param_chunk_bytes must be in 1 KiB..256 MiB")
+        _require(self.param_dtype in PARAM_DTYPES, f"learner.param_dtype must be one of {PARAM_DTYPES}")
+
+
 @dataclass(frozen=True)
 class Config:
     name: str = "run"
@@ -195,6 +215,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -5,6 +5,8 @@ Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trac
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
@@ -12,6 +14,7 @@ from .config import Config
 from .envs import EnvSpec
 from .model import ActorCritic, flatten_params
 from .optim import Adam
+from .shards import ShardGroup
 
 
 class RunningMeanStd:
@@ -22,25 +25,50 @@ class RunningMeanStd:
         self.var = np.ones(shape, dtype=np.float64)
         self.count = 1e-4
 
-    def update(self, x: np.ndarray) -> None:
-        if len(x) == 0:
+    def update(self, x: np.ndarray, group: ShardGroup | None = None) -> None:
+        """Fold the rows of ``x`` in. With a sharded ``group``, every shard must call this (with its
+        own rows, possibly none) and all end with the statistics of all shards' rows together."""
+        n = x.shape[0]
+        mean = x.mean(axis=0) if n else np.zeros(self.mean.shape)
+        var = x.var(axis=0) if n else np.zeros(self.mean.shape)
+        if group is not None and group.sharded:
+            n, mean, var = _pooled_moments(group, n, mean, var)
+        if n == 0:
             return
-        mean, var, n = x.mean(axis=0), x.var(axis=0), x.shape[0]
         delta, total = mean - self.mean, self.count + n
         self.mean = self.mean + delta * n / total
         self.var = (self.var * self.count + var * n + delta ** 2 * self.count * n / total) / total
         self.count = total
 
 
+def _pooled_moments(group: ShardGroup, n: int, mean: np.ndarray, var: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+    """(count, mean, variance) of the union of every shard's rows (float64 sums, one all-reduce)."""
+    flat_mean, flat_var = np.asarray(mean, np.float64).reshape(-1), np.asarray(var, np.float64).reshape(-1)
+    sums = group.sum(n, *(n * flat_mean), *(n * (flat_var + flat_mean ** 2)))
+    total = int(round(sums[0]))
+    if total == 0:
+        return 0, mean, var
+    k = flat_mean.size
+    pooled_mean = np.array(sums[1:1 + k]) / total
+    pooled_var = np.maximum(np.array(sums[1 + k:]) / total - pooled_mean ** 2, 0.0)
+    return total, pooled_mean.reshape(np.shape(mean)), pooled_var.reshape(np.shape(mean))
+
+
 class RewardScaler:
-    """Divides rewards by the running std of the discounted return, tracked per (actor, env) stream."""
+    """Divides rewards by the running std of the discounted return, tracked per (actor, env) stream.
+
+    A batch is scaled as a whole: the statistics take in every trajectory of the update (on every
+    shard) first, then all of them are divided by the same std, so neither the order the data
+    arrived in nor how it was split over shards changes the result.
+    """
 
     def __init__(self, gamma: float) -> None:
         self.gamma = gamma
         self.rms = RunningMeanStd(())
         self.returns: dict[str, np.ndarray] = {}
 
-    def __call__(self, sender: str, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+    def discounted(self, sender: str, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """``[T, N]`` running discounted returns of ``sender``'s streams; the streams move on."""
         ret = self.returns.get(sender)
         if ret is None or ret.shape[0] != rewards.shape[1]:
             ret = np.zeros(rewards.shape[1])
@@ -50,8 +78,21 @@ class RewardScaler:
             seen[t] = ret
             ret = np.where(done[t], 0.0, ret)
         self.returns[sender] = ret
-        self.rms.update(seen.reshape(-1))
-        return (rewards / np.sqrt(self.rms.var + 1e-8)).astype(np.float32)
+        return seen
+
+    def scale(self, streams: Sequence[tuple[str, np.ndarray, np.ndarray]],
+              group: ShardGroup | None = None) -> list[np.ndarray]:
+        """``(sender, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32."""
+        seen = [self.discounted(*s).reshape(-1) for s in streams]
+        self.rms.update(np.concatenate(seen) if seen else np.zeros(0), group)
+        if group is not None and group.sharded:
+            # An actor's next trajectory may land on another shard: every shard learns where each
+            # stream it saw ended (if two shards saw one sender this batch, the higher rank wins).
+            touched = {s[0]: self.returns[s[0]].tolist() for s in streams}
+            for part in group.exchange(touched):
+                self.returns.update({k: np.asarray(v, dtype=np.float64) for k, v in part.items()})
+        std = np.sqrt(self.rms.var + 1e-8)
+        return [(rewards / std).astype(np.float32) for _, rewards, _ in streams]
 
 
 def schedule(value: float, kind: str, progress: float) -> float:
@@ -59,20 +100,30 @@ def schedule(value: float, kind: str, progress: float) -> float:
     return value * max(0.0, 1.0 - progress) if kind == "linear" else value
 
 
-def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
-    var = target.var()
-    return float("nan") if var == 0 else float(1 - (target - pred).var() / var)
+def explained_variance(pred: torch.Tensor, target: torch.Tensor, group: ShardGroup | None = None) -> float:
+    """1 - Var(target - pred) / Var(target) over the samples of every shard (``[M]`` each)."""
+    y, r = target.double(), (target - pred).double()
+    n, sy, syy, sr, srr = (group or ShardGroup()).sum(y.numel(), y.sum(), (y * y).sum(), r.sum(), (r * r).sum())
+    if n < 2:
+        return float("nan")
+    var_y, var_r = syy / n - (sy / n) ** 2, srr / n - (sr / n) ** 2
+    return float("nan") if var_y <= 0 else 1.0 - var_r / var_y
 
 
 class LearnerCore:
     """Model + optimizer + normalisation; ``params()`` is what travels to the actors."""
 
-    def __init__(self, config: Config, spec: EnvSpec, seed_offset: int = 0) -> None:
-        torch.manual_seed(config.env.seed + seed_offset)
+    def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
+        self.group = group or ShardGroup()
         torch.set_num_threads(config.algo.torch_threads)
         self.config = config
+        self.spec = spec
         self.algo = config.algo
-        self.model = ActorCritic(spec, config.model)
+        self.device = self.group.device
+        torch.manual_seed(config.env.seed)  # the network starts the same on every shard ...
+        self.model = ActorCritic(spec, config.model).to(self.device)
+        self.group.sync_module(self.model.parameters())  # ... and surely so, whatever the device
+        torch.manual_seed(config.env.seed + self.group.rank)  # minibatch order differs by shard
         self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
         self.obs_rms = RunningMeanStd(spec.obs_shape) if config.algo.normalize_obs else None
         self.reward_scaler = RewardScaler(config.algo.gamma) if config.algo.normalize_reward else None
@@ -108,7 +159,26 @@ class LearnerCore:
         if len(obs) == 0:
             return np.zeros(0, dtype=np.float32)
         with torch.no_grad():
-            return self.model.value(torch.as_tensor(self.normalize(obs))).numpy()
+            return self.model.value(self.tensor(self.normalize(obs))).cpu().numpy()
+
+    def tensor(self, x: np.ndarray) -> torch.Tensor:
+        """A training input on this shard's device."""
+        return torch.as_tensor(x, device=self.device)
+
+    def step_optimizer(self, loss: torch.Tensor | None, weight: int) -> float:
+        """Backward, average the gradients over the shards (``weight`` = samples behind this shard's
+        ``loss``; None when it had none), clip, step. Returns the gradient norm before clipping."""
+        params = self.optimizer.params
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss is not None:
+            loss.backward()
+        else:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        self.group.average_gradients(params, weight)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm)
+        self.optimizer.step()
+        return float(grad_norm)
 
     def state(self) -> dict:
         """Everything an update depends on, as tensors and plain values (``weights_only`` loadable)."""

@@ -58,57 +58,75 @@ def stack_time_major(trajectories: Sequence[Trajectory], rewards: Sequence[np.nd
                      np.concatenate(trunc_index), np.concatenate([t.arrays["trunc_obs"] for t in trajectories]))
 
 
+IMPALA_FIGURES = ("policy_loss", "value_loss", "entropy", "rho_mean", "explained_variance")
+"""Per-step figures, averaged over the samples of every shard."""
+
+
 class ImpalaLearner(LearnerCore):
-    """``update(trajectories) -> figures``: epochs x minibatches (over env columns) of V-trace steps."""
+    """``update(trajectories) -> figures``: epochs x minibatches (over env columns) of V-trace steps.
+
+    Every shard takes the same number of steps: minibatch j is the j-th of ``minibatches``
+    near-equal slices of this shard's permuted env columns (possibly none), and each step's gradient
+    is the sample-weighted mean over the shards.
+    """
 
     def update(self, trajectories: Sequence[Trajectory], staleness: float = 0.0) -> dict[str, float]:
-        rewards = [t.arrays["rewards"] if self.reward_scaler is None else
-                   self.reward_scaler(t.sender, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
-                   for t in trajectories]
-        tm = stack_time_major(trajectories, rewards)
-        T, B = tm.rewards.shape
-        obs = torch.as_tensor(self.normalize(tm.obs))
+        rewards = [t.arrays["rewards"] for t in trajectories]
+        if self.reward_scaler is not None:
+            rewards = self.reward_scaler.scale([(t.sender, t.arrays["rewards"], t.arrays["terminated"]
+                                                 | t.arrays["truncated"]) for t in trajectories], self.group)
+        tm = stack_time_major(trajectories, rewards) if trajectories else None
+        T, B = tm.rewards.shape if tm is not None else (0, 0)
+        obs = self.tensor(self.normalize(tm.obs)) if tm is not None else None
+        total = int(self.group.sum(T * B)[0])
         lr = self.set_lr(staleness)
-        mb = max(1, B // self.algo.minibatches)
+        k = self.algo.minibatches
         sums: dict[str, float] = defaultdict(float)
-        n = 0
         for _ in range(self.algo.epochs):
             perm = torch.randperm(B)
-            for start in range(0, B - mb + 1, mb):
-                for k, v in self._step(tm, obs, perm[start:start + mb]).items():
-                    sums[k] += v
-                n += 1
+            for j in range(k):
+                figures, grad_norm = self._step(tm, obs, perm[j * B // k:(j + 1) * B // k])
+                for name, v in figures.items():
+                    sums[name] += v
+                sums["grad_norm"] += grad_norm
         if self.obs_rms is not None:  # after the epochs: bootstrap values must see the same statistics
-            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]))
-        self.steps_trained += T * B
-        return {**{k: v / n for k, v in sums.items()}, "lr": lr, "batch_steps": T * B}
+            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]) if tm is not None
+                                else np.zeros((0, *self.spec.obs_shape), np.float32), self.group)
+        self.steps_trained += total
+        pooled = self.group.sum(*(sums[name] for name in IMPALA_FIGURES))
+        seen = max(total * self.algo.epochs, 1)
+        return {**{name: v / seen for name, v in zip(IMPALA_FIGURES, pooled)},
+                "grad_norm": sums["grad_norm"] / (self.algo.epochs * k), "lr": lr, "batch_steps": total}
 
     def _targets(self, tm: TimeMajor, cols: torch.Tensor, target_logp: torch.Tensor, values: torch.Tensor):
-        """V-trace targets for the env columns ``cols`` with the current network (no grad)."""
+        """V-trace targets for the env columns ``cols`` with the current network (no grad), on the CPU."""
         T, B = tm.rewards.shape
         c = cols.numpy()
         trunc_value = np.zeros((T, B), dtype=np.float32)
         trunc_value.reshape(-1)[tm.trunc_index] = self.value(tm.trunc_obs)
         rewards, discounts = vtrace_discounts_and_rewards(tm.rewards[:, c], tm.terminated[:, c], tm.truncated[:, c],
                                                           trunc_value[:, c], self.algo.gamma)
-        return vtrace(tm.behaviour_logp[:, c], target_logp, rewards, discounts, values,
+        return vtrace(tm.behaviour_logp[:, c], target_logp.cpu(), rewards, discounts, values.cpu(),
                       self.value(tm.next_obs[c]), rho_bar=self.algo.rho_bar, c_bar=self.algo.c_bar)
 
-    def _step(self, tm: TimeMajor, obs: torch.Tensor, cols: torch.Tensor) -> dict[str, float]:
+    def _step(self, tm: TimeMajor | None, obs: torch.Tensor | None,
+              cols: torch.Tensor) -> tuple[dict[str, float], float]:
+        """One optimizer step on the env columns ``cols``: this shard's figures, summed over its samples
+        (none if it has no columns this step), and the global gradient norm."""
+        if tm is None or len(cols) == 0:
+            return {}, self.step_optimizer(None, 0)
         a = self.algo
         T, b = obs.shape[0], len(cols)
-        mb_obs = obs[:, cols].reshape(T * b, *obs.shape[2:])
-        actions = torch.as_tensor(tm.actions[:, cols.numpy()]).reshape(T * b, *tm.actions.shape[2:])
+        mb_obs = obs[:, cols.to(self.device)].reshape(T * b, *obs.shape[2:])
+        actions = self.tensor(tm.actions[:, cols.numpy()]).reshape(T * b, *tm.actions.shape[2:])
         logp, entropy, values = (x.reshape(T, b) for x in self.model.evaluate(mb_obs, actions))
         vt = self._targets(tm, cols, logp.detach(), values.detach())
-        policy_loss = -(vt.pg_advantages * logp).mean()
-        value_loss = 0.5 * ((vt.vs - values) ** 2).mean()
+        vs, pg_advantages = vt.vs.to(self.device), vt.pg_advantages.to(self.device)
+        policy_loss = -(pg_advantages * logp).mean()
+        value_loss = 0.5 * ((vs - values) ** 2).mean()
         entropy_mean = entropy.mean()
         loss = policy_loss + a.vf_coef * value_loss - a.ent_coef * entropy_mean
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
-        self.optimizer.step()
-        return {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
-                "grad_norm": grad_norm.item(), "rho_mean": vt.rhos.mean().item(),
-                "explained_variance": explained_variance(values.detach(), vt.vs)}
+        grad_norm = self.step_optimizer(loss, T * b)
+        figures = {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
+                   "rho_mean": vt.rhos.mean().item(), "explained_variance": explained_variance(values.detach(), vs)}
+        return {name: v * T * b for name, v in figures.items()}, grad_norm

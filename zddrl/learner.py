@@ -1,4 +1,4 @@
-"""Learner node: the transport shell around the PPO core.
+"""Learner node: the transport shell around the PPO core; one process per learner shard.
 
 It announces the run (hello with the run spec), publishes version-0 parameters, then runs rounds.
 Sync mode (distributed PPO): a round collects trajectories of the current version until the
@@ -8,6 +8,13 @@ Late data for a closed version is dropped, counted per actor and logged, never t
 Each round, the learner asks the broker which actors are connected; the next round's per-env
 rollout length is ``ceil(batch_size / envs of all actors)``, so the total batch stays fixed when
 actors join or leave, and a round also closes as soon as every connected actor has reported.
+
+Shards (``zddrl learner --gpus``): every shard takes its own share of the stream from the broker.
+After each poll the shards exchange a record of every trajectory they received (sender, version,
+steps, episode returns), so all of them count the same global batch and close a round or a batch
+at the same poll; time-based decisions (straggler timeout, run limits) come from the main shard
+(rank 0) in that same exchange. Then each shard trains on its own trajectories with gradients
+averaged over the group (``shards.py``), and the main shard alone publishes, logs, checkpoints.
 """
 from __future__ import annotations
 
@@ -34,16 +41,17 @@ from .impala import ImpalaLearner
 from .ppo import PPOLearner
 from .progress import Progress
 from .proc import rss_mb
+from .ledger import FLEET_QUERY_TIMEOUT_S, LAG_WINDOW, RunLedger
 from .runlog import RunLog, latest_checkpoint, load_checkpoint
+from .shards import ShardError, ShardGroup
 from .status import request_status
 
 RECV_POLL_MS = 20
+SHARDED_POLL_MS = 5
+"""Shards exchange what they received after every poll: a short poll keeps a round's end prompt."""
 WELCOME_TIMEOUT_S = 60.0
 FIRST_ROUNDS_TIMEOUT_S = 10.0
 """Straggler timeout until three rounds give a median to scale."""
-FLEET_QUERY_TIMEOUT_S = 1.0
-LAG_WINDOW = 20
-"""Updates over which a steadily growing median actor lag raises a warning."""
 STATS_EVERY_S = 1.0
 REPORTED_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
                     "grad_norm", "lr", "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean",
@@ -52,21 +60,25 @@ REPORTED_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfr
 MEDIAN_WINDOW = 50
 
 
-class LearnerNode:
-    """``LearnerNode(connect, config, run_dir).run(stop) -> summary``."""
+class LearnerNode(RunLedger):
+    """``LearnerNode(connect, config, run_dir).run(stop) -> summary``; one per shard."""
 
     def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
-                 peer_id: str = "learner-0", context: zmq.Context | None = None, resume: bool = False) -> None:
+                 peer_id: str | None = None, context: zmq.Context | None = None, resume: bool = False,
+                 group: ShardGroup | None = None) -> None:
         self.connect = connect
         self.config = config
         self.algo = config.algo
+        self.group = group or ShardGroup()
+        self.main = self.group.is_main
         self.t0 = t0 if t0 is not None else time.time()
-        self.peer_id = peer_id
+        self.peer_id = peer_id or f"learner-{self.group.rank}"
         self.ctx = context or zmq.Context.instance()
-        self.run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
-        self.log = logger.bind(role="learner", peer=peer_id)
+        self.run_id = self.group.broadcast(f"{config.name}-{uuid.uuid4().hex[:8]}")  # one run, whatever the shards
+        self.log = logger.bind(role="learner", peer=self.peer_id)
         self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
-        self.core: LearnerCore = (ImpalaLearner if config.algo.mode == "impala" else PPOLearner)(config, self.spec)
+        core_cls = ImpalaLearner if config.algo.mode == "impala" else PPOLearner
+        self.core: LearnerCore = core_cls(config, self.spec, self.group)
         self.version = 0
         self.progress = Progress()
         self.param_hash = ""
@@ -77,17 +89,26 @@ class LearnerNode:
         self.lag_medians: deque[float] = deque(maxlen=LAG_WINDOW)
         self.next_stats = 0.0
         self.link: BrokerLink | None = None
-        self.pending: list[P.Trajectory] = []
-        """Accounted trajectories to use first: taken off a replaced data socket, or collected before a
-        re-welcome interrupted a round."""
+        self.channel: DataChannel | None = None
+        self.poll_ms = SHARDED_POLL_MS if self.group.sharded else RECV_POLL_MS
+        self.pending: list[tuple[P.Trajectory, bool]] = []
+        """Trajectories to use first, and whether they are still to be counted: taken off a replaced
+        data socket (not yet), or collected before the run was stopped mid-round (already)."""
+        self.shard_trajectories = [0] * self.group.world_size
+        """Trajectories each shard received (main shard's count): how the broker spread the stream."""
+        self.batch: list[P.Trajectory] = []
+        """This shard's part of the batch being collected."""
         self.last_row: dict[str, Any] = {}
-        self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0}
-        """Since the last stats report: updates, samples trained on, seconds waiting for data / updating."""
+        self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0, "comm_s": 0.0}
+        """Since the last stats report: updates, samples trained on, seconds waiting for data / updating
+        / in collectives."""
         self.last_checkpoint_updates = -1
         self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         """Seconds from a round's start to each actor's in-time report, over recent rounds."""
         self.stragglers: set[str] = set()
         """Actors that missed the last round: left out of the next round's quota until they keep up."""
+        self.expected: set[str] = set()
+        """The actors the current sync round waits for (set by the main shard, shared in the exchange)."""
         self.rollout_len = config.env.rollout_len
         self.fleet: dict[str, int] = {}
         """Connected actors and their env counts, as the broker last reported them."""
@@ -96,7 +117,8 @@ class LearnerNode:
             raise ConfigError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
         if checkpoint is not None:
             self._restore(load_checkpoint(checkpoint), checkpoint)
-        self.runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None)
+        self.runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None) \
+            if self.main else None  # the main shard owns the run directory
         self.next_checkpoint_s = time.monotonic() + config.train.checkpoint_every_s
 
     # ---------------------------------------------------------------- main loop
@@ -104,26 +126,27 @@ class LearnerNode:
         hello = P.Hello(role="learner", peer_id=self.peer_id, run_id=self.run_id, run=self.config.to_dict(),
                         **hello_fields())
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
-        channel = None
         crashed = False
         try:
             if link.wait_welcome(WELCOME_TIMEOUT_S) is None or link.refused:
                 if link.refused:
                     raise Refused(link.refused)
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
-            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
-            self._refresh_fleet()
-            self._publish(channel)
-            self.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
-                              "broker": self.connect})
-            self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, "
-                          f"batch {self.algo.batch_size} steps, version {self.version} published")
+            self.channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
+            if self.main:
+                self._refresh_fleet()
+            self._publish()
+            if self.main:
+                self.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
+                                  "broker": self.connect, "shards": self.group.world_size})
+                self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch "
+                              f"{self.algo.batch_size} steps, {self.group.world_size} shard(s), version "
+                              f"{self.version} published")
             step = self._round if self.algo.mode == "sync" else self._stream
-            while not stop.is_set() and not self._finished():
-                channel = self._reconnect_if_needed(link, channel)
-                step(channel, stop)
+            while not step(stop):
                 self._report(link)
-                self._maybe_checkpoint()
+                if self.main:
+                    self._maybe_checkpoint()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
@@ -132,109 +155,146 @@ class LearnerNode:
             raise
         finally:
             summary = self._summary()
-            self.runlog.summary(summary)
-            self._record_hosts()
-            if not crashed:
-                self._checkpoint(final=True)
-            self.runlog.close()
-            if channel is not None:
-                channel.close()
+            if self.main:
+                self.runlog.summary(summary)
+                self._record_hosts()
+                if not crashed:
+                    self._checkpoint(final=True)
+                self.runlog.close()
+            if self.channel is not None:
+                self.channel.close()
             link.close(reason="learner finished")
         return summary
 
     def _window(self) -> int:
-        """Credit window. Async modes keep it near one batch: every message queued ahead of the learner
-        is a version older by the time it is trained on."""
+        """Credit window. Async modes keep the group's near one batch: every message queued ahead of the
+        learner is a version older by the time it is trained on."""
         if self.algo.mode == "sync":
             return CREDIT_WINDOW
         per_batch = math.ceil(self.algo.batch_size / (self.config.env.rollout_len * self.config.env.num_envs))
-        return per_batch + 1
+        return math.ceil(per_batch / self.group.world_size) + 1
 
-    def _reconnect_if_needed(self, link: BrokerLink, channel: DataChannel) -> DataChannel:
+    def _reconnect_if_needed(self) -> None:
         """After a new welcome: re-grant credit (the broker's restarted at zero) and re-publish the
         current parameters (a restarted broker has none). The data socket is kept while the learners
         port is the same, so trajectories already on their way are not lost."""
+        link, channel = self.link, self.channel
         if link.generation == channel.generation:
-            return channel
+            return
         self.log.warning("re-welcomed by the broker: granting credit and publishing parameters again")
         if link.endpoint("learners") == channel.endpoint:
             channel.regrant(link.generation)
         else:
-            self.pending.extend(t for t in map(self._take, channel.drain()) if t is not None)
+            self.pending.extend((t, True) for t in map(self._take, channel.drain()) if t is not None)
             channel.close()
-            channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
+            channel = self.channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes,
+                                                 self._window())
         if self.published is not None:
             channel.send(self.published)
-        return channel
+
+    # ---------------------------------------------------------------- polling, in step with the other shards
+    def _poll(self, stop: threading.Event, control: dict[str, Any], use) -> tuple[list[dict], dict[str, Any]]:
+        """One poll of this shard's data socket, then one exchange with the other shards.
+
+        ``use(msg) -> bool`` says whether a received trajectory goes into this shard's batch (it is
+        appended to ``self.batch``). Returns every shard's records of this poll and the main shard's
+        ``control`` (its ``stop`` also set when any shard was asked to stop). Every shard calls this
+        the same number of times: a round or batch ends at the same poll everywhere.
+        """
+        self._reconnect_if_needed()
+        records = []
+        msg, fresh = self._receive()
+        if msg is not None:
+            taken = use(msg)
+            if taken:
+                self.batch.append(msg)
+            records.append(_record(msg, fresh, taken))
+        parts = self.group.exchange({"records": records, "stop": stop.is_set(),
+                                     "control": control if self.main else None})
+        control = dict(parts[0]["control"])
+        control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
+        everything = sorted((r for p in parts for r in p["records"]), key=lambda r: (r["sender"], r["seq"]))
+        if self.main:
+            for i, part in enumerate(parts):
+                self.shard_trajectories[i] += sum(r["fresh"] for r in part["records"])
+            for r in everything:
+                if r["fresh"]:
+                    self._account(r)
+        return everything, control
 
     # ---------------------------------------------------------------- one sync round
-    def _round(self, channel: DataChannel, stop: threading.Event) -> None:
+    def _round(self, stop: threading.Event) -> bool:
         """Collect version-v data until the batch is full, every expected actor reported, or the
-        straggler timeout; then update and publish v+1."""
+        straggler timeout; then update and publish v+1. Returns True when the run is over."""
         started = time.monotonic()
-        batch: list[P.Trajectory] = []
+        self.batch = []
         steps, reported = 0, set()
-        expected = self.fleet.keys() - self.stragglers
+        announced: set[str] | None = None
         timeout = self._straggler_timeout()
-        while not stop.is_set():
+        while True:
+            control: dict[str, Any] = {}
+            if self.main:
+                expected = self.fleet.keys() - self.stragglers
+                control = {"stop": self._finished(), "late": time.monotonic() - started > timeout}
+                if expected != announced:
+                    control["expected"] = sorted(expected)
+                    announced = expected
+            records, control = self._poll(stop, control, lambda m: m.policy_version == self.version)
+            if "expected" in control:
+                self.expected = set(control["expected"])
+            for r in records:
+                if r["used"]:
+                    steps += r["env_steps"]
+                    reported.add(r["sender"])
+                    if self.main:
+                        self.report_times.append(time.monotonic() - started)
+                elif self.main:
+                    self._drop_late(r)
+            if control["stop"]:
+                self.pending.extend((t, False) for t in self.batch)  # counted already
+                return True
             if steps >= self.algo.batch_size:
                 break
-            if batch and expected and reported >= expected:
+            if steps and self.expected and reported >= self.expected:
                 break  # in sync mode each actor sends one rollout per version: nothing more will come
-            if batch and time.monotonic() - started > timeout:
-                self.log.info(f"round {self.version} closed by the straggler rule after {timeout * 1000:.0f} ms with "
-                              f"{steps} of {self.algo.batch_size} steps; late: {sorted(expected - reported)}")
+            if steps and control["late"]:
+                if self.main:
+                    self.log.info(f"round {self.version} closed by the straggler rule after {timeout * 1000:.0f} ms "
+                                  f"with {steps} of {self.algo.batch_size} steps; late: "
+                                  f"{sorted(self.expected - reported)}")
                 break
-            msg = self._receive(channel)
-            if msg is None:
-                if self._finished() or self._rewelcomed(channel):
-                    self.pending.extend(batch)  # still version v: the round goes on after the renewal
-                    return
-                continue
-            if msg.sender not in self.fleet:  # joined after the last look: count it in from now on
-                self._refresh_fleet()
-                expected = self.fleet.keys() - self.stragglers
-            if msg.policy_version != self.version:
-                self._drop_late(msg)
-                continue
-            batch.append(msg)
-            reported.add(msg.sender)
-            self.report_times.append(time.monotonic() - started)
-            steps += msg.env_steps
-        if not batch or stop.is_set():
-            return
         round_s = time.monotonic() - started
-        figures, update_s = self._train(batch)
-        self._refresh_fleet(reported)
-        self._publish(channel)
-        self._log_update(figures, round_s, update_s, len(reported))
+        figures, update_s = self._train(self.batch)
+        if self.main:
+            self._refresh_fleet(reported)
+        self._publish()
+        if self.main:
+            self._log_update(figures, round_s, update_s, len(reported))
+        return False
 
-    def _receive(self, channel: DataChannel) -> P.Trajectory | None:
-        """The next trajectory of this run, accounted and its credit returned; None after a quiet poll."""
+    def _receive(self) -> tuple[P.Trajectory | None, bool]:
+        """The next trajectory of this run (its credit returned) and whether it is new, or (None, False)
+        after a quiet poll. Trajectories kept from earlier come first."""
         if self.pending:
-            return self.pending.pop(0)  # accounted when it first arrived
-        msg = channel.recv(RECV_POLL_MS)
+            return self.pending.pop(0)
+        msg = self.channel.recv(self.poll_ms)
         if isinstance(msg, P.Trajectory):
-            channel.ack()  # only trajectories cost credit
-        return self._take(msg)
+            self.channel.ack()  # only trajectories cost credit
+        msg = self._take(msg)
+        return msg, msg is not None
 
     def _take(self, msg: P.Message | None) -> P.Trajectory | None:
-        """A trajectory of this run, accounted; anything else is ignored."""
+        """A trajectory of this run; anything else is ignored."""
         if not isinstance(msg, P.Trajectory):
             return None
         if msg.run_id != self.run_id:  # another run's data (a broker serving two runs): never trained on
             self.log.warning(f"ignored a trajectory of run {msg.run_id!r} from {msg.sender}")
             return None
-        self._account(msg)
         return msg
 
-    def _rewelcomed(self, channel: DataChannel) -> bool:
-        """The broker welcomed us again (restart, expiry): the round loop must hand back control so
-        that credit and parameters are renewed, or it would wait for data that cannot come."""
-        return self.link is not None and self.link.generation != channel.generation
-
     def _train(self, batch: list[P.Trajectory], staleness: float = 0.0) -> tuple[dict[str, float], float]:
-        """One update on ``batch``; the version moves on. Returns the figures and the seconds it took."""
+        """One update on ``batch`` (this shard's part); the version moves on. Returns the figures and the
+        seconds it took."""
         t0 = time.monotonic()
         batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch, staleness=staleness)
@@ -243,57 +303,39 @@ class LearnerNode:
         return figures, time.monotonic() - t0
 
     # ---------------------------------------------------------------- async / impala
-    def _stream(self, channel: DataChannel, stop: threading.Event) -> None:
+    def _stream(self, stop: threading.Event) -> bool:
         """Take data as it arrives; drop what is more than ``max_staleness`` versions old; update once
-        a batch is full; publish every ``publish_every`` updates. Actors never wait."""
+        a batch is full; publish every ``publish_every`` updates. Actors never wait. Returns True when
+        the run is over."""
         started = time.monotonic()
-        batch: list[P.Trajectory] = []
+        self.batch = []
+        used: list[tuple[str, int, int]] = []
         steps = 0
-        while not stop.is_set() and steps < self.algo.batch_size:
-            if self._finished():  # also while everything arriving is dropped (no quiet poll then)
-                return
-            msg = self._receive(channel)
-            if msg is None:
-                if self._finished() or self._rewelcomed(channel):
-                    self.pending.extend(batch)  # what was collected counts toward the next batch
-                    return
-                continue
-            staleness = self.version - msg.policy_version
-            if not 0 <= staleness <= self.algo.max_staleness:
-                self._drop_stale(msg, staleness)
-                continue
-            batch.append(msg)
-            steps += msg.env_steps
-        if not batch or stop.is_set():
-            return
+        while steps < self.algo.batch_size:
+            control = {"stop": self._finished()} if self.main else {}
+            records, control = self._poll(stop, control,
+                                          lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
+            for r in records:
+                if r["used"]:
+                    steps += r["env_steps"]
+                    used.append((r["sender"], self.version - r["version"], r["env_steps"]))
+                elif self.main:
+                    self._drop_stale(r, self.version - r["version"])
+            if control["stop"]:
+                self.pending.extend((t, False) for t in self.batch)  # counted already
+                return True
         round_s = time.monotonic() - started
-        staleness = np.repeat([self.version - t.policy_version for t in batch], [t.env_steps for t in batch])
-        figures, update_s = self._train(batch, float(staleness.mean()))
+        staleness = np.repeat([s for _, s, _ in used], [n for _, _, n in used])
+        figures, update_s = self._train(self.batch, float(staleness.mean()))
         if self.progress.updates % self.algo.publish_every == 0:
-            self._publish(channel)
-        hist = np.bincount(staleness)
-        figures.update(staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
-                       staleness_hist=" ".join(f"{v}:{n}" for v, n in enumerate(hist) if n))
-        self._watch_lag()
-        self._log_update(figures, round_s, update_s, len({t.sender for t in batch}))
-
-    def _drop_stale(self, msg: P.Trajectory, staleness: int) -> None:
-        self.progress.dropped_stale[msg.sender] += 1
-        n = self.progress.dropped_stale[msg.sender]
-        if n == 1 or n % 100 == 0:
-            self.log.warning(f"dropped stale data from {msg.sender}: version {msg.policy_version} is {staleness} "
-                             f"behind {self.version} (max_staleness {self.algo.max_staleness}; {n} so far)")
-
-    def _watch_lag(self) -> None:
-        """Warn when the median actor lag keeps growing: the 'actors never get new parameters' failure."""
-        if not self.lag:
-            return
-        self.lag_medians.append(float(np.median(list(self.lag.values()))))
-        m = list(self.lag_medians)
-        if len(m) == LAG_WINDOW and all(b >= a for a, b in zip(m, m[1:])) and m[-1] - m[0] >= 3:
-            self.log.warning(f"median actor lag keeps growing ({m[0]:.0f} -> {m[-1]:.0f} versions over "
-                             f"{LAG_WINDOW} updates): are parameters reaching the actors?")
-            self.lag_medians.clear()
+            self._publish()
+        if self.main:
+            hist = np.bincount(staleness)
+            figures.update(staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
+                           staleness_hist=" ".join(f"{v}:{n}" for v, n in enumerate(hist) if n))
+            self._watch_lag()
+            self._log_update(figures, round_s, update_s, len({sender for sender, _, _ in used}))
+        return False
 
     def _report(self, link: BrokerLink) -> None:
         """Stats for `zddrl status`, at most once per STATS_EVERY_S."""
@@ -303,13 +345,15 @@ class LearnerNode:
         elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         ret = self.return_mean()
-        timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0}
+        timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0,
+                                            "comm_s": self.group.comm_s}
         row = {k: v for k, v in self.last_row.items() if k in REPORTED_FIGURES and isinstance(v, (int, float, str))}
         link.send(P.Stats(sender=self.peer_id, role="learner", stats={
             **row, "policy_version": self.version, "updates": self.progress.updates,
             "env_steps": self.total_env_steps(), "return_mean_20": None if math.isnan(ret) else ret,
             "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
-            "wait_data_share": timing["wait_s"] / elapsed, "rss_mb": rss_mb(),
+            "wait_data_share": timing["wait_s"] / elapsed, "rss_mb": rss_mb(), "shards": self.group.world_size,
+            "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed,
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
             "dropped_late": sum(self.progress.dropped_late.values()),
             "dropped_stale": sum(self.progress.dropped_stale.values())}))
@@ -339,124 +383,29 @@ class LearnerNode:
         if envs and self.algo.mode == "sync":  # async modes keep env.rollout_len
             self.rollout_len = max(1, math.ceil(self.algo.batch_size / envs))
 
-    def _account(self, msg: P.Trajectory) -> None:
-        """Every received trajectory counts toward env steps and episode returns, accepted or not."""
-        self.lag[msg.sender] = self.version - msg.policy_version
-        total = msg.info.get("total_env_steps")
-        self.progress.count_steps(msg.sender, total, msg.env_steps)
-        expected = self.hashes.get(msg.policy_version)
-        if expected is not None and msg.param_hash != expected:
-            self.log.error(f"actor {msg.sender} acts with parameters {msg.param_hash} that were never published "
-                           f"for version {msg.policy_version} (published {expected})")
-        self.progress.add_episodes(msg.arrays["ep_returns"])
-
-    def _drop_late(self, msg: P.Trajectory) -> None:
-        if msg.sender in self.stragglers and self.version - msg.policy_version <= 1:
-            # It missed the round by less than one update: wait for it again (up to the straggler
-            # timeout) rather than leave it out for the rest of the run.
-            self.stragglers.discard(msg.sender)
-            self.log.info(f"{msg.sender} is only one version late: back in the quota")
-        self.progress.dropped_late[msg.sender] += 1
-        n = self.progress.dropped_late[msg.sender]
-        if n == 1 or n % 100 == 0:
-            self.log.warning(f"dropped late data from {msg.sender}: version {msg.policy_version}, round "
-                             f"{self.version} ({n} so far from this actor)")
-
     # ---------------------------------------------------------------- publishing and reporting
-    def _publish(self, channel: DataChannel) -> None:
+    def _publish(self) -> None:
+        """The main shard publishes the current parameters; every shard first checks that all hold the
+        same ones (the all-reduce keeps them identical: a difference is a bug, never data to act on)."""
         flat, layout, extra = self.core.params()
         self.param_hash = P.param_hash(flat)
+        if self.group.sharded:
+            hashes = self.group.exchange(self.param_hash)
+            if len(set(hashes)) != 1:
+                raise ShardError(f"learner shards diverged at version {self.version}: parameter hashes {hashes}")
+        if not self.main:
+            return
         self.hashes[self.version] = self.param_hash
         self.published = P.Parameters(run_id=self.run_id, sender=self.peer_id, policy_version=self.version,
                                       param_hash=self.param_hash, layout=layout, arrays={"flat": flat, **extra},
                                       meta={"rollout_len": self.rollout_len})
-        channel.send(self.published)
+        self.channel.send(self.published)
 
-    def total_env_steps(self) -> int:
-        return self.progress.env_steps()
 
-    def return_mean(self) -> float:
-        return self.progress.return_mean()
-
-    def wall_s(self) -> float:
-        """Seconds of this run, earlier incarnations (before a resume) included."""
-        return self.progress.wall_before + time.time() - self.t0
-
-    def _log_update(self, figures: dict[str, float], round_s: float, update_s: float, actors: int) -> None:
-        wall = self.wall_s()
-        steps = self.total_env_steps()
-        ret = self.return_mean()
-        row = {"wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
-               "return_mean_20": ret, "episodes": self.progress.episodes, "staleness_mean": 0.0, "staleness_max": 0,
-               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.progress.dropped_late.values()),
-               "dropped_stale": sum(self.progress.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
-               "round_s": round_s, "update_s": update_s}
-        self.runlog.write(row)
-        self.last_row = row
-        self.timing["updates"] += 1
-        self.timing["samples"] += int(figures.get("batch_steps", 0))
-        self.timing["wait_s"] += round_s
-        self.timing["update_s"] += update_s
-        if not self.progress.target and ret >= self.config.train.until_return:
-            self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
-            self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "
-                          f"steps, {wall:.2f} s")
-
-    def _finished(self) -> bool:
-        t = self.config.train
-        return bool(self.progress.target) or self.total_env_steps() >= t.max_steps or time.time() - self.t0 >= t.max_seconds
-
-    def _summary(self) -> dict[str, Any]:
-        wall = self.wall_s()
-        steps = self.total_env_steps()
-        target = self.config.train.until_return
-        return {"target_return": None if math.isinf(target) else target, "reached": bool(self.progress.target),
-                "wall_s_to_target": self.progress.target.get("wall_s_to_target"),
-                "env_steps_to_target": self.progress.target.get("env_steps_to_target"), "total_env_steps": steps,
-                "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
-                "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
-                "episodes": self.progress.episodes, "policy_version": self.version, "updates": self.progress.updates,
-                "dropped_late": dict(self.progress.dropped_late), "dropped_stale": dict(self.progress.dropped_stale),
-                "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
-                "run_id": self.run_id}
-
-    def _record_hosts(self) -> None:
-        """Add the fleet's hosts to meta.json (best effort: the broker may be gone)."""
-        body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
-        if body is None:
-            return
-        self.runlog.meta({"hosts": sorted({m["host"] for m in body["members"].values() if m.get("host")}),
-                          "actors": sorted(p for p, m in body["members"].items() if m["role"] == "actor")})
-
-    # ---------------------------------------------------------------- checkpoints
-    def _maybe_checkpoint(self) -> None:
-        t = self.config.train
-        due_updates = t.checkpoint_every and self.progress.updates % t.checkpoint_every == 0
-        if (due_updates and self.progress.updates != self.last_checkpoint_updates) or \
-                time.monotonic() >= self.next_checkpoint_s:
-            self._checkpoint()
-
-    def _checkpoint(self, final: bool = False) -> None:
-        state = {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
-                 "progress": self.progress.state(self.wall_s()), "rollout_len": self.rollout_len,
-                 "env_steps": self.total_env_steps()}
-        path = self.runlog.checkpoint(state, f"ckpt-{self.version:08d}.pt", keep=self.config.train.keep_checkpoints)
-        if final:
-            self.runlog.checkpoint(state, "final.pt")
-        self.last_checkpoint_updates = self.progress.updates
-        self.next_checkpoint_s = time.monotonic() + self.config.train.checkpoint_every_s
-        self.log.debug(f"checkpoint {path.name} written")
-
-    def _restore(self, state: dict[str, Any], path: Path) -> None:
-        """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters."""
-        saved = state.get("config", {})
-        for section in ("env", "model"):
-            if saved.get(section) != self.config.to_dict()[section]:
-                raise ConfigError(f"--resume: the [{section}] of {path.name} differs from this config; resume "
-                                  f"with the run's own config.toml")
-        self.core.load_state(state)
-        self.version = int(state["policy_version"])
-        self.rollout_len = int(state.get("rollout_len", self.rollout_len))
-        self.progress = Progress.from_state(state["progress"])
-        self.log.info(f"resumed from {path}: version {self.version}, {self.progress.env_steps()} env steps, "
-                      f"{self.progress.updates} updates")
+def _record(msg: P.Trajectory, fresh: bool, used: bool) -> dict[str, Any]:
+    """What the other shards need to know of a received trajectory: enough to count it (steps,
+    episodes, staleness, the parameter-hash check), not its arrays."""
+    total = msg.info.get("total_env_steps")
+    return {"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "env_steps": msg.env_steps,
+            "total_env_steps": total if isinstance(total, int) else None, "param_hash": msg.param_hash,
+            "ep_returns": [float(x) for x in msg.arrays["ep_returns"]], "fresh": fresh, "used": used}

@@ -84,7 +84,7 @@ def flatten_params(module: nn.Module) -> tuple[np.ndarray, list]:
     """All parameters as one float32 buffer and the layout to rebuild them."""
     layout, chunks, offset = [], [], 0
     for name, tensor in module.state_dict().items():
-        flat = tensor.detach().to(torch.float32).reshape(-1)
+        flat = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
         layout.append([name, "float32", list(tensor.shape), offset])
         chunks.append(flat)
         offset += flat.numel()

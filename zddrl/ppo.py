@@ -26,6 +26,10 @@ from .protocol import Trajectory
 from .returns import gae, truncated_importance_weights
 
 
+LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
+"""What ``ppo_loss`` reports; averaged over the samples of every shard."""
+
+
 class Batch(NamedTuple):
     """Flat ``[M, ...]`` training batch (M = env steps of all trajectories)."""
 
@@ -73,16 +77,18 @@ class PPOLearner(LearnerCore):
 
     # ---------------------------------------------------------------- batch
     def make_batch(self, trajectories: Sequence[Trajectory]) -> Batch:
-        """GAE per trajectory (each ``[T, N]``), then everything flattened to ``[M]``."""
+        """GAE per trajectory (each ``[T, N]``), then everything flattened to ``[M]`` (M may be 0 on a
+        shard that got no data this update; it still takes part in every collective)."""
         a = self.algo
         recompute = a.mode != "sync"  # stale data: values and log-probs of the current network
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
-        for traj in trajectories:
+        rewards_of = [t.arrays["rewards"] for t in trajectories]
+        if self.reward_scaler is not None:
+            rewards_of = self.reward_scaler.scale([(t.sender, t.arrays["rewards"], t.arrays["terminated"]
+                                                    | t.arrays["truncated"]) for t in trajectories], self.group)
+        for traj, rewards in zip(trajectories, rewards_of):
             x = traj.arrays
             T, N = x["rewards"].shape
-            rewards = x["rewards"]
-            if self.reward_scaler is not None:
-                rewards = self.reward_scaler(traj.sender, rewards, x["terminated"] | x["truncated"])
             obs_flat = x["obs"].reshape(T * N, *x["obs"].shape[2:])
             if recompute:
                 values = self.value(obs_flat).reshape(T, N)
@@ -99,52 +105,78 @@ class PPOLearner(LearnerCore):
             parts["values"].append(np.asarray(values, dtype=np.float32).reshape(-1))
             parts["advantages"].append(adv.numpy().reshape(-1))
             parts["returns"].append(ret.numpy().reshape(-1))
-        cat = {k: np.concatenate(v) for k, v in parts.items()}
-        obs = torch.as_tensor(self.normalize(cat["obs"]))  # the statistics the actors used for this data
+        cat = {k: np.concatenate(v) for k, v in parts.items()} if trajectories else self._empty()
+        obs = self.tensor(self.normalize(cat["obs"]))  # the statistics the actors used for this data
         if self.obs_rms is not None:
-            self.obs_rms.update(cat["obs"])
-        actions, behaviour = torch.as_tensor(cat["actions"]), torch.as_tensor(cat["logp"])
+            self.obs_rms.update(cat["obs"], self.group)
+        actions, behaviour = self.tensor(cat["actions"]), self.tensor(cat["logp"])
         logp, weights = behaviour, torch.ones_like(behaviour)
-        if recompute:
+        if recompute and len(behaviour):
             with torch.no_grad():
                 logp = self.model.evaluate(obs, actions)[0]  # proximal policy: this update's start
             weights = truncated_importance_weights(logp, behaviour, a.rho_bar)
-        return Batch(obs, actions, logp, weights, *(torch.as_tensor(cat[k]) for k in ("values", "advantages",
-                                                                                       "returns")))
+        return Batch(obs, actions, logp, weights, *(self.tensor(cat[k]) for k in ("values", "advantages", "returns")))
+
+    def _empty(self) -> dict[str, np.ndarray]:
+        """A batch of no samples with the right trailing shapes and dtypes."""
+        spec = self.spec
+        actions = np.zeros(0, np.int64) if spec.discrete else np.zeros((0, spec.action_dim), np.float32)
+        return {"obs": np.zeros((0, *spec.obs_shape), np.float32), "actions": actions,
+                **{k: np.zeros(0, np.float32) for k in ("logp", "values", "advantages", "returns")}}
 
     # ---------------------------------------------------------------- update
     def update(self, trajectories: Sequence[Trajectory], staleness: float = 0.0) -> dict[str, float]:
+        """``epochs`` x ``minibatches`` optimizer steps on this shard's share of the batch.
+
+        Every shard takes the same number of steps: minibatch j is the j-th of ``minibatches``
+        near-equal slices of this shard's permuted samples, and the step's gradient is the
+        sample-weighted mean over the shards (so it equals one learner's step on the union).
+        """
         batch = self.make_batch(trajectories)
         a = self.algo
+        M = batch.obs.shape[0]
+        total = int(self.group.sum(M)[0])
         lr = self.set_lr(staleness)
         clip = schedule(a.clip, a.clip_schedule, self.steps_trained / a.total_steps)
-        M = batch.obs.shape[0]
-        mb_size = max(1, M // a.minibatches)
         sums: dict[str, float] = defaultdict(float)
-        n = 0
+        if a.norm_adv and a.minibatches == 1:  # every step sees the whole batch: normalise it once
+            batch = batch._replace(advantages=self._normalized(batch.advantages))
         for _ in range(a.epochs):
-            perm = torch.randperm(M)
-            for start in range(0, M - mb_size + 1, mb_size):
-                figures = self._minibatch_step(batch, perm[start:start + mb_size], clip)
+            perm = torch.randperm(M, device=self.device)
+            for j in range(a.minibatches):
+                idx = perm[j * M // a.minibatches:(j + 1) * M // a.minibatches]
+                figures, grad_norm = self._minibatch_step(batch, idx, clip)
                 for k, v in figures.items():
-                    sums[k] += v
-                n += 1
-        self.steps_trained += M
-        return {**{k: v / n for k, v in sums.items()}, "lr": lr, "clip": clip,
-                "explained_variance": explained_variance(batch.values, batch.returns), "batch_steps": M,
-                "is_weight_mean": float(batch.weights.mean())}
+                    sums[k] += v * len(idx)
+                sums["grad_norm"] += grad_norm
+        self.steps_trained += total
+        pooled = self.group.sum(*(sums[k] for k in LOSS_FIGURES), batch.weights.sum())
+        samples_seen = total * a.epochs
+        figures = {k: v / max(samples_seen, 1) for k, v in zip(LOSS_FIGURES, pooled)}
+        return {**figures, "grad_norm": sums["grad_norm"] / (a.epochs * a.minibatches), "lr": lr, "clip": clip,
+                "explained_variance": explained_variance(batch.values, batch.returns, self.group),
+                "batch_steps": total, "is_weight_mean": pooled[-1] / max(total, 1)}
 
-    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> dict[str, float]:
+    def _normalized(self, adv: torch.Tensor) -> torch.Tensor:
+        """Advantages standardised with the mean and std of the whole minibatch, over every shard."""
+        n, s, ss = self.group.sum(adv.numel(), adv.double().sum(), (adv.double() ** 2).sum())
+        if n < 2:
+            return adv
+        mean = s / n
+        std = max((ss - n * mean * mean) / (n - 1), 0.0) ** 0.5  # unbiased, as torch.std
+        return (adv - mean) / (std + 1e-8)
+
+    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> tuple[dict[str, float], float]:
+        """One optimizer step; this shard's loss figures (none if its slice is empty) and the global
+        gradient norm."""
         a = self.algo
-        logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
         adv = batch.advantages[idx]
-        if a.norm_adv and adv.numel() > 1:
-            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
-        weights = None if a.mode == "sync" else batch.weights[idx]
-        loss, figures = ppo_loss(logp, batch.logp[idx], adv, value, batch.values[idx], batch.returns[idx], entropy,
-                                 clip, a.vf_coef, a.ent_coef, a.clip_vloss, weights)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
-        self.optimizer.step()
-        return {**figures, "grad_norm": grad_norm.item()}
+        if a.norm_adv and a.minibatches > 1:
+            adv = self._normalized(adv)
+        loss, figures = None, {}
+        if len(idx):
+            logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
+            weights = None if a.mode == "sync" else batch.weights[idx]
+            loss, figures = ppo_loss(logp, batch.logp[idx], adv, value, batch.values[idx], batch.returns[idx],
+                                     entropy, clip, a.vf_coef, a.ent_coef, a.clip_vloss, weights)
+        return figures, self.step_optimizer(loss, len(idx))

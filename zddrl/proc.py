@@ -1,8 +1,10 @@
-"""Facts about this process that every role reports (memory)."""
+"""Process helpers: memory every role reports, free ports, children that die with their parent."""
 from __future__ import annotations
 
 import os
 import resource
+import signal
+import socket
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -14,3 +16,28 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * _PAGE / 2**20
     except (OSError, IndexError, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free TCP ports (held open together while choosing, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when `zddrl train` dies, even by SIGKILL,
+    so that no broker, actor or learner outlives the command (best effort elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass

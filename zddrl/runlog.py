@@ -34,7 +34,7 @@ METRIC_COLUMNS = (
 )
 SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "total_env_steps", "wall_s",
                 "sps", "return_mean_20", "episodes", "policy_version", "updates", "dropped_late", "dropped_stale",
-                "lag", "mode", "seed")
+                "lag", "mode", "seed", "shards", "shard_trajectories")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import click
 from loguru import logger
 
 from .config import Config, to_toml
+from .proc import die_with_parent, free_ports  # noqa: F401  (free_ports: part of this module's interface)
 
 SHUTDOWN_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.5
@@ -29,31 +28,6 @@ PROGRESS_EVERY_S = 0.5
 
 def default_run_dir(config: Config) -> Path:
     return Path(config.train.run_dir) / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-s{config.env.seed}"
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct free TCP ports (held open together while choosing, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when `zddrl train` dies, even by SIGKILL,
-    so that no broker, actor or learner outlives the command (best effort elsewhere)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 class Fleet:
@@ -67,7 +41,7 @@ class Fleet:
         log = open(self.log_dir / f"{name}.log", "w")
         cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         log.close()
         self.procs[name] = proc
         return proc

@@ -1,0 +1,67 @@
+"""One learner shard for the equivalence tests: trains on its share of fixed data, saves its parameters.
+
+``python tests/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) runs one shard of a gloo group; without them, one learner on all data.
+Every update has one trajectory from each of four senders; the shards split them two and two,
+a different and mostly uneven split each update (so the reward scaler's streams move between
+shards, and shard 1 has nothing at all in the last one).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from zddrl import protocol as P
+from zddrl.config import Config
+from zddrl.envs import EnvSpec
+from zddrl.impala import ImpalaLearner
+from zddrl.ppo import PPOLearner
+from zddrl.shards import DevicePlan, ShardGroup
+
+SPEC = EnvSpec((4,), True, 2)
+SENDERS = ("a", "b", "c", "d")
+SPLITS = (("a", "b"), ("b",), ("a", "c", "d"), SENDERS)
+"""Shard 0's senders in each update (shard 1 takes the rest): even, uneven both ways, all (shard 1 idle)."""
+UPDATES = len(SPLITS)
+
+
+def config(mode: str) -> Config:
+    return Config().replace({"algo.mode": mode, "algo.epochs": 3, "algo.minibatches": 1, "algo.normalize_obs": True,
+                             "algo.normalize_reward": True, "algo.lr": 3e-3, "algo.ent_coef": 0.01})
+
+
+def trajectory(sender: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
+    rng = np.random.default_rng(1000 * update + SENDERS.index(sender))
+    terminated = rng.random((T, N)) < 0.1
+    truncated = (rng.random((T, N)) < 0.05) & ~terminated
+    trunc_idx = np.flatnonzero(truncated.reshape(-1))
+    arrays = {
+        "obs": rng.normal(1.0, 2.0, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
+        "logp": rng.uniform(-1.2, -0.3, (T, N)).astype(np.float32),
+        "values": rng.normal(0, 1, (T, N)).astype(np.float32), "rewards": rng.normal(1, 1, (T, N)).astype(np.float32),
+        "terminated": terminated, "truncated": truncated, "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
+        "next_value": rng.normal(0, 1, N).astype(np.float32), "trunc_idx": trunc_idx,
+        "trunc_obs": rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
+        "trunc_value": rng.normal(0, 1, len(trunc_idx)).astype(np.float32),
+        "ep_returns": np.zeros(0, np.float32), "ep_lengths": np.zeros(0, np.int32)}
+    return P.Trajectory(run_id="r", sender=sender, seq=update, policy_version=max(0, update - 1), param_hash="",
+                        env_steps=T * N, arrays=arrays)
+
+
+def main(mode: str, out: str) -> None:
+    group = ShardGroup.from_env(DevicePlan(("cpu",) * 2), timeout_s=60)
+    cls = ImpalaLearner if mode == "impala" else PPOLearner
+    core = cls(config(mode), SPEC, group)
+    for update in range(UPDATES):
+        mine = SENDERS if not group.sharded else \
+            [s for s in SENDERS if (s in SPLITS[update]) == (group.rank == 0)]
+        core.update([trajectory(s, update) for s in mine], staleness=0.5 * update)
+    flat, _, extra = core.params()
+    np.savez(out, flat=flat, **extra, reward_var=np.array(core.reward_scaler.rms.var),
+             returns_a=core.reward_scaler.returns["a"])
+    group.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

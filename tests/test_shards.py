@@ -1,0 +1,138 @@
+"""Learner shards: device plans, 2 gloo shards == 1 learner on the same data, failures, CartPole end to end."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import BrokerHandle, Procs, wait_for
+from test_train import CARTPOLE, ROOT, processes_mentioning, train
+from zddrl.launch import Rendezvous, shard_environments
+from zddrl.proc import free_ports
+from zddrl.shards import DevicePlan, launched_as_shard, plan_devices
+
+WORKER = str(Path(__file__).resolve().parent / "shard_worker.py")
+
+
+# ---------------------------------------------------------------- device plans and rendezvous
+def test_device_plans() -> None:
+    assert plan_devices("auto", cuda_count=0).devices == ("cpu",)
+    assert plan_devices("auto", cuda_count=2).devices == ("cuda:0",)
+    assert plan_devices("cpu:2", cuda_count=2).devices == ("cpu", "cpu")
+    assert plan_devices("cpu", cuda_count=0).backend == "gloo"
+    plan = plan_devices("0,1", cuda_count=2)
+    assert plan.devices == ("cuda:0", "cuda:1") and plan.backend == "nccl"
+    for bad, why in [("1", "does not exist here"), ("cpu:0", "cpu:N"), ("1,1", "listed twice"), ("x", "expected")]:
+        with pytest.raises(ValueError, match=why):
+            plan_devices(bad, cuda_count=1)
+
+
+def test_shard_environments_are_torchruns() -> None:
+    envs = shard_environments(DevicePlan(("cpu",) * 2), Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1",
+                                                                   master_port=29500), base={})
+    assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [("2", "0", "4"), ("3", "1", "4")]
+    assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and all(launched_as_shard(e) for e in envs)
+    with pytest.raises(ValueError, match="master-port"):
+        shard_environments(DevicePlan(("cpu",)), Rendezvous(nnodes=2), base={})
+
+
+# ---------------------------------------------------------------- equivalence
+def _run_workers(mode: str, tmp_path: Path, world: int) -> list[dict[str, np.ndarray]]:
+    port = free_ports(1)[0]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ)
+        if world > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+        out = tmp_path / f"{mode}-{world}-{rank}.npz"
+        procs.append((subprocess.Popen([sys.executable, WORKER, mode, str(out)], env=env, stderr=subprocess.PIPE,
+                                       text=True), out))
+    results = []
+    for proc, out in procs:
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, err[-3000:]
+        results.append(dict(np.load(out)))
+    return results
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "impala"])
+def test_two_shards_with_half_batches_learn_what_one_learner_learns(mode: str, tmp_path: Path) -> None:
+    """Same data, 4 updates x 3 epochs with observation and reward normalisation: 2 gloo shards, each
+    with part of every batch (2+2, 1+3, 3+1 and 4+0 trajectories), end with the parameters,
+    normalisation statistics and reward streams of one learner that saw every batch whole."""
+    (single,) = _run_workers(mode, tmp_path, 1)
+    shard0, shard1 = _run_workers(mode, tmp_path, 2)
+    np.testing.assert_array_equal(shard0["flat"], shard1["flat"])  # identical, not merely close
+    assert not np.allclose(single["flat"], _run_initial(mode))  # they did learn something
+    for key in single:
+        np.testing.assert_allclose(shard0[key], single[key], rtol=2e-5, atol=2e-6, err_msg=key)
+
+
+def _run_initial(mode: str) -> np.ndarray:
+    from shard_worker import SPEC, config
+    from zddrl.impala import ImpalaLearner
+    from zddrl.ppo import PPOLearner
+
+    return (ImpalaLearner if mode == "impala" else PPOLearner)(config(mode), SPEC).params()[0]
+
+
+# ---------------------------------------------------------------- the real thing
+def test_train_with_two_cpu_shards_learns_cartpole(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = train(run_dir, "--gpus", "cpu:2", "--until-return", "300")
+    assert summary["reached"] is True and summary["return_mean_20"] >= 300
+    assert summary["shards"] == 2
+    assert all(n > 0 for n in summary["shard_trajectories"])  # the broker fed both shards
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["shards"] == 2
+    assert (run_dir / "logs" / "learner.loguru.shard1.log").exists()
+    assert not processes_mentioning(str(run_dir))
+
+
+@pytest.mark.parametrize("mode", ["async", "impala"])
+def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = CARTPOLE if mode == "async" else str(ROOT / "examples" / "cartpole_impala.toml")
+    done = subprocess.run([sys.executable, "-m", "zddrl", "train", config, "--mode", mode, "--gpus", "cpu:2",
+                           "--run-dir", str(run_dir), "--until-return", "100", "--max-seconds", "90"],
+                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["reached"] is True and summary["mode"] == mode
+    assert all(n > 0 for n in summary["shard_trajectories"])
+
+
+def test_a_dead_shard_takes_the_group_down_with_a_clear_error(procs: Procs, broker: BrokerHandle,
+                                                             tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--shards", "2",
+                          "--run-dir", str(run_dir), "--set", "train.max_seconds=120")
+    procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
+    wait_for(lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
+             60, "the sharded learner to train")
+    shard1 = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_shard(int(p), "1", str(run_dir))]
+    assert len(shard1) == 1
+    os.kill(shard1[0], signal.SIGKILL)
+    assert learner.wait(timeout=60) != 0
+    log = procs.log("learner")
+    assert "learner shard 1" in log and "exited with code -9" in log and "--resume" in log
+    wait_for(lambda: not processes_mentioning(str(run_dir)), 20, "every shard to be gone")
+
+
+def _is_shard(pid: int, rank: str, marker: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return marker.encode() in cmd and f"RANK={rank}".encode() in env

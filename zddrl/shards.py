@@ -1,0 +1,205 @@
+"""A learner as a group of shards: torch.distributed process group, collectives, device plan.
+
+One shard per device. Every shard receives its own share of the trajectory stream from the broker,
+trains on it, and keeps identical parameters to the others by averaging gradients with one
+all-reduce per optimizer step (gloo on CPU, NCCL on CUDA; the usual ``env://`` rendezvous, so
+``torchrun`` works as well as ``zddrl learner --gpus``). Shard 0 owns every side effect.
+
+``ShardGroup`` with ``world_size == 1`` does no communication at all: a single learner runs the
+same code with every collective a no-op, so the sharded path is the tested path.
+
+Small Python values travel between shards as msgpack (never pickle), in two all-gathers: the
+lengths, then the padded payloads.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import torch
+
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun (and ``zddrl learner`` for its own shards) sets for every shard process."""
+
+
+class ShardError(RuntimeError):
+    """The group cannot go on: a shard died, timed out or diverged."""
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The local shards of one node: one device string per shard."""
+
+    devices: tuple[str, ...]
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
+
+
+def plan_devices(gpus: str, cuda_count: int | None = None) -> DevicePlan:
+    """``--gpus`` -> the local shards' devices.
+
+    ``auto``: one shard, ``cuda:0`` when a GPU is visible, else the CPU. ``0,1``: one shard per
+    listed GPU. ``cpu`` or ``cpu:N``: N CPU shards. Raises ``ValueError`` with a usable message.
+    """
+    if cuda_count is None:
+        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    spec = gpus.strip().lower()
+    if spec in ("", "auto"):
+        return DevicePlan(("cuda:0",) if cuda_count else ("cpu",))
+    if spec == "cpu" or spec.startswith("cpu:"):
+        count = spec.partition(":")[2] or "1"
+        if not count.isdigit() or not 1 <= int(count) <= 64:
+            raise ValueError(f"--gpus {gpus!r}: cpu:N needs N in 1..64")
+        return DevicePlan(("cpu",) * int(count))
+    try:
+        ids = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus {gpus!r}: expected 'auto', GPU indices like '0,1', or 'cpu:N'") from None
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"--gpus {gpus!r}: a GPU is listed twice")
+    bad = [i for i in ids if not 0 <= i < cuda_count]
+    if bad:
+        seen = f"{cuda_count} CUDA device(s) visible" if cuda_count else "no CUDA device visible"
+        raise ValueError(f"--gpus {gpus!r}: GPU {bad[0]} does not exist here ({seen}); use cpu:N for CPU shards")
+    return DevicePlan(tuple(f"cuda:{i}" for i in ids))
+
+
+def launched_as_shard(environ: dict[str, str] | None = None) -> bool:
+    """True in a process started by a launcher (ours or torchrun) as one shard of a group."""
+    env = os.environ if environ is None else environ
+    return all(k in env for k in ("RANK", "WORLD_SIZE"))
+
+
+class ShardGroup:
+    """This shard's view of its group. ``rank == 0`` is the main shard."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, device: str = "cpu") -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.comm_s = 0.0
+        """Seconds spent in collectives (for the all-reduce share of step time)."""
+        self._dist = None
+
+    @classmethod
+    def from_env(cls, plan: DevicePlan, timeout_s: float) -> "ShardGroup":
+        """Join the group that the environment describes (torchrun's variables), or a group of one."""
+        if not launched_as_shard():
+            return cls(device=plan.devices[0])
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= len(plan.devices):
+            raise ShardError(f"LOCAL_RANK {local} but --gpus lists only {len(plan.devices)} device(s) on this node")
+        group = cls(rank, world, plan.devices[local])
+        if world > 1:
+            import torch.distributed as dist
+
+            if group.device.type == "cuda":
+                torch.cuda.set_device(group.device)
+            dist.init_process_group(plan.backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            group._dist = dist
+        return group
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self._dist is not None
+
+    def close(self) -> None:
+        if self._dist is not None and self._dist.is_initialized():
+            self._dist.destroy_process_group()
+        self._dist = None
+
+    # ---------------------------------------------------------------- collectives
+    def _comm_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        # NCCL reduces device tensors only; gloo takes the CPU ones as they are.
+        return tensor.to(self.device) if self.device.type == "cuda" else tensor
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the shards, in place (on the tensor's own device). Returns it."""
+        if self._dist is None:
+            return tensor
+        t0 = time.perf_counter()
+        comm = self._comm_tensor(tensor)
+        try:
+            self._dist.all_reduce(comm)
+        except RuntimeError as exc:
+            raise ShardError(f"all-reduce failed (a shard died or timed out): {exc}") from None
+        if comm is not tensor:
+            tensor.copy_(comm)
+        self.comm_s += time.perf_counter() - t0
+        return tensor
+
+    def sum(self, *values: float) -> list[float]:
+        """Element-wise float64 sums of ``values`` over the shards (one small all-reduce)."""
+        floats = [float(v) for v in values]
+        if self._dist is None:
+            return floats
+        return self.all_reduce_(torch.tensor(floats, dtype=torch.float64)).tolist()
+
+    def exchange(self, obj: Any) -> list[Any]:
+        """Every shard's ``obj``, in rank order (msgpack-serialisable values only)."""
+        if self._dist is None:
+            return [obj]
+        payload = msgpack.packb(obj, use_bin_type=True)
+        t0 = time.perf_counter()
+        try:
+            sizes = [self._comm_tensor(torch.zeros(1, dtype=torch.int64)) for _ in range(self.world_size)]
+            self._dist.all_gather(sizes, self._comm_tensor(torch.tensor([len(payload)], dtype=torch.int64)))
+            longest = int(max(int(s.item()) for s in sizes))
+            mine = torch.zeros(longest, dtype=torch.uint8)
+            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+            parts = [self._comm_tensor(torch.empty(longest, dtype=torch.uint8)) for _ in range(self.world_size)]
+            self._dist.all_gather(parts, self._comm_tensor(mine))
+        except RuntimeError as exc:
+            raise ShardError(f"exchange between shards failed (a shard died or timed out): {exc}") from None
+        self.comm_s += time.perf_counter() - t0
+        return [msgpack.unpackb(p.cpu().numpy()[:int(n.item())].tobytes(), raw=False)
+                for p, n in zip(parts, sizes)]
+
+    def broadcast(self, obj: Any) -> Any:
+        """The main shard's ``obj`` on every shard."""
+        return self.exchange(obj if self.is_main else None)[0]
+
+    def sync_module(self, params: Iterable[torch.Tensor]) -> None:
+        """Copy the main shard's tensors into every shard's (identical start, whatever the seeds)."""
+        if self._dist is None:
+            return
+        for p in params:
+            comm = self._comm_tensor(p.data)
+            self._dist.broadcast(comm, src=0)
+            if comm is not p.data:
+                p.data.copy_(comm)
+
+    def average_gradients(self, params: Sequence[torch.Tensor], weight: float) -> float:
+        """Make every shard's gradients the ``weight``-weighted mean of all shards' gradients.
+
+        ``weight`` is the number of samples this shard's loss averaged over (0: it had none this
+        step; its gradients, zero, still take part). One flat all-reduce carries the gradients and
+        the weights together. Returns the total weight over all shards.
+        """
+        if self._dist is None:
+            return weight
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [grads[0].new_tensor([1.0])])
+        flat.mul_(weight)
+        self.all_reduce_(flat)
+        total = float(flat[-1])
+        if total > 0:
+            flat.div_(total)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+        return total
