@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from zddrl import protocol as P
+from zddrl.params import split as split_params
 
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
 
@@ -43,6 +44,9 @@ EXAMPLES = [
     P.Heartbeat(peer_id="actor-0", policy_version=7), P.Heartbeat(peer_id="broker"),
     P.Reject(reason="unknown peer: send hello first", rehello=True), P.Reject(reason="no"),
     traj(), traj(arrays={}), params(),
+    *split_params(run_id="r-1", sender="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
+                  layout=[["w", "float32", [10], 0]], extras={"obs_mean": np.zeros(2, np.float32)},
+                  chunk_bytes=16, dtype="bfloat16"),
     P.ParamsRequest(peer_id="actor-0", have_version=3), P.Credit(sender="learner-0", credit=16),
     P.Stats(sender="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
     P.StatusRequest(), P.StatusRequest(peer_id="status"), P.Status(body={"broker": {"dropped": {"stale": 1}}}),
@@ -286,7 +290,35 @@ def params_frames(layout, flat=np.zeros(4, np.float32)) -> list:
     return wire(params(flat=flat, layout=layout).encode())
 
 
+CHUNKED = split_params(run_id="r-1", sender="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
+                       layout=[["w", "float32", [10], 0]], chunk_bytes=16)
+HEAD = dict(msgpack.unpackb(wire(CHUNKED[0].encode())[1]))
+
+
+def head_frames(**changes) -> list:
+    frames = wire(CHUNKED[0].encode())
+    return [frames[0], msgpack.packb({**HEAD, **changes}), *frames[2:]]
+
+
+def chunk_frames(data=np.zeros(4, np.float32), **changes) -> list:
+    msg = dataclasses.replace(CHUNKED[1], arrays={"data": data}, **changes)
+    return wire(msg.encode())
+
+
 BAD += [
+    ("param_dtype unknown", head_frames(param_dtype="int8"), "param_dtype 'int8' is not one of"),
+    ("param_dtype vs flat", head_frames(param_dtype="float16"), "'flat' must be float16 for param_dtype float16"),
+    ("chunk count vs numel", head_frames(numel=100), "3 chunk hashes do not fit numel 100 in chunks of 4"),
+    ("chunk hash not hex", head_frames(chunk_hashes=["x" * 16] * 3), "16 hex digits"),
+    ("flat not chunk 0", head_frames(chunk_numel=5, numel=15), "'flat' must be chunk 0 (5 elements)"),
+    ("numel without chunks", head_frames(chunk_hashes=[], numel=10), "numel 10 without chunk_hashes"),
+    ("layout past numel", head_frames(layout=[["w", "float32", [11], 0]]), "does not fit the flat buffer of 10"),
+    ("chunk index 0", chunk_frames(index=0), "index 0 must be in 1.."),
+    ("chunk two arrays", wire(dataclasses.replace(CHUNKED[1], arrays={"data": np.zeros(2, np.float32),
+                                                                      "x": np.zeros(1, np.float32)}).encode()),
+     "exactly one 1-d array"),
+    ("chunk 2-d", chunk_frames(data=np.zeros((2, 2), np.float32)), "exactly one 1-d array"),
+    ("chunk hash not hex", chunk_frames(chunk_hash="nothex"), "chunk_hash must be 16 hex digits"),
     ("layout row not a quad", params_frames([["w", "float32", [2]]]), "layout row 0 must be [name, dtype, shape"),
     ("layout duplicate name", params_frames([["w", "float32", [1], 0], ["w", "float32", [1], 1]]),
      "name 'w' must be a unique"),

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from zddrl import protocol as P
+from zddrl.params import Assembler
 from zddrl.broker import DROP_REASONS
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
@@ -82,14 +83,29 @@ def test_example_round_trips_byte_identical(name: str) -> None:
     assert header == json.loads(JSONS[name]), "the json block does not match the header frame"
 
 
-@pytest.mark.parametrize("name", sorted(n for n in FRAMES if n.split("-")[0] == "params"))
-def test_params_example_hash_and_layout(name: str) -> None:
-    msg = P.decode([data for _, data in parse_frames(FRAMES[name])])
+def example(name: str) -> P.Message:
+    return P.decode([data for _, data in parse_frames(FRAMES[name])])
+
+
+def test_params_examples_hashes_layout_and_chunks() -> None:
+    """The documented hashes are what section 6 says, and the bfloat16 chunks rebuild the float32 weights."""
+    msg = example("params")
     flat = msg.arrays["flat"]
-    assert flat.dtype == np.float32 and msg.param_hash == P.param_hash(flat)
+    assert flat.dtype == np.float32 and msg.param_hash == P.param_hash(flat) and msg.chunk_hashes == [msg.param_hash]
     for row_name, dtype, shape, offset in msg.layout:
         assert dtype == "float32" and offset + int(np.prod(shape)) <= flat.size, row_name
     assert isinstance(msg.meta["rollout_len"], int)
+    head, chunk = example("params-bf16"), example("params_chunk")
+    wire_buffer = np.concatenate([head.arrays["flat"], chunk.arrays["data"]])
+    assert wire_buffer.dtype == np.uint16 and head.numel == wire_buffer.size == flat.size
+    assert head.param_hash == P.param_hash(wire_buffer)
+    assert head.chunk_hashes == [P.param_hash(head.arrays["flat"]), chunk.chunk_hash]
+    assert chunk.chunk_hash == P.param_hash(chunk.arrays["data"]) and chunk.index == 1
+    rebuilt = (wire_buffer.astype(np.uint32) << 16).view(np.float32)  # section 6, by hand
+    np.testing.assert_allclose(rebuilt, flat, rtol=1 / 128)
+    assembler = Assembler()
+    assert assembler.add(head) is None
+    np.testing.assert_array_equal(assembler.add(chunk).arrays["flat"], rebuilt)
 
 
 TRAJECTORY_SPECS = {  # name -> (dtype, shape written with T, N, K, E, O for obs dims)

@@ -30,6 +30,7 @@ from . import protocol as P
 from .config import BrokerConfig, ConfigError, split_endpoint
 from .client import CRASH_PREFIX, REFUSED_PREFIX
 from .health import HealthMonitor
+from .params import FrameCache
 from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, log_health_events, staleness_of,
                          id_conflict, throughput, trajectory_refusal)
 from .wire import NOBLOCK, recv_frames, send_frames
@@ -55,7 +56,7 @@ class Broker:
         """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.run_id = ""
         self.run_spec: dict | None = None
-        self.params_frames: Sequence[Any] | None = None
+        self.param_cache = FrameCache()
         self.params_version = -1
         self.counters: dict[str, int] = defaultdict(int)
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
@@ -358,7 +359,7 @@ class Broker:
     def _start_run(self, run_id: str, run: dict, staleness: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
-        self.params_frames, self.params_version = None, -1
+        self.param_cache, self.params_version = FrameCache(), -1
         self._staleness = staleness
         self.health.start_run(staleness, run_id)
         for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
@@ -377,7 +378,7 @@ class Broker:
 
     def _maybe_resend_params(self, member: Member, force: bool = False) -> None:
         """Late joiners and subscribers that missed a PUB get the cached version directly."""
-        if member.role != "actor" or self.params_frames is None or member.policy_version >= self.params_version:
+        if member.role != "actor" or not self.param_cache.messages or member.policy_version >= self.params_version:
             return
         now = time.monotonic()
         if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
@@ -389,7 +390,8 @@ class Broker:
         if not force and now - self.params_published_at < self.config.heartbeat_interval_s:
             return
         member.last_snapshot = now
-        self._send_frames(self.control, member.identity, self.params_frames)
+        for frames in self.param_cache.messages:  # the whole version, chunk by chunk
+            self._send_frames(self.control, member.identity, frames)
         self.counters["params_snapshots"] += 1
 
     # ---------------------------------------------------------------- learner socket
@@ -408,28 +410,32 @@ class Broker:
                 self._set_credit(member, member.credit + msg.credit)
             else:
                 self.counters["credit_other_run"] += 1
-        elif isinstance(msg, P.Parameters):
+        elif isinstance(msg, (P.Parameters, P.ParamChunk)):
             self._on_params(member, msg, frames)
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a learner-socket message")
 
-    def _on_params(self, member: Member, msg: P.Parameters, frames: Sequence[Any]) -> None:
+    def _on_params(self, member: Member, msg: P.Parameters | P.ParamChunk, frames: Sequence[Any]) -> None:
+        """Stream every message of a newer version to the subscribers as it comes; the version becomes
+        the published one (the copy late joiners get) once all of its chunks are here."""
         if msg.run_id != self.run_id:
             self.counters["params_unknown_run"] += 1
             self._ratelog.warning("params_run", f"ignored parameters of run {msg.run_id!r} (current {self.run_id!r})")
             return
-        if msg.policy_version <= self.params_version:
-            self.counters["params_stale"] += 1
-            self._ratelog.warning("params_stale", f"ignored parameters version {msg.policy_version}: "
-                                                  f"{self.params_version} is already published")
+        outcome = self.param_cache.add(msg, list(frames))
+        if outcome not in ("building", "complete"):
+            self.counters[f"params_{outcome}"] += 1
+            self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of version {msg.policy_version} "
+                                                      f"({outcome}; version {self.params_version} is published)")
             return
-        self.params_frames, self.params_version = list(frames), msg.policy_version
-        self.params_published_at = time.monotonic()
-        self.health.published(msg.policy_version, msg.param_hash)
-        member.policy_version = msg.policy_version
-        self.params.send_multipart(self.params_frames, copy=False)
-        self.counters["params_published"] += 1
+        self.params.send_multipart(frames, copy=False)
         self.counters["params_bytes"] += P.message_nbytes(frames)
+        if outcome == "complete":
+            self.params_version = msg.policy_version
+            self.params_published_at = time.monotonic()
+            self.health.published(msg.policy_version, msg.param_hash)
+            member.policy_version = msg.policy_version
+            self.counters["params_published"] += 1
 
     # ---------------------------------------------------------------- liveness
     def _send_heartbeats(self) -> None:

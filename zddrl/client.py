@@ -22,6 +22,7 @@ from loguru import logger
 
 from . import protocol as P
 from .config import split_endpoint
+from .params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Until the welcome says otherwise."""
@@ -76,6 +77,7 @@ class BrokerLink:
         self.params: P.Parameters | None = None
         self.reconnects = 0
         self.params_rejected = 0
+        self.assembler = Assembler()
         self.last_broker_beat = 0.0
         self._sub: zmq.Socket | None = None
         self._sub_port: int | None = None
@@ -240,7 +242,7 @@ class BrokerLink:
                         elif msg.reason.startswith(REFUSED_PREFIX):
                             self._refuse(msg.reason)
                             return welcomed
-                    elif isinstance(msg, P.Parameters):
+                    elif isinstance(msg, (P.Parameters, P.ParamChunk)):
                         self._on_params(msg)
                     elif isinstance(msg, P.Credit):
                         self._on_credit(msg)
@@ -248,7 +250,7 @@ class BrokerLink:
                         self.last_broker_beat = time.time()
             if sub is not None and sub in events:
                 for msg in self._drain(sub):
-                    if isinstance(msg, P.Parameters):
+                    if isinstance(msg, (P.Parameters, P.ParamChunk)):
                         self._on_params(msg)
             now = time.monotonic()
             if now >= next_beat:
@@ -263,7 +265,7 @@ class BrokerLink:
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 4)
+        sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
         sub.connect(f"tcp://{self.host}:{welcome.ports['params']}")
@@ -319,19 +321,36 @@ class BrokerLink:
             self.acked = min(self.sent, self.acked + msg.credit)
             self._cond.notify_all()
 
-    def _on_params(self, msg: P.Parameters) -> None:
-        """Verify and keep the newest parameters; never go back to an older version."""
+    def _on_params(self, msg: P.Parameters | P.ParamChunk) -> None:
+        """Put versions together chunk by chunk (``params.Assembler``: every hash verified) and keep the
+        newest whole one; never go back to an older version, never use a half-arrived one."""
         if self.welcome is None or msg.run_id != self.welcome.run_id:
             return
-        flat = msg.arrays.get("flat")
-        if flat is None or P.param_hash(flat) != msg.param_hash:
+        if isinstance(msg, P.Parameters) and "flat" not in msg.arrays:
             self.params_rejected += 1
-            self.log.warning(f"rejected parameters version {msg.policy_version}: hash mismatch or no flat buffer")
+            self.log.warning(f"rejected parameters version {msg.policy_version}: no flat buffer")
             return
+        refused = sum(self.assembler.rejected[r] for r in REFUSED_PARAMS)
+        whole = self.assembler.add(msg)
+        if sum(self.assembler.rejected[r] for r in REFUSED_PARAMS) > refused:
+            self.params_rejected += 1
+            self.log.warning(f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
+                             f"({dict(self.assembler.rejected)} so far)")
+        if whole is None:
+            return
+        msg = whole
         with self._cond:
             if self.params is None or msg.policy_version > self.params.policy_version:
                 self.params = msg
                 self._cond.notify_all()
+
+
+PARAMS_RCVHWM = 64
+"""Parameter messages a subscriber queues: whole versions of models up to ~128 MiB in 4 MiB chunks.
+A version that loses a chunk here is not used; the broker sends the actor its newest whole version
+directly when its heartbeats show it behind."""
+REFUSED_PARAMS = ("chunk_hash", "whole_hash", "bad_chunk")
+"""Assembler rejections that mean damaged data (not merely old, repeated or early)."""
 
 
 def crash_reason(exc: BaseException) -> str:

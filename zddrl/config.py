@@ -354,8 +354,8 @@ class BrokerConfig:
     """Port of the parameter PUB socket; 0 = control port + 3."""
     trajectory_hwm: int = 16
     """Trajectory messages queued per connection before senders block (backpressure)."""
-    params_hwm: int = 4
-    """Parameter messages queued per subscriber; older ones are superseded anyway (latest wins)."""
+    params_hwm: int = 32
+    """Parameter messages queued per subscriber (a version is one per ``learner.param_chunk_bytes``); older ones are superseded anyway."""
     max_message_bytes: int = 1 << 28
     """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
     heartbeat_interval_s: float = 1.0

@@ -39,6 +39,7 @@ from .envs import probe_spec
 from .core import LearnerCore
 from .impala import ImpalaLearner
 from .ppo import PPOLearner
+from .params import split as split_params
 from .progress import Progress
 from .proc import rss_mb
 from .ledger import FLEET_QUERY_TIMEOUT_S, LAG_WINDOW, RunLedger
@@ -81,8 +82,8 @@ class LearnerNode(RunLedger):
         self.core: LearnerCore = core_cls(config, self.spec, self.group)
         self.version = 0
         self.progress = Progress()
-        self.param_hash = ""
-        self.published: P.Parameters | None = None
+        self.published: list[P.Message] = []
+        """The messages of the newest published version (sent again after a re-welcome)."""
         self.hashes: dict[int, str] = {}
         self.lag: dict[str, int] = {}
         """Per actor: staleness of its newest trajectory (learner version - its version)."""
@@ -124,7 +125,7 @@ class LearnerNode(RunLedger):
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
         hello = P.Hello(role="learner", peer_id=self.peer_id, run_id=self.run_id, run=self.config.to_dict(),
-                        **hello_fields())
+                        shard=self.group.rank, num_shards=self.group.world_size, **hello_fields())
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
         crashed = False
         try:
@@ -189,8 +190,8 @@ class LearnerNode(RunLedger):
             channel.close()
             channel = self.channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes,
                                                  self._window())
-        if self.published is not None:
-            channel.send(self.published)
+        for msg in self.published:
+            channel.send(msg)
 
     # ---------------------------------------------------------------- polling, in step with the other shards
     def _poll(self, stop: threading.Event, control: dict[str, Any], use) -> tuple[list[dict], dict[str, Any]]:
@@ -388,18 +389,19 @@ class LearnerNode(RunLedger):
         """The main shard publishes the current parameters; every shard first checks that all hold the
         same ones (the all-reduce keeps them identical: a difference is a bug, never data to act on)."""
         flat, layout, extra = self.core.params()
-        self.param_hash = P.param_hash(flat)
         if self.group.sharded:
-            hashes = self.group.exchange(self.param_hash)
+            hashes = self.group.exchange(P.param_hash(flat))
             if len(set(hashes)) != 1:
                 raise ShardError(f"learner shards diverged at version {self.version}: parameter hashes {hashes}")
         if not self.main:
             return
-        self.hashes[self.version] = self.param_hash
-        self.published = P.Parameters(run_id=self.run_id, sender=self.peer_id, policy_version=self.version,
-                                      param_hash=self.param_hash, layout=layout, arrays={"flat": flat, **extra},
-                                      meta={"rollout_len": self.rollout_len})
-        self.channel.send(self.published)
+        lc = self.config.learner
+        self.published = split_params(run_id=self.run_id, sender=self.peer_id, version=self.version, flat=flat,
+                                      layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
+                                      chunk_bytes=lc.param_chunk_bytes, dtype=lc.param_dtype)
+        self.hashes[self.version] = self.published[0].param_hash  # what actors acting with it report
+        for msg in self.published:
+            self.channel.send(msg)
 
 
 def _record(msg: P.Trajectory, fresh: bool, used: bool) -> dict[str, Any]:

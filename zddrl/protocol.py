@@ -114,14 +114,24 @@ class Trajectory(Message):
     info: dict = field(default_factory=dict)
 
 
+PARAM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+"""Parameter transport precision -> the wire dtype of its buffers (bfloat16: the upper 16 bits of each
+IEEE float32, carried as uint16, since the wire has no bfloat16 dtype)."""
+MAX_PARAM_CHUNKS = 1 << 20
+
+
 @dataclass(frozen=True)
 class Parameters(Message):
-    """Learner -> broker -> every actor: one policy version as a flat buffer plus its layout.
+    """Learner -> broker -> every actor: one policy version, its layout, and its first chunk.
 
-    ``layout`` rows are ``[name, dtype, shape, offset]`` with ``offset`` in elements of the flat
-    buffer ``arrays["flat"]``; ``param_hash`` is ``param_hash(flat)``. Other arrays (for example
-    observation-normalisation statistics) travel beside it. ``meta`` carries small per-version
-    settings such as the sync-mode rollout length.
+    The version's flat buffer (``numel`` elements of ``param_dtype``) travels in chunks of
+    ``chunk_numel`` elements: chunk 0 is ``arrays["flat"]`` here, chunks 1.. are ``ParamChunk``
+    messages. ``chunk_hashes[i]`` is ``param_hash`` of chunk i; ``param_hash`` is the hash of the
+    whole buffer. With ``chunk_hashes`` empty, ``flat`` is the whole buffer. ``layout`` rows are
+    ``[name, dtype, shape, offset]`` with ``offset`` in elements of the whole buffer, as float32
+    (what the receiver converts it to). Other arrays (for example observation-normalisation
+    statistics) travel beside chunk 0. ``meta`` carries small per-version settings such as the
+    sync-mode rollout length.
     """
 
     KIND: ClassVar[str] = "params"
@@ -133,6 +143,30 @@ class Parameters(Message):
     layout: list
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    param_dtype: str = "float32"
+    numel: int = 0
+    chunk_numel: int = 0
+    chunk_hashes: list = field(default_factory=list)
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunk_hashes))
+
+
+@dataclass(frozen=True)
+class ParamChunk(Message):
+    """Learner -> broker -> every actor: chunk ``index`` (>= 1) of the version that ``policy_version``
+    and ``param_hash`` name; ``arrays["data"]`` holds its elements, ``chunk_hash`` their hash."""
+
+    KIND: ClassVar[str] = "params_chunk"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    sender: str
+    policy_version: int
+    param_hash: str
+    index: int
+    chunk_hash: str
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -188,8 +222,8 @@ class Bye(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Hello, Welcome, Heartbeat, Reject, Trajectory, Parameters, ParamsRequest, Credit, Stats,
-                StatusRequest, Status, Bye)
+    for cls in (Hello, Welcome, Heartbeat, Reject, Trajectory, Parameters, ParamChunk, ParamsRequest, Credit,
+                Stats, StatusRequest, Status, Bye)
 }
 
 
@@ -437,10 +471,12 @@ def _check_welcome(fields: dict[str, Any]) -> None:
 
 
 def _check_params(fields: dict[str, Any]) -> None:
-    """Layout rows ``[name, dtype, shape, offset]`` must be well formed and fit the flat buffer."""
+    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, dtype, shape,
+    offset]`` are well formed and fit the whole buffer."""
     flat = fields["arrays"].get("flat")
     if flat is not None and flat.ndim != 1:
         raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")
+    numel = _check_chunking(fields, flat)
     names: set[str] = set()
     for i, row in enumerate(fields["layout"]):
         if not (isinstance(row, list) and len(row) == 4):
@@ -455,12 +491,49 @@ def _check_params(fields: dict[str, Any]) -> None:
             raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
         if not _is_int(offset, 0):
             raise ProtocolError(f"params: layout row {name!r}: offset {offset!r} must be a non-negative int")
-        if flat is not None and offset + math.prod(shape) > flat.size:
+        if numel is not None and offset + math.prod(shape) > numel:
             raise ProtocolError(f"params: layout row {name!r} (offset {offset}, shape {shape}) does not fit "
-                                f"the flat buffer of {flat.size} elements")
+                                f"the flat buffer of {numel} elements")
 
 
-_CHECKS = {Welcome: _check_welcome, Parameters: _check_params}
+def _hash_ok(value: Any) -> bool:
+    return type(value) is str and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_chunking(fields: dict[str, Any], flat: np.ndarray | None) -> int | None:
+    """The whole buffer's element count (None if unknown: no flat buffer, no chunk table)."""
+    dtype, hashes, numel, per = (fields["param_dtype"], fields["chunk_hashes"], fields["numel"],
+                                 fields["chunk_numel"])
+    if dtype not in PARAM_DTYPES:
+        raise ProtocolError(f"params: param_dtype {dtype!r} is not one of {sorted(PARAM_DTYPES)}")
+    if flat is not None and flat.dtype != DTYPES[PARAM_DTYPES[dtype]]:
+        raise ProtocolError(f"params: 'flat' must be {PARAM_DTYPES[dtype]} for param_dtype {dtype}, got {flat.dtype}")
+    if numel < 0 or per < 0:
+        raise ProtocolError(f"params: numel ({numel}) and chunk_numel ({per}) must be >= 0")
+    if not hashes:
+        if numel and (flat is None or numel != flat.size):
+            raise ProtocolError(f"params: numel {numel} without chunk_hashes must be the size of 'flat'")
+        return flat.size if flat is not None else None
+    if not 1 <= len(hashes) <= MAX_PARAM_CHUNKS or not all(_hash_ok(h) for h in hashes):
+        raise ProtocolError(f"params: chunk_hashes must be 1..{MAX_PARAM_CHUNKS} hashes of 16 hex digits")
+    if numel < 1 or per < 1 or len(hashes) != -(-numel // per):
+        raise ProtocolError(f"params: {len(hashes)} chunk hashes do not fit numel {numel} in chunks of {per}")
+    if flat is None or flat.size != min(per, numel):
+        raise ProtocolError(f"params: 'flat' must be chunk 0 ({min(per, numel)} elements)")
+    return numel
+
+
+def _check_chunk(fields: dict[str, Any]) -> None:
+    arrays = fields["arrays"]
+    if set(arrays) != {"data"} or arrays["data"].ndim != 1:
+        raise ProtocolError("params_chunk: must carry exactly one 1-d array, 'data'")
+    if not 1 <= fields["index"] < MAX_PARAM_CHUNKS:
+        raise ProtocolError(f"params_chunk: index {fields['index']} must be in 1..{MAX_PARAM_CHUNKS - 1}")
+    if not _hash_ok(fields["chunk_hash"]):
+        raise ProtocolError("params_chunk: chunk_hash must be 16 hex digits")
+
+
+_CHECKS = {Welcome: _check_welcome, Parameters: _check_params, ParamChunk: _check_chunk}
 
 
 def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:

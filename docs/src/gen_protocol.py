@@ -10,6 +10,7 @@ import numpy as np
 import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from zddrl import protocol as P
+from zddrl.params import split
 
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2, "rollout_len": 2},
        "model": {"hidden": [1], "activation": "tanh"}, "algo": {"mode": "sync", "batch_size": 4}}
@@ -36,17 +37,16 @@ def traj():
     return P.Trajectory(run_id=RUN_ID, sender="actor-0", seq=7, policy_version=3, param_hash="0123456789abcdef",
                         env_steps=4, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32})
 
-def params():
+def params(chunk_bytes=4 << 20, dtype="float32"):
     # obs [2], model.hidden [1], Discrete(2): pi 2 -> 1 -> 2 logits, v 2 -> 1 -> 1
     flat = np.array([0.5, -0.5, 0.0, 1.0, -1.0, 0.0, 0.0, 0.25, 0.75, 0.0, 2.0, 0.5], np.float32)
     layout = [["pi.0.weight", "float32", [1, 2], 0], ["pi.0.bias", "float32", [1], 2],
               ["pi.2.weight", "float32", [2, 1], 3], ["pi.2.bias", "float32", [2], 5],
               ["v.0.weight", "float32", [1, 2], 7], ["v.0.bias", "float32", [1], 9],
               ["v.2.weight", "float32", [1, 1], 10], ["v.2.bias", "float32", [1], 11]]
-    return P.Parameters(run_id=RUN_ID, sender="learner-0", policy_version=3, param_hash=P.param_hash(flat),
-                        layout=layout, arrays={"flat": flat, "obs_mean": np.array([0.0, 0.5], np.float32),
-                                               "obs_var": np.array([1.0, 4.0], np.float32)},
-                        meta={"rollout_len": 2})
+    return split(run_id=RUN_ID, sender="learner-0", version=3, flat=flat, layout=layout,
+                 extras={"obs_mean": np.array([0.0, 0.5], np.float32), "obs_var": np.array([1.0, 4.0], np.float32)},
+                 meta={"rollout_len": 2}, chunk_bytes=chunk_bytes, dtype=dtype)
 
 STATUS = {"broker": {"uptime_s": 12.5, "host": "node0", "run_id": RUN_ID, "policy_version": 3,
                      "ports": {"control": 5555, "trajectories": 5556, "learners": 5557, "params": 5558},
@@ -69,7 +69,9 @@ EXAMPLES = [
     ("credit", P.Credit(sender="learner-0", credit=16)),
     ("params_request", P.ParamsRequest(peer_id="actor-0", have_version=2)),
     ("trajectory", traj()),
-    ("params", params()),
+    ("params", params()[0]),
+    ("params-bf16", params(chunk_bytes=16, dtype="bfloat16")[0]),
+    ("params_chunk", params(chunk_bytes=16, dtype="bfloat16")[1]),
     ("trajectory-empty", P.Trajectory(
         run_id=RUN_ID, sender="actor-1", seq=0, policy_version=0, param_hash="f160f70460b5fe44", env_steps=1,
         arrays={"obs": np.zeros((1, 1, 2), np.float32), "actions": np.zeros((1, 1), np.int64),
