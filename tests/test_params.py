@@ -135,3 +135,12 @@ def test_broker_streams_chunks_and_gives_late_joiners_the_whole_version(broker: 
     assert isinstance(recv_control(control), P.Welcome)
     kinds = [recv_control(control, 2000) for _ in msgs]
     assert [(type(k), k.policy_version) for k in kinds] == [(P.Parameters, 4), (P.ParamChunk, 4)]
+
+
+def test_train_learns_with_bfloat16_parameters_in_chunks(tmp_path) -> None:
+    """The whole system with the CartPole model (~9k parameters) sent as 5 bfloat16 chunks of 4 KiB."""
+    from test_train import train
+
+    summary = train(tmp_path / "run", "--until-return", "200", "--set", 'learner.param_dtype="bfloat16"',
+                    "--set", "learner.param_chunk_bytes=4096")
+    assert summary["reached"] is True and summary["return_mean_20"] >= 200

@@ -12,9 +12,10 @@ float32, carried as uint16; rounding to nearest even). Receivers always get floa
 """
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -33,10 +34,15 @@ def to_transport(flat: np.ndarray, dtype: str) -> np.ndarray:
         return flat.astype(np.float16)
     if dtype == "bfloat16":
         bits = flat.view(np.uint32)
-        rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)  # round to nearest, ties to even
-        out = ((bits + rounding) >> 16).astype(np.uint16)
+        rounded = bits >> 16  # in place from here on: one buffer, no temporaries of the model's size
+        rounded &= 1
+        rounded += np.uint32(0x7FFF)
+        rounded += bits  # + 0x7FFF + lowest kept bit: round to nearest, ties to even
+        rounded >>= 16
+        out = rounded.astype(np.uint16)
         nan = np.isnan(flat)
-        out[nan] = (bits[nan] >> 16).astype(np.uint16) | np.uint16(0x40)  # NaN stays a (quiet) NaN
+        if nan.any():  # a NaN whose payload sits in the low half would round to infinity: keep it NaN
+            out[nan] = (bits[nan] >> 16).astype(np.uint16) | np.uint16(0x40)
         return out
     raise ValueError(f"unknown param_dtype {dtype!r}")
 
@@ -73,6 +79,17 @@ class _Build:
     buffer: np.ndarray
     missing: set[int]
     extras: dict[str, np.ndarray] = field(default_factory=dict)
+    whole: Any = field(default_factory=hashlib.sha1)
+    """SHA-1 of the buffer so far, fed chunk by chunk in order as they arrive (usually in order),
+    so that the whole-buffer check at the end costs nothing more than the last chunk's share."""
+    hashed: int = 0
+    """Chunks fed to ``whole``: 0..hashed-1."""
+
+    def feed(self) -> None:
+        per = self.head.chunk_numel or self.buffer.size
+        while self.hashed < self.head.num_chunks and self.hashed not in self.missing:
+            self.whole.update(self.buffer[self.hashed * per:(self.hashed + 1) * per])
+            self.hashed += 1
 
 
 class Assembler:
@@ -122,7 +139,10 @@ class Assembler:
         buffer = np.empty(numel, dtype=flat.dtype)
         buffer[:flat.size] = flat
         extras = {k: np.array(v) for k, v in head.arrays.items() if k != "flat"}  # own copies: frames get reused
-        self.building[key] = _Build(head, buffer, set(range(1, len(hashes))), extras)
+        self.building[key] = build = _Build(head, buffer, set(range(1, len(hashes))), extras)
+        build.hashed = 1  # chunk 0 was just checked against its own hash: for one chunk, that is the whole
+        if len(hashes) > 1:
+            build.whole.update(flat)
         return True
 
     def _fill(self, build: _Build, index: int, data: np.ndarray, chunk_hash: str) -> None:
@@ -141,6 +161,7 @@ class Assembler:
             return
         build.buffer[start:start + data.size] = data
         build.missing.discard(index)
+        build.feed()
 
     def _finish(self, key: tuple[int, str]) -> P.Parameters | None:
         build = self.building[key] if key in self.building else None
@@ -148,7 +169,7 @@ class Assembler:
             return None
         del self.building[key]
         head = build.head
-        if head.chunk_hashes and len(head.chunk_hashes) > 1 and P.param_hash(build.buffer) != head.param_hash:
+        if head.num_chunks > 1 and build.whole.hexdigest()[:16] != head.param_hash:
             self.rejected["whole_hash"] += 1
             return None
         self.done_version = head.policy_version

@@ -4,15 +4,17 @@ from __future__ import annotations
 import click
 
 from .bus import bus
+from .learner import learner
 from .sample import sample
 from .train import train
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, sample, train. Each prints a table, or JSON with --json."""
+    """Benchmarks: bus, sample, train, learner. Each prints a table, or JSON with --json."""
 
 
 bench.add_command(bus)
+bench.add_command(learner)
 bench.add_command(sample)
 bench.add_command(train)

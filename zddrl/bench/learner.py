@@ -1,0 +1,300 @@
+"""`zddrl bench learner`: learner throughput with 1 and N shards, and parameter broadcast at scale.
+
+Throughput: each configuration runs as real shard processes (gloo on the CPU, the same
+``ShardGroup`` and cores the learner uses) that train on fixed synthetic CartPole-shaped
+trajectories; the global batch is the same whatever the shard count. Reported: samples
+trained per second of update time, and the share of it spent in collectives (all-reduce and
+exchange). A 1-shard run with as many torch threads as the N-shard run has cores is printed too:
+shards are one way to use cores, threads another.
+
+Broadcast: a ~10M-parameter ActorCritic's flat buffer is published through a real broker to 1
+and 4 subscribing actor links (BrokerLink: chunk and whole-buffer hashes verified) in 4 MiB
+chunks, in float32 and in bfloat16; time from the first send to the last subscriber holding the
+verified version. Beside it, in the same run: pickle round trip (dumps + loads) of the same
+state dict, in this process only (zddrl never unpickles what came off a socket).
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+from loguru import logger
+
+from .. import protocol as P
+from ..proc import free_ports
+from . import common as C
+
+BROADCAST_REPS = 5
+BROADCAST_TIMEOUT_S = 60.0
+BIG_MODEL = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
+"""An ActorCritic of ~10.4M parameters (two 2240-wide MLPs on 64-dim observations)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput: one shard process (run as `python -m zddrl.bench.learner SPEC_JSON OUT`)
+# --------------------------------------------------------------------------------------------
+
+
+def _synthetic(sender: int, update: int, T: int, N: int) -> P.Trajectory:
+    rng = np.random.default_rng(1000 * update + sender)
+    terminated = rng.random((T, N)) < 0.02
+    truncated = np.zeros((T, N), bool)
+    arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
+              "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
+              "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,
+              "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32), "next_value": np.zeros(N, np.float32),
+              "trunc_idx": np.zeros(0, np.int64), "trunc_obs": np.zeros((0, 4), np.float32),
+              "trunc_value": np.zeros(0, np.float32), "ep_returns": np.zeros(0, np.float32),
+              "ep_lengths": np.zeros(0, np.int32)}
+    return P.Trajectory(run_id="bench", sender=f"actor-{sender}", seq=update, policy_version=update, param_hash="",
+                        env_steps=T * N, arrays=arrays)
+
+
+def shard_main(spec: dict[str, Any], out: str) -> None:
+    """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures."""
+    from ..config import Config
+    from ..envs import EnvSpec
+    from ..impala import ImpalaLearner
+    from ..ppo import PPOLearner
+    from ..shards import DevicePlan, ShardGroup
+
+    group = ShardGroup.from_env(DevicePlan(("cpu",) * 64), timeout_s=120)
+    config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
+                               "algo.minibatches": spec["minibatches"], "algo.torch_threads": spec["threads"],
+                               "model.hidden": spec["hidden"]})
+    core = (ImpalaLearner if spec["mode"] == "impala" else PPOLearner)(config, EnvSpec((4,), True, 2), group)
+    T, N = 32, 16
+    senders = spec["batch"] // (T * N)
+    mine = [s for s in range(senders) if s % group.world_size == group.rank]
+    data = [[_synthetic(s, u, T, N) for s in mine] for u in range(spec["updates"] + 1)]
+    core.update(data[0])  # warm-up: allocations, first collectives
+    comm0, t0 = group.comm_s, time.perf_counter()
+    for batch in data[1:]:
+        core.update(batch)
+    wall = time.perf_counter() - t0
+    if group.is_main:
+        Path(out).write_text(json.dumps({"wall_s": wall, "comm_s": group.comm_s - comm0}))
+    group.close()
+
+
+def run_throughput(shards: int, threads: int, hidden: list[int], batch: int, updates: int, mode: str,
+                   epochs: int, minibatches: int) -> dict[str, Any]:
+    spec = {"mode": mode, "epochs": epochs, "minibatches": minibatches, "threads": threads, "hidden": hidden,
+            "batch": batch, "updates": updates}
+    port = free_ports(1)[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "figures.json")
+        procs = []
+        for rank in range(shards):
+            env = dict(os.environ)
+            if shards > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(shards), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env))
+        try:
+            codes = [p.wait(timeout=900) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        if any(codes):
+            raise click.ClickException(f"a benchmark shard failed (exit codes {codes})")
+        figures = json.loads(Path(out).read_text())
+    samples = batch * updates
+    row = {"mode": mode, "shards": shards, "threads_per_shard": threads, "hidden": hidden, "batch": batch,
+           "epochs": epochs, "minibatches": minibatches, "updates": updates,
+           "samples_per_s": round(samples / figures["wall_s"], 1),
+           "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
+           "collective_share": round(figures["comm_s"] / figures["wall_s"], 3)}
+    logger.info(f"{shards} shard(s) x {threads} thread(s), hidden {hidden}: {row['samples_per_s']:.0f} samples/s, "
+                f"collectives {100 * row['collective_share']:.0f} %")
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Broadcast of a ~10M-parameter model
+# --------------------------------------------------------------------------------------------
+
+
+def big_model() -> tuple[np.ndarray, list, dict]:
+    """The flat buffer, layout and state dict of a real ~10M-parameter ActorCritic."""
+    from ..config import ModelConfig
+    from ..envs import EnvSpec
+    from ..model import ActorCritic, flatten_params
+
+    model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]),
+                        ModelConfig(hidden=tuple(BIG_MODEL["hidden"])))
+    flat, layout = flatten_params(model)
+    return flat, layout, model.state_dict()
+
+
+class ChunkPublisher:
+    """The main learner shard's side of a broadcast: joined as the run's learner, publishing a version
+    as the learner does (``params.split``: chunks, hashes, transport precision) on its DEALER."""
+
+    def __init__(self, control: str, learner_port: int) -> None:
+        import uuid
+
+        import zmq
+
+        from ..client import BrokerLink
+
+        self.run_id = f"bench-learner-{uuid.uuid4().hex[:8]}"
+        self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()
+        if self.link.wait_welcome(30) is None:
+            raise RuntimeError(f"no broker answered at {control}")
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
+        self.sock.connect(f"tcp://127.0.0.1:{learner_port}")
+        self.version = 0
+
+    def publish(self, flat: np.ndarray, layout: list, dtype: str, chunk_bytes: int) -> float:
+        """Split (hash, convert) and send the next version; returns the time the work started."""
+        from ..params import split
+
+        self.version += 1
+        started = time.monotonic()
+        for msg in split(run_id=self.run_id, sender=C.LEARNER_ID, version=self.version, flat=flat, layout=layout,
+                         chunk_bytes=chunk_bytes, dtype=dtype):
+            self.sock.send_multipart(P.encode(msg), copy=False)
+        return started
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.link.close()
+
+
+def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int) -> tuple[list[dict], dict]:
+    flat, layout, state = big_model()
+    rows = []
+    with C.Workers() as workers:
+        ports = free_ports(4)
+        workers.start("bcast-broker", C.broker_main, ports, C.DEFAULT_BROKER)
+        slots = C.shared_slots(max(counts))
+        pub = ChunkPublisher(f"tcp://127.0.0.1:{ports[0]}", ports[2])
+        started = 0
+        try:
+            for count in sorted(counts):
+                for index in range(started, count):
+                    workers.start(f"subscriber-{index}", C.subscriber_main, f"tcp://127.0.0.1:{ports[0]}", index, slots)
+                started = count
+                pub.publish(flat, layout, "float32", chunk_bytes)  # newcomers get it whole (snapshot)
+                _wait(workers, slots, count, pub.version)
+                for dtype in dtypes:
+                    rows.append(_broadcast_row(workers, pub, slots, flat, layout, count, dtype, chunk_bytes))
+        finally:
+            pub.close()
+    return rows, _pickle_row(state)
+
+
+def _broadcast_row(workers: C.Workers, pub: ChunkPublisher, slots: Any, flat: np.ndarray, layout: list, count: int,
+                   dtype: str, chunk_bytes: int) -> dict[str, Any]:
+    latencies = []
+    for rep in range(BROADCAST_REPS + 1):  # the first warms the path and is not kept
+        flat[0] = pub.version + 1  # every version has its own hashes
+        sent = pub.publish(flat, layout, dtype, chunk_bytes)
+        _wait(workers, slots, count, pub.version)
+        if rep:
+            latencies.append((max(slots[2 * i + 1] for i in range(count)) - sent) * 1e3)
+    itemsize = 4 if dtype == "float32" else 2
+    row = {"params": int(flat.size), "wire_bytes": int(flat.size * itemsize), "param_dtype": dtype,
+           "chunks": -(-flat.size * itemsize // chunk_bytes), "subscribers": count,
+           "latency_ms": round(statistics.median(latencies), 1), "min_ms": round(min(latencies), 1),
+           "max_ms": round(max(latencies), 1), "reps": BROADCAST_REPS}
+    logger.info(f"broadcast {flat.size / 1e6:.1f}M params {dtype} to {count}: median {row['latency_ms']} ms")
+    return row
+
+
+def _wait(workers: C.Workers, slots: Any, count: int, version: int) -> None:
+    workers.wait(lambda: all(slots[2 * i] >= version for i in range(count)), BROADCAST_TIMEOUT_S,
+                 f"{count} subscribers to hold parameters version {version}")
+
+
+def _pickle_row(state: dict) -> dict[str, Any]:
+    """dumps + loads of the state dict, median of a few: the cost before any byte has moved."""
+    times = []
+    for _ in range(BROADCAST_REPS):
+        t0 = time.perf_counter()
+        pickle.loads(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"codec": "pickle state_dict dumps+loads (in process)", "ms": round(statistics.median(times), 1)}
+
+
+# --------------------------------------------------------------------------------------------
+# Report and command
+# --------------------------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = ["Learner throughput (samples trained per second of update time; same global batch)",
+             f"{'hidden':>12} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} {'collectives':>11} "
+             f"{'x 1 shard':>9}"]
+    base = {}
+    for r in report["throughput"]:
+        key = tuple(r["hidden"])
+        if r["shards"] == 1 and r["threads_per_shard"] == 1:
+            base[key] = r["samples_per_s"]
+        ratio = r["samples_per_s"] / base[key] if key in base else float("nan")
+        lines.append(f"{'x'.join(map(str, r['hidden'])):>12} {r['shards']:>6} {r['threads_per_shard']:>7} "
+                     f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
+                     f"{ratio:>8.2f}x")
+    if report["broadcast"]:
+        lines += ["", f"Parameter broadcast, {report['broadcast'][0]['params'] / 1e6:.1f}M parameters, "
+                      "send -> last subscriber holds the verified version",
+                  f"{'dtype':>9} {'MB':>6} {'chunks':>6} {'subscribers':>11} {'median ms':>9} {'min':>6} {'max':>6}"]
+        for r in report["broadcast"]:
+            lines.append(f"{r['param_dtype']:>9} {r['wire_bytes'] / 1e6:>6.1f} {r['chunks']:>6} {r['subscribers']:>11} "
+                         f"{r['latency_ms']:>9.1f} {r['min_ms']:>6.1f} {r['max_ms']:>6.1f}")
+        lines.append(f"{report['pickle']['codec']}: {report['pickle']['ms']:.1f} ms (no transport, no hashing)")
+    return "\n".join(lines)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--shards", default="1,2", show_default=True, help="Shard counts to measure, comma-separated.")
+@click.option("--hidden", "hiddens", multiple=True, default=["64,64", "256,256"], show_default=True,
+              help="Hidden layer sizes of a model to measure (repeatable).")
+@click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default="sync", show_default=True)
+@click.option("--batch", type=click.IntRange(512), default=8192, show_default=True,
+              help="Global batch in env steps (a multiple of 512).")
+@click.option("--updates", type=click.IntRange(1), default=5, show_default=True, help="Timed updates per run.")
+@click.option("--epochs", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--minibatches", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--subscribers", default="1,4", show_default=True, help="Broadcast subscriber counts.")
+@click.option("--dtypes", default="float32,bfloat16", show_default=True, help="Broadcast transport precisions.")
+@click.option("--chunk-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True)
+@click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
+def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches, subscribers, dtypes, chunk_bytes,
+            no_broadcast) -> None:
+    """Learner throughput with 1 and N CPU shards, and ~10M-parameter broadcast (fp32/bf16 chunks vs pickle)."""
+    if batch % 512:
+        raise click.UsageError("--batch must be a multiple of 512 (trajectories of 32 steps x 16 envs)")
+    counts = _ints(shards)
+    throughput = []
+    for hidden in (_ints(h) for h in hiddens):
+        for n in counts:
+            throughput.append(run_throughput(n, 1, hidden, batch, updates, mode, epochs, minibatches))
+        if max(counts) > 1:  # the same cores as threads of one shard
+            throughput.append(run_throughput(1, max(counts), hidden, batch, updates, mode, epochs, minibatches))
+    broadcast, pickled = ([], None) if no_broadcast else run_broadcast(_ints(subscribers), dtypes.split(","),
+                                                                        chunk_bytes)
+    report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "cpu_count": os.cpu_count()}
+    click.echo(json.dumps(report) if as_json else format_report(report))
+
+
+if __name__ == "__main__":
+    shard_main(json.loads(sys.argv[1]), sys.argv[2])
