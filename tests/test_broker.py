@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -22,7 +22,6 @@ import zmq
 
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
-from zddrl.client import BrokerLink
 from zddrl.config import Config
 from zddrl.status import request_status
 from zddrl.train import free_ports

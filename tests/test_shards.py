@@ -14,7 +14,6 @@ import pytest
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, processes_mentioning, train
 from zddrl.launch import Rendezvous, shard_environments
-from zddrl.proc import free_ports
 from zddrl.shards import DevicePlan, launched_as_shard, plan_devices
 
 WORKER = str(Path(__file__).resolve().parent / "shard_worker.py")
@@ -44,13 +43,9 @@ def test_shard_environments_are_torchruns() -> None:
 
 # ---------------------------------------------------------------- equivalence
 def _run_workers(mode: str, tmp_path: Path, world: int) -> list[dict[str, np.ndarray]]:
-    port = free_ports(1)[0]
+    envs = shard_environments(DevicePlan(("cpu",) * world), Rendezvous()) if world > 1 else [dict(os.environ)]
     procs = []
-    for rank in range(world):
-        env = dict(os.environ)
-        if world > 1:
-            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                       MASTER_PORT=str(port))
+    for rank, env in enumerate(envs):
         out = tmp_path / f"{mode}-{world}-{rank}.npz"
         procs.append((subprocess.Popen([sys.executable, WORKER, mode, str(out)], env=env, stderr=subprocess.PIPE,
                                        text=True), out))

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from loguru import logger
 
-from .proc import die_with_parent, free_ports
+from .proc import die_with_parent, free_ports, stop_processes
 from .shards import DevicePlan
 
 SHUTDOWN_GRACE_S = 10.0
@@ -100,14 +100,4 @@ def run_shards(plan: DevicePlan, rdv: Rendezvous, argv: Sequence[str]) -> None:
 
 
 def _stop_all(procs: Sequence[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            logger.warning(f"learner shard pid {p.pid} ignored SIGTERM for {SHUTDOWN_GRACE_S:.0f} s: killing it")
-            p.kill()
-            p.wait()
+    stop_processes({f"learner shard pid {p.pid}": p for p in procs}, SHUTDOWN_GRACE_S)

@@ -113,6 +113,8 @@ class LearnerNode(RunLedger):
         self.rollout_len = config.env.rollout_len
         self.fleet: dict[str, int] = {}
         """Connected actors and their env counts, as the broker last reported them."""
+        self.fleet_version = 0
+        """How many times ``fleet`` was read from the broker."""
         checkpoint = latest_checkpoint(Path(run_dir)) if resume else None
         if resume and checkpoint is None:
             raise ConfigError(f"--resume: no checkpoint in {Path(run_dir) / 'checkpoints'}")
@@ -232,10 +234,12 @@ class LearnerNode(RunLedger):
         steps, reported = 0, set()
         announced: set[str] | None = None
         timeout = self._straggler_timeout()
+        fleet_seen, expected = -1, set()
         while True:
             control: dict[str, Any] = {}
             if self.main:
-                expected = self.fleet.keys() - self.stragglers
+                if fleet_seen != self.fleet_version:  # set at the start, and again if an actor joined mid-round
+                    fleet_seen, expected = self.fleet_version, self.fleet.keys() - self.stragglers
                 control = {"stop": self._finished(), "late": time.monotonic() - started > timeout}
                 if expected != announced:
                     control["expected"] = sorted(expected)
@@ -370,6 +374,7 @@ class LearnerNode(RunLedger):
         this round become stragglers; size the next rollouts so that one from every other actor makes
         exactly one batch."""
         body = request_status(self.connect, FLEET_QUERY_TIMEOUT_S, self.ctx)
+        self.fleet_version += 1
         if body is not None:
             default = self.config.env.num_envs
             self.fleet = {peer: m["num_envs"] or default for peer, m in body["members"].items()

@@ -5,6 +5,11 @@ import os
 import resource
 import signal
 import socket
+import subprocess
+import time
+from typing import Mapping
+
+from loguru import logger
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -41,3 +46,18 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):
         pass
+
+
+def stop_processes(procs: Mapping[str, subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every live process, wait up to ``grace_s`` in all, then SIGKILL those still running."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for name, p in procs.items():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning(f"{name} ignored SIGTERM for {grace_s:.0f} s: killing it")
+            p.kill()
+            p.wait()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import csv
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +19,7 @@ import click
 from loguru import logger
 
 from .config import Config, to_toml
-from .proc import die_with_parent, free_ports  # noqa: F401  (free_ports: part of this module's interface)
+from .proc import die_with_parent, free_ports, stop_processes  # noqa: F401  (free_ports: part of this module's interface)
 
 SHUTDOWN_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.5
@@ -50,17 +49,7 @@ class Fleet:
         return [name for name, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + SHUTDOWN_GRACE_S
-        for name, p in self.procs.items():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning(f"{name} ignored SIGTERM for {SHUTDOWN_GRACE_S} s: killing it")
-                p.kill()
-                p.wait()
+        stop_processes(self.procs, SHUTDOWN_GRACE_S)
 
 
 def _last_row(metrics: Path) -> dict[str, str] | None:

@@ -31,7 +31,9 @@ import numpy as np
 from loguru import logger
 
 from .. import protocol as P
+from ..launch import Rendezvous, shard_environments
 from ..proc import free_ports
+from ..shards import DevicePlan
 from . import common as C
 
 BROADCAST_REPS = 5
@@ -91,16 +93,11 @@ def run_throughput(shards: int, threads: int, hidden: list[int], batch: int, upd
                    epochs: int, minibatches: int) -> dict[str, Any]:
     spec = {"mode": mode, "epochs": epochs, "minibatches": minibatches, "threads": threads, "hidden": hidden,
             "batch": batch, "updates": updates}
-    port = free_ports(1)[0]
+    envs = shard_environments(DevicePlan(("cpu",) * shards), Rendezvous()) if shards > 1 else [dict(os.environ)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
-        procs = []
-        for rank in range(shards):
-            env = dict(os.environ)
-            if shards > 1:
-                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(shards), MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port))
-            procs.append(subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env))
+        procs = [subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env)
+                 for env in envs]
         try:
             codes = [p.wait(timeout=900) for p in procs]
         finally:
