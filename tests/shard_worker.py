@@ -17,7 +17,8 @@ from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.impala import ImpalaLearner
 from zddrl.ppo import PPOLearner
-from zddrl.shards import DevicePlan, ShardGroup
+from zddrl.launch import DevicePlan
+from zddrl.shards import ShardGroup
 
 SPEC = EnvSpec((4,), True, 2)
 SENDERS = ("a", "b", "c", "d")

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, processes_mentioning, train
-from zddrl.launch import Rendezvous, shard_environments
-from zddrl.shards import DevicePlan, launched_as_shard, plan_devices
+from zddrl.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
+
 
 WORKER = str(Path(__file__).resolve().parent / "shard_worker.py")
 

@@ -169,7 +169,7 @@ def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, nod
     With several devices (--gpus 0,1, --gpus cpu:2, --shards 2) or nodes (--nnodes), this process
     starts one shard process per local device and supervises them; under torchrun (RANK and
     WORLD_SIZE set) it is one shard itself."""
-    from .shards import launched_as_shard, plan_devices
+    from .launch import launched_as_shard, plan_devices
 
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")

@@ -16,64 +16,15 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import msgpack
 import torch
 
-RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""What torchrun (and ``zddrl learner`` for its own shards) sets for every shard process."""
-
+from .launch import DevicePlan, launched_as_shard
 
 class ShardError(RuntimeError):
     """The group cannot go on: a shard died, timed out or diverged."""
-
-
-@dataclass(frozen=True)
-class DevicePlan:
-    """The local shards of one node: one device string per shard."""
-
-    devices: tuple[str, ...]
-
-    @property
-    def backend(self) -> str:
-        return "nccl" if self.devices[0].startswith("cuda") else "gloo"
-
-
-def plan_devices(gpus: str, cuda_count: int | None = None) -> DevicePlan:
-    """``--gpus`` -> the local shards' devices.
-
-    ``auto``: one shard, ``cuda:0`` when a GPU is visible, else the CPU. ``0,1``: one shard per
-    listed GPU. ``cpu`` or ``cpu:N``: N CPU shards. Raises ``ValueError`` with a usable message.
-    """
-    if cuda_count is None:
-        cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    spec = gpus.strip().lower()
-    if spec in ("", "auto"):
-        return DevicePlan(("cuda:0",) if cuda_count else ("cpu",))
-    if spec == "cpu" or spec.startswith("cpu:"):
-        count = spec.partition(":")[2] or "1"
-        if not count.isdigit() or not 1 <= int(count) <= 64:
-            raise ValueError(f"--gpus {gpus!r}: cpu:N needs N in 1..64")
-        return DevicePlan(("cpu",) * int(count))
-    try:
-        ids = [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--gpus {gpus!r}: expected 'auto', GPU indices like '0,1', or 'cpu:N'") from None
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"--gpus {gpus!r}: a GPU is listed twice")
-    bad = [i for i in ids if not 0 <= i < cuda_count]
-    if bad:
-        seen = f"{cuda_count} CUDA device(s) visible" if cuda_count else "no CUDA device visible"
-        raise ValueError(f"--gpus {gpus!r}: GPU {bad[0]} does not exist here ({seen}); use cpu:N for CPU shards")
-    return DevicePlan(tuple(f"cuda:{i}" for i in ids))
-
-
-def launched_as_shard(environ: dict[str, str] | None = None) -> bool:
-    """True in a process started by a launcher (ours or torchrun) as one shard of a group."""
-    env = os.environ if environ is None else environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE"))
 
 
 class ShardGroup:

@@ -31,9 +31,8 @@ import numpy as np
 from loguru import logger
 
 from .. import protocol as P
-from ..launch import Rendezvous, shard_environments
+from ..launch import DevicePlan, Rendezvous, shard_environments
 from ..proc import free_ports
-from ..shards import DevicePlan
 from . import common as C
 
 BROADCAST_REPS = 5
@@ -68,7 +67,7 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     from ..envs import EnvSpec
     from ..impala import ImpalaLearner
     from ..ppo import PPOLearner
-    from ..shards import DevicePlan, ShardGroup
+    from ..shards import ShardGroup
 
     group = ShardGroup.from_env(DevicePlan(("cpu",) * 64), timeout_s=120)
     config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
