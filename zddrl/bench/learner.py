@@ -121,14 +121,15 @@ def run_throughput(shards: int, threads: int, hidden: list[int], batch: int, upd
 # --------------------------------------------------------------------------------------------
 
 
-def big_model() -> tuple[np.ndarray, list, dict]:
-    """The flat buffer, layout and state dict of a real ~10M-parameter ActorCritic."""
+def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
+    """The flat buffer, layout and state dict of a real ActorCritic (~10M parameters with the default
+    2240x2240 on 64-dim observations)."""
     from ..config import ModelConfig
     from ..envs import EnvSpec
     from ..model import ActorCritic, flatten_params
 
     model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]),
-                        ModelConfig(hidden=tuple(BIG_MODEL["hidden"])))
+                        ModelConfig(hidden=tuple(hidden)))
     flat, layout = flatten_params(model)
     return flat, layout, model.state_dict()
 
@@ -170,8 +171,9 @@ class ChunkPublisher:
         self.link.close()
 
 
-def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int) -> tuple[list[dict], dict]:
-    flat, layout, state = big_model()
+def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int,
+                  hidden: list[int]) -> tuple[list[dict], dict]:
+    flat, layout, state = big_model(hidden)
     rows = []
     with C.Workers() as workers:
         ports = free_ports(4)
@@ -273,9 +275,11 @@ def _ints(text: str) -> list[int]:
 @click.option("--subscribers", default="1,4", show_default=True, help="Broadcast subscriber counts.")
 @click.option("--dtypes", default="float32,bfloat16", show_default=True, help="Broadcast transport precisions.")
 @click.option("--chunk-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True)
+@click.option("--broadcast-hidden", default=",".join(map(str, BIG_MODEL["hidden"])), show_default=True,
+              help="Hidden sizes of the broadcast model (64-dim observations, 4 actions).")
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
 def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches, subscribers, dtypes, chunk_bytes,
-            no_broadcast) -> None:
+            broadcast_hidden, no_broadcast) -> None:
     """Learner throughput with 1 and N CPU shards, and ~10M-parameter broadcast (fp32/bf16 chunks vs pickle)."""
     if batch % 512:
         raise click.UsageError("--batch must be a multiple of 512 (trajectories of 32 steps x 16 envs)")
@@ -287,7 +291,7 @@ def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches,
         if max(counts) > 1:  # the same cores as threads of one shard
             throughput.append(run_throughput(1, max(counts), hidden, batch, updates, mode, epochs, minibatches))
     broadcast, pickled = ([], None) if no_broadcast else run_broadcast(_ints(subscribers), dtypes.split(","),
-                                                                        chunk_bytes)
+                                                                        chunk_bytes, _ints(broadcast_hidden))
     report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "cpu_count": os.cpu_count()}
     click.echo(json.dumps(report) if as_json else format_report(report))
 
