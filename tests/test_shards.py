@@ -131,3 +131,26 @@ def _is_shard(pid: int, rank: str, marker: str) -> bool:
     except OSError:
         return False
     return marker.encode() in cmd and f"RANK={rank}".encode() in env
+
+
+def test_a_hung_shard_fails_the_group_within_the_collective_timeout(procs: Procs, broker: BrokerHandle,
+                                                                   tmp_path: Path) -> None:
+    """A shard that stops answering (SIGSTOP: alive, silent) is a failure after learner.collective_timeout_s."""
+    run_dir = tmp_path / "run"
+    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--shards", "2",
+                          "--run-dir", str(run_dir), "--set", "learner.collective_timeout_s=3",
+                          "--set", "train.max_seconds=120")
+    procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
+    wait_for(lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
+             60, "the sharded learner to train")
+    (shard1,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_shard(int(p), "1", str(run_dir))]
+    os.kill(shard1, signal.SIGSTOP)
+    try:
+        assert learner.wait(timeout=45) != 0
+    finally:
+        try:
+            os.kill(shard1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert "learner shard 0" in procs.log("learner") and "timed out" in procs.log("learner").lower()
+    wait_for(lambda: not processes_mentioning(str(run_dir)), 20, "every shard to be gone")
