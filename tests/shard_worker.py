@@ -2,9 +2,10 @@
 
 ``python tests/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) runs one shard of a gloo group; without them, one learner on all data.
-Every update has one trajectory from each of four senders; the shards split them two and two,
-a different and mostly uneven split each update (so the reward scaler's streams move between
-shards, and shard 1 has nothing at all in the last one).
+Every update has one trajectory from each of four senders (two from sender a in two updates); the
+shards split them differently each update, mostly unevenly: the reward scaler's streams move between
+shards, sender a's two trajectories of one update are trained on different shards, and shard 1 has
+nothing at all in the last update.
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ from zddrl.shards import ShardGroup
 
 SPEC = EnvSpec((4,), True, 2)
 SENDERS = ("a", "b", "c", "d")
-SPLITS = (("a", "b"), ("b",), ("a", "c", "d"), SENDERS)
-"""Shard 0's senders in each update (shard 1 takes the rest): even, uneven both ways, all (shard 1 idle)."""
+BATCHES = (("a", "b", "c", "d"), ("a", "a2", "b", "c", "d"), ("a", "a2", "b", "c", "d"), ("a", "b", "c", "d"))
+"""Trajectories of each update: one per sender, and in two updates a second one of sender a ("a2")."""
+SPLITS = (("a", "b"), ("a", "b"), ("a2", "c", "d"), SENDERS)
+"""Shard 0's trajectories in each update (shard 1 takes the rest): even, uneven both ways with sender a's
+two trajectories on different shards, all (shard 1 idle)."""
 UPDATES = len(SPLITS)
 
 
@@ -32,8 +36,9 @@ def config(mode: str) -> Config:
                              "algo.normalize_reward": True, "algo.lr": 3e-3, "algo.ent_coef": 0.01})
 
 
-def trajectory(sender: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
-    rng = np.random.default_rng(1000 * update + SENDERS.index(sender))
+def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
+    sender, second = name[0], name.endswith("2")
+    rng = np.random.default_rng(1000 * update + 10 * second + SENDERS.index(sender))
     terminated = rng.random((T, N)) < 0.1
     truncated = (rng.random((T, N)) < 0.05) & ~terminated
     trunc_idx = np.flatnonzero(truncated.reshape(-1))
@@ -46,7 +51,8 @@ def trajectory(sender: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory
         "trunc_obs": rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
         "trunc_value": rng.normal(0, 1, len(trunc_idx)).astype(np.float32),
         "ep_returns": np.zeros(0, np.float32), "ep_lengths": np.zeros(0, np.int32)}
-    return P.Trajectory(run_id="r", sender=sender, seq=update, policy_version=max(0, update - 1), param_hash="",
+    return P.Trajectory(run_id="r", sender=sender, seq=2 * update + second, policy_version=max(0, update - 1),
+                        param_hash="",
                         env_steps=T * N, arrays=arrays)
 
 
@@ -55,9 +61,8 @@ def main(mode: str, out: str) -> None:
     cls = ImpalaLearner if mode == "impala" else PPOLearner
     core = cls(config(mode), SPEC, group)
     for update in range(UPDATES):
-        mine = SENDERS if not group.sharded else \
-            [s for s in SENDERS if (s in SPLITS[update]) == (group.rank == 0)]
-        core.update([trajectory(s, update) for s in mine], staleness=0.5 * update)
+        mine = [n for n in BATCHES[update] if not group.sharded or (n in SPLITS[update]) == (group.rank == 0)]
+        core.update([trajectory(n, update) for n in mine], staleness=0.5 * update)
     flat, _, extra = core.params()
     np.savez(out, flat=flat, **extra, reward_var=np.array(core.reward_scaler.rms.var),
              returns_a=core.reward_scaler.returns["a"])

@@ -160,9 +160,32 @@ def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:
     assert p.env_steps() == 500
 
 
+def test_progress_counts_each_step_once_whatever_the_arrival_order() -> None:
+    """Learner shards see an actor's messages out of order: totals 300, 400 before 200; each counted once."""
+    from zddrl.progress import Progress
+
+    p = Progress()
+    for total in (1100, 1300, 1400, 1200, 1200, 1500):  # 1000 steps from before this run; 1200 arrives late, twice
+        p.count_steps("a", total, 100, incarnation="x1")
+    assert p.env_steps() == 500
+    p.count_steps("a", 200, 100, incarnation="x2")  # restarted: a new process, a new stream
+    p.count_steps("a", 100, 100, incarnation="x2")
+    assert p.env_steps() == 700
+
+
 def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
     from zddrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="publish_every"):
         Config().replace({"algo.mode": "async", "algo.publish_every": 6, "algo.max_staleness": 4})
     Config().replace({"algo.mode": "async", "algo.publish_every": 5, "algo.max_staleness": 4})
+
+
+def test_a_step_without_samples_anywhere_is_not_taken() -> None:
+    """IMPALA minibatches split env columns: 2 columns in 4 minibatches leave 2 steps per epoch empty.
+    An empty step must not move the weights (Adam's momentum would) nor count as an optimizer step."""
+    from zddrl.impala import ImpalaLearner
+
+    core = ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 4, "algo.epochs": 3}), SPEC)
+    figures = core.update([trajectory(8, 2)])
+    assert core.optimizer.steps == 3 * 2 and np.isfinite(figures["grad_norm"])

@@ -76,7 +76,7 @@ def test_reward_scaler_tracks_each_stream_and_resets_at_episode_end() -> None:
     scaler = RewardScaler(gamma=0.5)
     r = np.ones((3, 2), dtype=np.float32)
     done = np.array([[False, False], [True, False], [False, False]])
-    (scaled,) = scaler.scale([("a", r, done)])
+    (scaled,) = scaler.scale([("a", 0, r, done)])
     # stream a env 0: returns 1, 1.5 (episode ends), then 1; env 1: 1, 1.5, 1.75 -> carried over
     np.testing.assert_allclose(scaler.returns["a"], [1.0, 1.75])
     assert "b" not in scaler.returns
@@ -88,7 +88,7 @@ def test_reward_scaler_tracks_each_stream_and_resets_at_episode_end() -> None:
 def test_reward_scaler_scales_a_batch_whatever_its_order() -> None:
     """The whole batch enters the statistics before any of it is scaled: arrival order is irrelevant."""
     rng = np.random.default_rng(1)
-    streams = [(s, rng.normal(size=(4, 2)).astype(np.float32), np.zeros((4, 2), bool)) for s in "abc"]
+    streams = [(s, 0, rng.normal(size=(4, 2)).astype(np.float32), np.zeros((4, 2), bool)) for s in "abc"]
     forward, backward = RewardScaler(0.9), RewardScaler(0.9)
     out_f = forward.scale(streams)
     out_b = backward.scale(streams[::-1])[::-1]

@@ -313,6 +313,9 @@ BAD += [
     ("flat not chunk 0", head_frames(chunk_numel=5, numel=15), "'flat' must be chunk 0 (5 elements)"),
     ("numel without chunks", head_frames(chunk_hashes=[], numel=10), "numel 10 without chunk_hashes"),
     ("layout past numel", head_frames(layout=[["w", "float32", [11], 0]]), "does not fit the flat buffer of 10"),
+    ("one chunk, two hashes", wire(dataclasses.replace(split_params(
+        run_id="r", sender="l", version=1, flat=np.zeros(4, np.float32), layout=[])[0], param_hash="0" * 16).encode()),
+     "with one chunk, param_hash must be chunk_hashes[0]"),
     ("chunk index 0", chunk_frames(index=0), "index 0 must be in 1.."),
     ("chunk two arrays", wire(dataclasses.replace(CHUNKED[1], arrays={"data": np.zeros(2, np.float32),
                                                                       "x": np.zeros(1, np.float32)}).encode()),

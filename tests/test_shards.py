@@ -39,6 +39,8 @@ def test_shard_environments_are_torchruns() -> None:
     assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and all(launched_as_shard(e) for e in envs)
     with pytest.raises(ValueError, match="master-port"):
         shard_environments(DevicePlan(("cpu",)), Rendezvous(nnodes=2), base={})
+    with pytest.raises(ValueError, match="not loopback"):
+        shard_environments(DevicePlan(("cpu",)), Rendezvous(nnodes=2, master_port=29500), base={})
 
 
 # ---------------------------------------------------------------- equivalence

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,8 @@ class ActorHost:
         self.ctx = context or zmq.Context.instance()
         self.log = logger.bind(role="actor", peer=self.peer_id)
         self.timers = ActorTimers()
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This process's name in its trajectories: totals of one incarnation form one stream (progress.py)."""
         self.seq = 0
 
     def run(self, stop: threading.Event) -> None:
@@ -241,7 +244,7 @@ class ActorHost:
         msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
                            param_hash=params.param_hash, env_steps=env_steps, arrays=arrays,
                            info={"actor_id": self.actor_id, "num_envs": int(arrays["rewards"].shape[1]),
-                                 "total_env_steps": self.timers.env_steps})
+                                 "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation})
         self.seq += 1
         t0 = time.monotonic()
         frames = P.encode(msg)

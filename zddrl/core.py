@@ -80,19 +80,36 @@ class RewardScaler:
         self.returns[sender] = ret
         return seen
 
-    def scale(self, streams: Sequence[tuple[str, np.ndarray, np.ndarray]],
+    def scale(self, streams: Sequence[tuple[str, int, np.ndarray, np.ndarray]],
               group: ShardGroup | None = None) -> list[np.ndarray]:
-        """``(sender, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32."""
-        seen = [self.discounted(*s).reshape(-1) for s in streams]
-        self.rms.update(np.concatenate(seen) if seen else np.zeros(0), group)
+        """``(sender, seq, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32.
+
+        Streams advance in (sender, seq) order. With shards, every shard runs every stream of the
+        batch (the rewards of all shards' trajectories travel in one exchange: ``T * N`` floats each),
+        so each stream continues from its own previous trajectory wherever that one was trained,
+        and every shard ends with the same statistics; each keeps the scaled rewards of its own.
+        """
+        everything = [(sender, seq, rewards, done, i) for i, (sender, seq, rewards, done) in enumerate(streams)]
         if group is not None and group.sharded:
-            # An actor's next trajectory may land on another shard: every shard learns where each
-            # stream it saw ended (if two shards saw one sender this batch, the higher rank wins).
-            touched = {s[0]: self.returns[s[0]].tolist() for s in streams}
-            for part in group.exchange(touched):
-                self.returns.update({k: np.asarray(v, dtype=np.float64) for k, v in part.items()})
+            parts = group.exchange([[sender, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
+                                    for sender, seq, rewards, done in streams])
+            everything = [(sender, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_), i if rank == group.rank
+                           else -1) for rank, part in enumerate(parts) for i, (sender, seq, r, d) in enumerate(part)]
+        everything.sort(key=lambda x: (x[0], x[1]))
+        seen = [self.discounted(sender, rewards, done).reshape(-1) for sender, _, rewards, done, _ in everything]
+        self.rms.update(np.concatenate(seen) if seen else np.zeros(0))
         std = np.sqrt(self.rms.var + 1e-8)
-        return [(rewards / std).astype(np.float32) for _, rewards, _ in streams]
+        return [(rewards / std).astype(np.float32) for _, _, rewards, _ in streams]
+
+
+def _packed(array: np.ndarray, dtype: type) -> list:
+    """An array as msgpack-able ``[shape, raw bytes of dtype]`` (for the shards' exchange)."""
+    return [list(array.shape), np.ascontiguousarray(array, dtype=dtype).tobytes()]
+
+
+def _unpacked(packed: list, dtype: type) -> np.ndarray:
+    shape, raw = packed
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
 def schedule(value: float, kind: str, progress: float) -> float:
@@ -165,9 +182,10 @@ class LearnerCore:
         """A training input on this shard's device."""
         return torch.as_tensor(x, device=self.device)
 
-    def step_optimizer(self, loss: torch.Tensor | None, weight: int) -> float:
+    def step_optimizer(self, loss: torch.Tensor | None, weight: int) -> float | None:
         """Backward, average the gradients over the shards (``weight`` = samples behind this shard's
-        ``loss``; None when it had none), clip, step. Returns the gradient norm before clipping."""
+        ``loss``; None when it had none), clip, step. Returns the gradient norm before clipping, or
+        None when no shard had a sample (no step then: Adam's momentum would move the weights)."""
         params = self.optimizer.params
         self.optimizer.zero_grad(set_to_none=True)
         if loss is not None:
@@ -175,7 +193,8 @@ class LearnerCore:
         else:
             for p in params:
                 p.grad = torch.zeros_like(p)
-        self.group.average_gradients(params, weight)
+        if self.group.average_gradients(params, weight) == 0:
+            return None
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm)
         self.optimizer.step()
         return float(grad_norm)
@@ -195,7 +214,9 @@ class LearnerCore:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_trained = int(state["steps_trained"])
-        torch.set_rng_state(state["torch_rng"])
+        torch.set_rng_state(state["torch_rng"])  # the main shard's generator, saved by it
+        if self.group.rank:  # other shards must not draw the main shard's minibatch order
+            torch.manual_seed(self.config.env.seed * 1_000_003 + self.group.rank * 7919 + self.steps_trained)
         if self.obs_rms is not None and "obs_rms" in state:
             _load_rms(self.obs_rms, state["obs_rms"])
         if self.reward_scaler is not None and "reward_rms" in state:

@@ -73,7 +73,7 @@ class ImpalaLearner(LearnerCore):
     def update(self, trajectories: Sequence[Trajectory], staleness: float = 0.0) -> dict[str, float]:
         rewards = [t.arrays["rewards"] for t in trajectories]
         if self.reward_scaler is not None:
-            rewards = self.reward_scaler.scale([(t.sender, t.arrays["rewards"], t.arrays["terminated"]
+            rewards = self.reward_scaler.scale([(t.sender, t.seq, t.arrays["rewards"], t.arrays["terminated"]
                                                  | t.arrays["truncated"]) for t in trajectories], self.group)
         tm = stack_time_major(trajectories, rewards) if trajectories else None
         T, B = tm.rewards.shape if tm is not None else (0, 0)
@@ -88,7 +88,9 @@ class ImpalaLearner(LearnerCore):
                 figures, grad_norm = self._step(tm, obs, perm[j * B // k:(j + 1) * B // k])
                 for name, v in figures.items():
                     sums[name] += v
-                sums["grad_norm"] += grad_norm
+                if grad_norm is not None:
+                    sums["grad_norm"] += grad_norm
+                    sums["steps"] += 1
         if self.obs_rms is not None:  # after the epochs: bootstrap values must see the same statistics
             self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]) if tm is not None
                                 else np.zeros((0, *self.spec.obs_shape), np.float32), self.group)
@@ -96,7 +98,7 @@ class ImpalaLearner(LearnerCore):
         pooled = self.group.sum(*(sums[name] for name in IMPALA_FIGURES))
         seen = max(total * self.algo.epochs, 1)
         return {**{name: v / seen for name, v in zip(IMPALA_FIGURES, pooled)},
-                "grad_norm": sums["grad_norm"] / (self.algo.epochs * k), "lr": lr, "batch_steps": total}
+                "grad_norm": sums["grad_norm"] / max(sums["steps"], 1), "lr": lr, "batch_steps": total}
 
     def _targets(self, tm: TimeMajor, cols: torch.Tensor, target_logp: torch.Tensor, values: torch.Tensor):
         """V-trace targets for the env columns ``cols`` with the current network (no grad), on the CPU."""
@@ -110,9 +112,9 @@ class ImpalaLearner(LearnerCore):
                       self.value(tm.next_obs[c]), rho_bar=self.algo.rho_bar, c_bar=self.algo.c_bar)
 
     def _step(self, tm: TimeMajor | None, obs: torch.Tensor | None,
-              cols: torch.Tensor) -> tuple[dict[str, float], float]:
+              cols: torch.Tensor) -> tuple[dict[str, float], float | None]:
         """One optimizer step on the env columns ``cols``: this shard's figures, summed over its samples
-        (none if it has no columns this step), and the global gradient norm."""
+        (none if it has no columns this step), and the global gradient norm (None: no step taken)."""
         if tm is None or len(cols) == 0:
             return {}, self.step_optimizer(None, 0)
         a = self.algo

@@ -22,8 +22,11 @@ from loguru import logger
 
 from .proc import die_with_parent, free_ports, stop_processes
 
-SHUTDOWN_GRACE_S = 10.0
+SHUTDOWN_GRACE_S = 4.0
+"""After SIGTERM, shards get this long to finish (the main one writes its final checkpoint), then SIGKILL.
+Shorter than `zddrl train`'s own grace for the launcher, so that the launcher is the one to escalate."""
 POLL_S = 0.1
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ class Rendezvous:
     def check(self) -> None:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
-        if self.nnodes > 1 and not self.master_port:
-            raise ValueError("--nnodes > 1 needs --master-addr and --master-port (the same on every node)")
+        if self.nnodes > 1 and (not self.master_port or self.master_addr in LOOPBACK):
+            raise ValueError("--nnodes > 1 needs --master-addr (node 0's address, not loopback) and --master-port, "
+                             "the same on every node")
 
 
 def shard_environments(plan: DevicePlan, rdv: Rendezvous, base: dict[str, str] | None = None) -> list[dict[str, str]]:
@@ -114,12 +118,14 @@ def run_shards(plan: DevicePlan, rdv: Rendezvous, argv: Sequence[str]) -> None:
     envs = shard_environments(plan, rdv)
     procs: list[subprocess.Popen] = []
     stopping: list[int] = []
+    stop_at: list[float] = []
 
     def forward(signum: int, _frame: Any) -> None:
         stopping.append(signum)
+        stop_at.append(time.monotonic())
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+            if p.poll() is None:  # a second signal means "now": no more grace
+                p.send_signal(signum if len(stopping) == 1 else signal.SIGKILL)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -136,6 +142,12 @@ def run_shards(plan: DevicePlan, rdv: Rendezvous, argv: Sequence[str]) -> None:
                 raise LaunchError(f"learner shard {rank} (pid {proc.pid}) exited with code {proc.returncode}; "
                                   f"the other shards were stopped. Its log says why; continue the run with "
                                   f"--resume --run-dir RUN_DIR")
+            if stopping and time.monotonic() - stop_at[0] > SHUTDOWN_GRACE_S:
+                logger.warning(f"learner shards still running {SHUTDOWN_GRACE_S:.0f} s after "
+                               f"{signal.Signals(stopping[0]).name}: killing them")
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
             if all(p.poll() is not None for p in procs):
                 if stopping and failed:
                     raise LaunchError(f"stopped by {signal.Signals(stopping[0]).name}; shard(s) "

@@ -91,6 +91,7 @@ class LearnerNode(RunLedger):
         self.next_stats = 0.0
         self.link: BrokerLink | None = None
         self.channel: DataChannel | None = None
+        self.max_chunk_bytes = 1 << 30
         self.poll_ms = SHARDED_POLL_MS if self.group.sharded else RECV_POLL_MS
         self.pending: list[tuple[P.Trajectory, bool]] = []
         """Trajectories to use first, and whether they are still to be counted: taken off a replaced
@@ -136,6 +137,8 @@ class LearnerNode(RunLedger):
                     raise Refused(link.refused)
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
             self.channel = DataChannel(self.ctx, link, self.peer_id, link.welcome.max_message_bytes, self._window())
+            # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
+            self.max_chunk_bytes = max(1024, link.welcome.max_message_bytes // 2)
             if self.main:
                 self._refresh_fleet()
             self._publish()
@@ -269,7 +272,7 @@ class LearnerNode(RunLedger):
                                   f"{sorted(self.expected - reported)}")
                 break
         round_s = time.monotonic() - started
-        figures, update_s = self._train(self.batch)
+        figures, update_s = self._train(self.batch, round_s)
         if self.main:
             self._refresh_fleet(reported)
         self._publish()
@@ -297,15 +300,20 @@ class LearnerNode(RunLedger):
             return None
         return msg
 
-    def _train(self, batch: list[P.Trajectory], staleness: float = 0.0) -> tuple[dict[str, float], float]:
-        """One update on ``batch`` (this shard's part); the version moves on. Returns the figures and the
-        seconds it took."""
+    def _train(self, batch: list[P.Trajectory], round_s: float, staleness: float = 0.0) -> tuple[dict[str, float], float]:
+        """One update on ``batch`` (this shard's part) after ``round_s`` s of collecting; the version moves
+        on. Returns the figures and the seconds the update took."""
         t0 = time.monotonic()
         batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch, staleness=staleness)
         self.progress.updates += 1
         self.version += 1
-        return figures, time.monotonic() - t0
+        update_s = time.monotonic() - t0
+        self.timing["updates"] += 1
+        self.timing["samples"] += int(figures.get("batch_steps", 0))
+        self.timing["wait_s"] += round_s
+        self.timing["update_s"] += update_s
+        return figures, update_s
 
     # ---------------------------------------------------------------- async / impala
     def _stream(self, stop: threading.Event) -> bool:
@@ -331,7 +339,7 @@ class LearnerNode(RunLedger):
                 return True
         round_s = time.monotonic() - started
         staleness = np.repeat([s for _, s, _ in used], [n for _, _, n in used])
-        figures, update_s = self._train(self.batch, float(staleness.mean()))
+        figures, update_s = self._train(self.batch, round_s, float(staleness.mean()))
         if self.progress.updates % self.algo.publish_every == 0:
             self._publish()
         if self.main:
@@ -352,13 +360,17 @@ class LearnerNode(RunLedger):
         ret = self.return_mean()
         timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0,
                                             "comm_s": self.group.comm_s}
+        shard = {"shard": self.group.rank, "shards": self.group.world_size, "updates_per_s": timing["updates"] / elapsed,
+                 "samples_per_s": timing["samples"] / elapsed, "wait_data_share": timing["wait_s"] / elapsed,
+                 "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
+                 "policy_version": self.version}
+        if not self.main:  # the run's figures are the main shard's to report
+            link.send(P.Stats(sender=self.peer_id, role="learner", stats=shard))
+            return
         row = {k: v for k, v in self.last_row.items() if k in REPORTED_FIGURES and isinstance(v, (int, float, str))}
         link.send(P.Stats(sender=self.peer_id, role="learner", stats={
-            **row, "policy_version": self.version, "updates": self.progress.updates,
-            "env_steps": self.total_env_steps(), "return_mean_20": None if math.isnan(ret) else ret,
-            "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
-            "wait_data_share": timing["wait_s"] / elapsed, "rss_mb": rss_mb(), "shards": self.group.world_size,
-            "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed,
+            **row, **shard, "updates": self.progress.updates, "env_steps": self.total_env_steps(),
+            "return_mean_20": None if math.isnan(ret) else ret,
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
             "dropped_late": sum(self.progress.dropped_late.values()),
             "dropped_stale": sum(self.progress.dropped_stale.values())}))
@@ -403,7 +415,7 @@ class LearnerNode(RunLedger):
         lc = self.config.learner
         self.published = split_params(run_id=self.run_id, sender=self.peer_id, version=self.version, flat=flat,
                                       layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
-                                      chunk_bytes=lc.param_chunk_bytes, dtype=lc.param_dtype)
+                                      chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
         self.hashes[self.version] = self.published[0].param_hash  # what actors acting with it report
         for msg in self.published:
             self.channel.send(msg)
@@ -415,4 +427,5 @@ def _record(msg: P.Trajectory, fresh: bool, used: bool) -> dict[str, Any]:
     total = msg.info.get("total_env_steps")
     return {"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "env_steps": msg.env_steps,
             "total_env_steps": total if isinstance(total, int) else None, "param_hash": msg.param_hash,
+            "incarnation": msg.info.get("incarnation") if isinstance(msg.info.get("incarnation"), str) else None,
             "ep_returns": [float(x) for x in msg.arrays["ep_returns"]], "fresh": fresh, "used": used}

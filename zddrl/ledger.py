@@ -47,7 +47,7 @@ class RunLedger:
         """Every received trajectory, on any shard, counts toward env steps and episode returns, accepted
         or not (main shard; ``r`` is its record)."""
         self.lag[r["sender"]] = self.version - r["version"]
-        self.progress.count_steps(r["sender"], r["total_env_steps"], r["env_steps"])
+        self.progress.count_steps(r["sender"], r["total_env_steps"], r["env_steps"], r["incarnation"])
         expected = self.hashes.get(r["version"])
         if expected is not None and r["param_hash"] != expected:
             self.log.error(f"actor {r['sender']} acts with parameters {r['param_hash']} that were never published "
@@ -89,10 +89,6 @@ class RunLedger:
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
         self.last_row = row
-        self.timing["updates"] += 1
-        self.timing["samples"] += int(figures.get("batch_steps", 0))
-        self.timing["wait_s"] += round_s
-        self.timing["update_s"] += update_s
         if not self.progress.target and ret >= self.config.train.until_return:
             self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
             self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "

@@ -17,8 +17,8 @@ def configure(level: str = "INFO", log_file: str | None = None, role: str = "mai
     logger.configure(extra={"role": role, "host": socket.gethostname(), "peer": ""})
     logger.add(sys.stderr, level=level.upper(), format=FORMAT, colorize=None if sys.stderr.isatty() else False)
     if log_file:
-        rank = os.environ.get("RANK", "0")
-        if rank != "0":  # learner shards share one command line: each other shard gets its own file
+        rank = os.environ.get("RANK")
+        if rank is not None:  # learner shards share their launcher's command line: each gets its own file
             stem, dot, ext = log_file.rpartition(".")
             log_file = f"{stem}.shard{rank}.{ext}" if dot and "/" not in ext else f"{log_file}.shard{rank}"
         os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)

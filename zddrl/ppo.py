@@ -84,7 +84,7 @@ class PPOLearner(LearnerCore):
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
         rewards_of = [t.arrays["rewards"] for t in trajectories]
         if self.reward_scaler is not None:
-            rewards_of = self.reward_scaler.scale([(t.sender, t.arrays["rewards"], t.arrays["terminated"]
+            rewards_of = self.reward_scaler.scale([(t.sender, t.seq, t.arrays["rewards"], t.arrays["terminated"]
                                                     | t.arrays["truncated"]) for t in trajectories], self.group)
         for traj, rewards in zip(trajectories, rewards_of):
             x = traj.arrays
@@ -148,12 +148,14 @@ class PPOLearner(LearnerCore):
                 figures, grad_norm = self._minibatch_step(batch, idx, clip)
                 for k, v in figures.items():
                     sums[k] += v * len(idx)
-                sums["grad_norm"] += grad_norm
+                if grad_norm is not None:
+                    sums["grad_norm"] += grad_norm
+                    sums["steps"] += 1
         self.steps_trained += total
         pooled = self.group.sum(*(sums[k] for k in LOSS_FIGURES), batch.weights.sum())
         samples_seen = total * a.epochs
         figures = {k: v / max(samples_seen, 1) for k, v in zip(LOSS_FIGURES, pooled)}
-        return {**figures, "grad_norm": sums["grad_norm"] / (a.epochs * a.minibatches), "lr": lr, "clip": clip,
+        return {**figures, "grad_norm": sums["grad_norm"] / max(sums["steps"], 1), "lr": lr, "clip": clip,
                 "explained_variance": explained_variance(batch.values, batch.returns, self.group),
                 "batch_steps": total, "is_weight_mean": pooled[-1] / max(total, 1)}
 
@@ -166,9 +168,9 @@ class PPOLearner(LearnerCore):
         std = max((ss - n * mean * mean) / (n - 1), 0.0) ** 0.5  # unbiased, as torch.std
         return (adv - mean) / (std + 1e-8)
 
-    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> tuple[dict[str, float], float]:
+    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> tuple[dict[str, float], float | None]:
         """One optimizer step; this shard's loss figures (none if its slice is empty) and the global
-        gradient norm."""
+        gradient norm (None: no shard had a sample, no step taken)."""
         a = self.algo
         adv = batch.advantages[idx]
         if a.norm_adv and a.minibatches > 1:

@@ -28,25 +28,34 @@ class Progress:
     wall_before: float = 0.0
     """Wall seconds of earlier incarnations of this run (resume)."""
     actor_steps: dict[str, int] = field(default_factory=dict)
-    actor_base: dict[str, int] = field(default_factory=dict)
-    actor_last: dict[str, int] = field(default_factory=dict)
+    actor_streams: dict[str, list] = field(default_factory=dict)
+    """Per actor: [incarnation, lowest total before a message, highest total, steps of earlier incarnations]."""
     dropped_late: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target`` and ``env_steps_to_target`` once the target return was reached."""
 
-    def count_steps(self, sender: str, reported_total: Any, env_steps: int) -> None:
-        counted = self.actor_steps.get(sender, 0)
+    def count_steps(self, sender: str, reported_total: Any, env_steps: int, incarnation: Any = None) -> None:
+        """Count an actor's steps from the cumulative totals it reports, in any arrival order.
+
+        The steps of one actor process (``incarnation``) are its highest total minus its lowest
+        total before a message: a message arriving after a later one (learner shards each take their
+        own share of an actor's stream) changes nothing, nor does a resend. A new incarnation (the
+        process restarted with the same id) starts a new stream on top of what was counted.
+        Without an incarnation, a total lower than the highest seen is taken as a restart.
+        """
         if not isinstance(reported_total, int):  # a client that does not report totals: add up
-            self.actor_steps[sender] = counted + env_steps
+            self.actor_steps[sender] = self.actor_steps.get(sender, 0) + env_steps
             return
-        if sender not in self.actor_base:
-            self.actor_base[sender] = reported_total - env_steps  # this message's own steps count
-        elif reported_total < self.actor_last.get(sender, 0):
-            # The actor process restarted with the same id: its total began again from zero.
-            self.actor_base[sender] = reported_total - env_steps - counted
-        self.actor_last[sender] = reported_total
-        self.actor_steps[sender] = max(counted, reported_total - self.actor_base[sender])
+        stream = self.actor_streams.get(sender)
+        restarted = stream is not None and (stream[0] != incarnation if incarnation is not None
+                                            else reported_total < stream[2])
+        if stream is None or restarted:
+            carried = self.actor_steps.get(sender, 0)
+            stream = self.actor_streams[sender] = [incarnation, reported_total - env_steps, reported_total, carried]
+        stream[1] = min(stream[1], reported_total - env_steps)
+        stream[2] = max(stream[2], reported_total)
+        self.actor_steps[sender] = stream[3] + stream[2] - stream[1]
 
     def add_episodes(self, returns: np.ndarray) -> None:
         for r in returns:

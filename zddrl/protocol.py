@@ -520,6 +520,8 @@ def _check_chunking(fields: dict[str, Any], flat: np.ndarray | None) -> int | No
         raise ProtocolError(f"params: {len(hashes)} chunk hashes do not fit numel {numel} in chunks of {per}")
     if flat is None or flat.size != min(per, numel):
         raise ProtocolError(f"params: 'flat' must be chunk 0 ({min(per, numel)} elements)")
+    if len(hashes) == 1 and fields["param_hash"] != hashes[0]:
+        raise ProtocolError("params: with one chunk, param_hash must be chunk_hashes[0] (both hash the whole buffer)")
     return numel
 
 

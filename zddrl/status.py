@@ -73,7 +73,8 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
              f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}",
              f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
              f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}"]
-    learner = next((m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")), None)
+    learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
+    learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
     if learner:
         ret = learner.get("return_mean_20")
         lines.append(f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')} "
