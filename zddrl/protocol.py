@@ -3,15 +3,17 @@
 Every message is one ZeroMQ multipart message::
 
     frame 0   preamble   b"ZDRL" + one byte protocol version (5 bytes)
-    frame 1   header     msgpack map: {"kind": str, <kind's fields>, "arrays": [[name, dtype, shape], ...]}
-    frame 2+  arrays     one raw, C-contiguous, little-endian buffer per entry of header["arrays"], in order
+    frame 1   header     msgpack map: {"kind": str, <kind's fields>, "arrays": bin}; the bin holds the
+                         msgpack list [[name, dtype, shape], ...] (the layout)
+    frame 2+  arrays     one raw, C-contiguous, little-endian buffer per spec of the layout, in order
 
 Small values travel in the msgpack header; numpy arrays travel as their own frames, sent with
 ``copy=False`` and received zero-copy (a numpy view over the ZeroMQ frame). Nothing is ever
 pickled. ``decode`` validates everything before a message is used and raises one
 :class:`ProtocolError` that says what was wrong; ``validate_trajectory`` does the same checks for
 a forwarder without building anything. docs/protocol.md documents every frame. The per-frame and
-per-array work (limits, dtypes, array specs) is in zddrl/wire.py, re-exported here.
+per-array work (limits, dtypes, layouts, which are validated once and remembered) is in
+zddrl/wire.py, re-exported here.
 
 A ROUTER socket prepends the peer's identity frame; ``split_routed`` separates it.
 """
