@@ -122,3 +122,28 @@ def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
     assert msgpack.unpackb(msgpack.unpackb(other[1])["arrays"])[0] == ["obs", "float32", [3, 2]]
     with pytest.raises(P.ProtocolError, match="array name '' must be a non-empty string"):
         P.encode(P.Trajectory(**{**vars(msg), "arrays": {"": np.zeros(1)}}))
+
+
+def test_a_cached_encode_layout_never_lets_an_array_skip_its_conversion() -> None:
+    """The encode cache is keyed by dtype objects: a big-endian or non-wire array with a cached
+    layout's names and shapes misses it and is converted (or refused), never sent as it is."""
+    def traj(arrays: dict) -> P.Trajectory:
+        return P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0,
+                            arrays=arrays)
+
+    little = {"x": np.arange(4, dtype="<f4").reshape(2, 2)}
+    P.encode(traj(little))
+    big = {"x": np.arange(4, dtype=">f4").reshape(2, 2)}
+    frames = P.encode(traj(big))
+    assert frames[1] == P.encode(traj(little))[1] and frames[2].dtype == np.dtype("<f4")
+    assert P.decode(frames).arrays["x"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    transposed = {"x": np.arange(4, dtype="<f4").reshape(2, 2).T}  # same layout, not C-contiguous
+    assert P.decode(P.encode(traj(transposed))).arrays["x"].tolist() == [[0.0, 2.0], [1.0, 3.0]]
+    with pytest.raises(P.ProtocolError, match="dtype complex64 cannot travel"):
+        P.encode(traj({"x": np.zeros((2, 2), np.complex64)}))
+
+    class Sub(np.ndarray):
+        pass
+
+    sub = np.arange(4, dtype="<f4").reshape(2, 2).view(Sub)
+    assert type(P.encode(traj({"x": sub}))[2]) is np.ndarray  # subclasses travel as plain arrays

@@ -172,7 +172,7 @@ _DECODED: dict[bytes, Layout] = {}
 _ENCODED: dict[tuple, bytes] = {}
 _DTYPE, _SHAPE, _NBYTES = attrgetter("dtype"), attrgetter("shape"), attrgetter("nbytes")
 _C_CONTIGUOUS = attrgetter("flags.c_contiguous")
-_IS_ARRAY = np.ndarray.__instancecheck__
+_PLAIN_ARRAY = frozenset({np.ndarray})  # exactly ndarray: a subclass goes through wire_array's np.asarray
 _WIRE_DTYPES = frozenset(DTYPE_NAMES)
 
 
@@ -186,35 +186,43 @@ def encode_arrays(kind: str, arrays: Mapping[str, Any], buffers: list[Any]) -> b
     """The header's ``arrays`` value (the packed layout) of ``arrays``; appends their wire buffers to ``buffers``.
 
     Arrays an actor builds are wire-ready already (C-contiguous, a wire dtype): they go out as they are,
-    checked with one C-level pass per property instead of a Python loop over the arrays.
+    checked with one C-level pass per property instead of a Python loop over the arrays. The packed
+    layout is looked up by names, dtypes and shapes; only a layout that passed every check is kept, so
+    a hit also vouches for the dtypes.
     """
     if len(arrays) > MAX_ARRAYS:
         raise ProtocolError(f"{kind}: {len(arrays)} arrays, at most {MAX_ARRAYS} can travel")
     values = list(arrays.values())
-    dtype_names = None
-    if all(map(_IS_ARRAY, values)) and all(map(_C_CONTIGUOUS, values)):
-        dtype_names = tuple(map(DTYPE_NAMES.get, map(_DTYPE, values)))
-    if dtype_names is None or None in dtype_names:  # convert only the arrays that need it
-        values = [v if type(v) is np.ndarray and v.flags.c_contiguous and v.dtype in DTYPE_NAMES else wire_array(v)
-                  for v in values]
-        dtype_names = tuple(DTYPE_NAMES[v.dtype] for v in values)
-    key = (tuple(arrays), dtype_names, tuple(map(_SHAPE, values)))
+    if not (_PLAIN_ARRAY.issuperset(map(type, values)) and all(map(_C_CONTIGUOUS, values))):
+        values = [_wire_ready(v) for v in values]
+    key = (tuple(arrays), tuple(map(_DTYPE, values)), tuple(map(_SHAPE, values)))
     blob = _ENCODED.get(key)
     if blob is None:
+        if not _WIRE_DTYPES.issuperset(key[1]):  # big-endian or not a wire dtype: convert (or refuse)
+            values = [_wire_ready(v) for v in values]
+            key = (key[0], tuple(map(_DTYPE, values)), key[2])
         blob = _pack_layout(kind, key)
     buffers += values
     return blob
 
 
+def _wire_ready(value: Any) -> np.ndarray:
+    """``value`` itself if it can travel as it is, else wire_array's copy (or its ProtocolError)."""
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype in DTYPE_NAMES:
+        return value
+    return wire_array(value)
+
+
 def _pack_layout(kind: str, key: tuple) -> bytes:
     """Check names and ranks (the cache key holds both, so a cached layout was checked) and pack the specs."""
-    for name, shape in zip(key[0], key[2]):
+    names, dtypes, shapes = key
+    for name, shape in zip(names, shapes):
         if not isinstance(name, str) or not name:
             raise ProtocolError(f"{kind}: array name {name!r} must be a non-empty string")
         if len(shape) > MAX_NDIM:
             raise ProtocolError(f"array of {len(shape)} dimensions cannot travel (at most {MAX_NDIM})")
     # Specs are tuples and shapes numpy's tuples: msgpack packs a tuple exactly as a list.
-    blob = msgpack.packb(list(zip(*key)), use_bin_type=True)
+    blob = msgpack.packb(list(zip(names, map(DTYPE_NAMES.__getitem__, dtypes), shapes)), use_bin_type=True)
     if len(blob) <= MAX_CACHED_LAYOUT_BYTES:
         _remember(_ENCODED, key, blob)
     return blob
