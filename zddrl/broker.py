@@ -140,8 +140,8 @@ class Broker:
                 self._drain(self.control, self._on_control)
             if self.learners in events:
                 self._drain(self.learners, self._on_learner)
-            if self.trajectories in events:
-                self._forward_trajectories()
+            if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
+                self._forward_trajectories()  # credit that just came: forward now, not after one more poll
             now = time.monotonic()
             if now >= self._next_beat:
                 self._send_heartbeats()
