@@ -434,7 +434,8 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
 
     For a forwarder, which passes the frames on untouched: raises :class:`ProtocolError` wherever
     decode would (and for any other kind), and otherwise returns the header map: ``kind`` and every
-    Trajectory field (defaults filled in), with ``arrays`` the checked ``[name, dtype, shape]`` specs.
+    Trajectory field (defaults filled in), with ``arrays`` the checked ``[name, dtype, shape]`` specs
+    (the layout cache's own list: read it, do not modify it).
     """
     header = decode_header(frames, max_message_bytes)
     if header["kind"] != Trajectory.KIND:
