@@ -40,6 +40,9 @@ def test_bench_bus_smoke() -> None:
     assert all(r["encode_decode_us"] > 0 for r in report["codec"])
 
     assert isinstance(report["targets"]["codec_vs_pickle"]["met"], bool)
+    from zddrl.channel import CREDIT_WINDOW  # the bench learner credits as the sync-mode learner does
+    assert report["settings"]["credit_window"] == CREDIT_WINDOW
+    assert report["settings"]["regrant_every"] == CREDIT_WINDOW // 2
     counters = report["broker_counters"]
     assert counters["received"] > 0 and counters["accounted"] is True
     assert sum(counters["dropped"].values()) == 0
@@ -50,3 +53,10 @@ def test_bench_bus_rejects_bad_payloads() -> None:
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert proc.returncode == 2
     assert "--payloads" in proc.stderr
+
+
+def test_bench_bus_rejects_a_regrant_larger_than_the_window() -> None:
+    proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "bus", "--credit-window", "4", "--regrant-every", "5"],
+                          capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2
+    assert "cannot return 5 credits at once from a window of 4" in proc.stderr

@@ -75,7 +75,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
 def test_round_trip_every_kind(msg: P.Message) -> None:
     frames = msg.encode()
-    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x01"
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x02"
     assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
     assert_same(msg, P.decode(wire(frames)))
     assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
@@ -208,7 +208,15 @@ GOOD = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_ve
 A3 = np.zeros(3, np.float32).tobytes()
 
 
+def packed(specs) -> bytes:
+    """The header's ``arrays`` value: the specs' msgpack, travelling as bin (protocol version 2)."""
+    return msgpack.packb(specs, use_bin_type=True)
+
+
 def frames_of(header, *arrays, preamble=P.PREAMBLE) -> list:
+    """Frames of ``header`` (a map, whose ``arrays`` list is packed as the protocol wants, or raw bytes)."""
+    if isinstance(header, dict) and isinstance(header.get("arrays"), list):
+        header = {**header, "arrays": packed(header["arrays"])}
     raw = header if isinstance(header, bytes) else msgpack.packb(header, use_bin_type=True)
     return [preamble, raw, *arrays]
 
@@ -227,8 +235,8 @@ BAD = [
     ("too many frames", frames_of(HB, *[b""] * 65), "too many frames: 67 > 66"),
     ("bad signature", frames_of(HB, preamble=b"ZDRX\x01"), "bad signature"),
     ("empty preamble", frames_of(HB, preamble=b""), "bad signature"),
-    ("wrong version", frames_of(HB, preamble=b"ZDRL\x02"), "unsupported protocol version 2"),
-    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x01\x00"), "unsupported protocol version 1 in a 6-byte"),
+    ("wrong version", frames_of(HB, preamble=b"ZDRL\x01"), "unsupported protocol version 1"),
+    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x02\x00"), "unsupported protocol version 2 in a 6-byte"),
     ("preamble without version", frames_of(HB, preamble=b"ZDRL"), "unsupported protocol version None"),
     ("oversized header", frames_of(b"\x00" * (P.MAX_HEADER_BYTES + 1)), "exceeds the 1048576-byte limit"),
     ("header not msgpack", frames_of(b"\xc1"), "not valid msgpack"),
@@ -259,7 +267,12 @@ BAD = [
     ("array count mismatch", frames_of(GOOD), "names 1 arrays but 0 array frames follow"),
     ("extra array frame", frames_of(GOOD, A3, A3), "names 1 arrays but 2 array frames follow"),
     ("missing arrays field", frames_of(with_(arrays=...)), "trajectory: missing field 'arrays'"),
-    ("arrays not a list", frames_of(with_(arrays={"a": 1}), A3), "'arrays' must be a list"),
+    ("arrays not a list", frames_of(with_(arrays=packed({"a": 1})), A3), "'arrays' must be a list"),
+    ("arrays not bin", frames_of(msgpack.packb(GOOD), A3), "'arrays' must be bin"),
+    ("arrays bin not msgpack", frames_of(with_(arrays=b"\xc1"), A3), "'arrays' is not valid msgpack"),
+    ("arrays bin with trailing bytes", frames_of(with_(arrays=packed(GOOD["arrays"]) + b"\x00"), A3),
+     "'arrays' is not valid msgpack"),
+    ("too many specs", frames_of(with_(arrays=[["a", "float32", [3]]] * 65), A3), "at most 64 can travel"),
     ("spec not a triple", frames_of(with_(arrays=[["a", "float32"]]), A3), "array spec 0 must be [name, dtype, shape]"),
     ("empty name", frames_of(with_(arrays=[["", "float32", [3]]]), A3), "name '' must be a non-empty string"),
     ("bad dtype name", frames_of(with_(arrays=[["a", "float128", [3]]]), A3), "dtype 'float128' is not allowed"),
@@ -413,7 +426,8 @@ def test_encode_header_bytes_are_the_plain_msgpack_of_the_header(arrays: dict) -
     """encode's shortcuts (wire-ready arrays as they are, tuple specs) change no byte of the header."""
     msg = traj(arrays=arrays)
     want = {"kind": "trajectory", **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
-    want["arrays"] = [[name, DTYPE_NAMES_OF[P.wire_array(a).dtype], list(np.shape(a))] for name, a in arrays.items()]
+    want["arrays"] = packed([[name, DTYPE_NAMES_OF[P.wire_array(a).dtype], list(np.shape(a))]
+                             for name, a in arrays.items()])
     frames = msg.encode()
     assert bytes(frames[1]) == msgpack.packb(want, use_bin_type=True)
     for frame, array in zip(frames[2:], arrays.values()):
@@ -545,7 +559,7 @@ def hostile_trajectory(rnd: random.Random) -> tuple[list, int]:
         frames.append(b"\x01" * (rnd.randint(0, 24) if size is None or rnd.random() < 0.08 else size))
     if rnd.random() < 0.08:
         frames = frames[1:] if frames and rnd.random() < 0.5 else [*frames, b""]
-    header = {**GOOD, "arrays": pick([arrays], [None, {}, "arrays", ...])}
+    header = {**GOOD, "arrays": pick([arrays], [None, {}, "arrays", [], ..., b"\xc1", packed({"a": 1})])}
     if rnd.random() < 0.3:
         header[rnd.choice(["run_id", "seq", "env_steps", "info", "x"])] = rnd.choice(
             ["r", 1, -1, True, 1.5, None, {}, {"k": [1]}, {"k": {"n": b""}}, {"k": {2: 1}}, [], ...])

@@ -21,6 +21,8 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from functools import lru_cache
+from operator import attrgetter
 from typing import Any, Sequence
 
 import zmq
@@ -39,6 +41,14 @@ DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_rout
 POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
+_CREDIT = attrgetter("credit")
+
+
+@lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
+def _credit_frames(n: int) -> list[Any]:
+    return P.encode(P.Credit(sender="broker", credit=n))
+
+
 class Broker:
     """Run with ``Broker(config).bind()`` then ``run(stop_event)``; ``close()`` in a finally."""
 
@@ -51,9 +61,9 @@ class Broker:
         self.shards: dict[str, Member] = {}
         """The learner members, by peer id (their data identity)."""
         self.credit = 0
+        """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.rates: dict[str, float] = {}
         self._rate_mark: tuple[float, int, int, int, int] | None = None
-        """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.run_id = ""
         self.run_spec: dict | None = None
         self.param_cache = FrameCache()
@@ -61,6 +71,7 @@ class Broker:
         self.counters: dict[str, int] = defaultdict(int)
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
+        self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
         self.started = time.monotonic()
         self.ports: dict[str, int] = {}
         self._ratelog = RateLimitedLog()
@@ -130,8 +141,8 @@ class Broker:
                 self._drain(self.control, self._on_control)
             if self.learners in events:
                 self._drain(self.learners, self._on_learner)
-            if self.trajectories in events:
-                self._forward_trajectories()
+            if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
+                self._forward_trajectories()  # credit that just came: forward now, not after one more poll
             now = time.monotonic()
             if now >= self._next_beat:
                 self._send_heartbeats()
@@ -157,7 +168,7 @@ class Broker:
         what = "control" if sock is self.control else "learner"
         for _ in range(FORWARD_BURST):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -204,14 +215,14 @@ class Broker:
             self.counters["received"] += 1
             nbytes = sum(map(len, frames))
             self.counters["bytes_in"] += nbytes
-            decided = self.counters["forwarded"] + sum(self.dropped.values())
+            decided = self._decided
             actor = None
             try:
                 actor = self._route_trajectory(frames, nbytes)
             except Exception as exc:  # noqa: BLE001
                 # Fix: an exception here used to kill the broker and leave in_flight raised for
                 # good. Whatever happens, the message ends up forwarded or dropped with a reason.
-                if self.counters["forwarded"] + sum(self.dropped.values()) == decided:
+                if self._decided == decided:
                     self._drop("malformed", None, f"dropped a trajectory: error while routing it "
                                                   f"({type(exc).__name__}: {exc})")
             finally:
@@ -219,7 +230,7 @@ class Broker:
             if actor is not None:
                 acks[actor.identity] += 1
         for identity, n in acks.items():  # actor-side credit: what was read may be replaced
-            self._send(self.control, identity, P.Credit(sender="broker", credit=n))
+            self._send_frames(self.control, identity, _credit_frames(n))
 
     def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> Member | None:
         """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
@@ -233,31 +244,30 @@ class Broker:
         actor = self.members.get(msg["sender"])
         if actor is not None:
             actor.last_seen = time.monotonic()
-        reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._max_staleness())
+        # Fix: the bound was read, unchecked, from the learner's run spec per trajectory; now once per hello.
+        reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
         if reason:
             self._drop(reason, actor, why)
             return actor
         while True:
-            shard = max(self.shards.values(), key=lambda m: m.credit, default=None)
+            shard = max(self.shards.values(), key=_CREDIT, default=None)
             if shard is None or shard.credit <= 0:
                 self._drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
                 return actor
             try:
-                send_frames(self.learners, [shard.peer_id.encode(), *frames])
+                send_frames(self.learners, frames, prefix=shard.peer_id.encode())
             except zmq.ZMQError as exc:  # the shard went away between credit and send
                 self._ratelog.warning("shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); "
                                                     "its credit is withdrawn")
                 self._set_credit(shard, 0)
                 continue
             self._set_credit(shard, shard.credit - 1)
-            shard.counters["messages"] += 1
-            shard.counters["bytes"] += nbytes
+            self._decided += 1
+            shard.count(nbytes)
             self.counters["forwarded"] += 1
             self.counters["bytes_out"] += nbytes
             if actor is not None:
-                actor.counters["messages"] += 1
-                actor.counters["bytes"] += nbytes
-                actor.counters["env_steps"] += msg["env_steps"]
+                actor.count(nbytes, msg["env_steps"])
             return actor
 
     def _set_credit(self, shard: Member, credit: int) -> None:
@@ -265,14 +275,9 @@ class Broker:
         self.credit += credit - shard.credit
         shard.credit = credit
 
-    def _max_staleness(self) -> int:
-        # Fix: this used to read the learner-supplied run spec on every trajectory without checking
-        # it ({"algo": [1]} raised AttributeError and killed the broker). The spec is now checked
-        # once in the learner's hello (staleness_of) and the result kept.
-        return self._staleness
-
     def _drop(self, reason: str, member: Member | None, text: str) -> None:
         self.dropped[reason] += 1
+        self._decided += 1
         if member is not None:
             member.counters[f"dropped_{reason}"] += 1
         self._ratelog.warning(f"drop_{reason}", text)

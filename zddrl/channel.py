@@ -7,8 +7,13 @@ from loguru import logger
 from . import protocol as P
 from .client import BrokerLink
 
-CREDIT_WINDOW = 16
-"""Default number of trajectories a shard lets the broker send ahead of what it has consumed."""
+CREDIT_WINDOW = 64
+"""Default number of trajectories a shard lets the broker send ahead of what it has consumed (sync mode;
+async modes size theirs from the batch). The window is the only queue between broker and shard, and a
+shard with a short one runs dry whenever the broker waits for a core: on 2 cores the broker path ran at
+0.70-0.84x a zmq.proxy forwarder at 64 KiB with 16, 0.87-0.88x with 64 (docs/bench/bus_window.json). In
+sync mode an actor sends one rollout per version, so a round's data, not the window, bounds what is
+really queued at the shard."""
 
 
 class DataChannel:

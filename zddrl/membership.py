@@ -52,6 +52,14 @@ class Member:
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     stats: dict[str, Any] = field(default_factory=dict)
 
+    def count(self, nbytes: int, env_steps: int | None = None) -> None:
+        """One trajectory of ``nbytes`` forwarded for (or to) this member; actors also count env steps."""
+        counters = self.counters
+        counters["messages"] += 1
+        counters["bytes"] += nbytes
+        if env_steps is not None:
+            counters["env_steps"] += env_steps
+
     def row(self, now: float) -> dict[str, Any]:
         return {"role": self.role, "host": self.host, "pid": self.pid, "num_envs": self.num_envs,
                 "policy_version": self.policy_version, "last_seen_s": round(now - self.last_seen, 3),

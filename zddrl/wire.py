@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Mapping, Sequence
+from operator import attrgetter
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import msgpack
 
 import numpy as np
 import zmq
 from zmq import Frame as ZmqFrame
 
 SIGNATURE = b"ZDRL"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
 
 MAX_HEADER_BYTES = 1 << 20
@@ -135,56 +138,134 @@ def wire_array(array: np.ndarray) -> np.ndarray:
     return np.require(array, dtype=dtype, requirements="C")
 
 
-def encode_arrays(kind: str, arrays: Mapping[str, Any], buffers: list[Any]) -> list[tuple[Any, ...]]:
-    """The header's ``[name, dtype, shape]`` specs of ``arrays``; appends their wire buffers to ``buffers``.
+# The header's "arrays" value is a msgpack bin holding the msgpack list of [name, dtype, shape] specs
+# (protocol version 2). Being bytes, a layout can be recognised by a dictionary lookup: a message whose
+# layout is byte-identical to one validated before skips the spec checks, and only its frames (count
+# and every frame's size) are checked against it. Encoders keep the packed layouts they made, so an
+# actor sending rollouts of one shape packs its layout once.
 
-    Specs are tuples and shapes numpy's tuples: msgpack packs a tuple exactly as a list, so the
-    bytes are the same without building two lists per array.
+LAYOUT_CACHE_SIZE = 256
+"""Layouts kept per process, for decoding and for encoding each. A rollout's layout changes only with its
+variable-length arrays (episodes ended, truncations), so a few dozen cover a run. When full, the cache
+is emptied at once (a single C call, safe with threads decoding side by side) and refills."""
+MAX_CACHED_LAYOUT_BYTES = 8192
+"""Longer layouts are validated every time, never kept: a hostile peer cannot fill memory with them."""
+
+
+class Layout(NamedTuple):
+    """A validated array layout: what the frames of a message carrying it must be."""
+
+    specs: list
+    """The ``[name, dtype, shape]`` specs as msgpack decoded them (lists). Shared: do not modify."""
+    names: tuple
+    shapes: tuple
+    """Shapes as tuples (numpy builds arrays faster from tuples than from lists)."""
+    dtypes: tuple
+    sizes: list
+    """Bytes of each array frame."""
+    claim: int
+    """The smallest ``max_message_bytes`` that admits the layout (the summed frame sizes or the largest
+    array, zero-size arrays counted by their non-zero dimensions)."""
+
+
+_DECODED: dict[bytes, Layout] = {}
+_ENCODED: dict[tuple, bytes] = {}
+_DTYPE, _SHAPE, _NBYTES = attrgetter("dtype"), attrgetter("shape"), attrgetter("nbytes")
+_C_CONTIGUOUS = attrgetter("flags.c_contiguous")
+_PLAIN_ARRAY = frozenset({np.ndarray})  # exactly ndarray: a subclass goes through wire_array's np.asarray
+_WIRE_DTYPES = frozenset(DTYPE_NAMES)
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if len(cache) >= LAYOUT_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+
+
+def encode_arrays(kind: str, arrays: Mapping[str, Any], buffers: list[Any]) -> bytes:
+    """The header's ``arrays`` value (the packed layout) of ``arrays``; appends their wire buffers to ``buffers``.
+
+    Arrays an actor builds are wire-ready already (C-contiguous, a wire dtype): they go out as they are,
+    checked with one C-level pass per property instead of a Python loop over the arrays. The packed
+    layout is looked up by names, dtypes and shapes; only a layout that passed every check is kept, so
+    a hit also vouches for the dtypes.
     """
     if len(arrays) > MAX_ARRAYS:
         raise ProtocolError(f"{kind}: {len(arrays)} arrays, at most {MAX_ARRAYS} can travel")
-    specs = []
-    for name, array in arrays.items():
+    values = list(arrays.values())
+    if not (_PLAIN_ARRAY.issuperset(map(type, values)) and all(map(_C_CONTIGUOUS, values))):
+        values = [_wire_ready(v) for v in values]
+    key = (tuple(arrays), tuple(map(_DTYPE, values)), tuple(map(_SHAPE, values)))
+    blob = _ENCODED.get(key)
+    if blob is None:
+        if not _WIRE_DTYPES.issuperset(key[1]):  # big-endian or not a wire dtype: convert (or refuse)
+            values = [_wire_ready(v) for v in values]
+            key = (key[0], tuple(map(_DTYPE, values)), key[2])
+        blob = _pack_layout(kind, key)
+    buffers += values
+    return blob
+
+
+def _wire_ready(value: Any) -> np.ndarray:
+    """``value`` itself if it can travel as it is, else wire_array's copy (or its ProtocolError)."""
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype in DTYPE_NAMES:
+        return value
+    return wire_array(value)
+
+
+def _pack_layout(kind: str, key: tuple) -> bytes:
+    """Check names and ranks (the cache key holds both, so a cached layout was checked) and pack the specs."""
+    names, dtypes, shapes = key
+    for name, shape in zip(names, shapes):
         if not isinstance(name, str) or not name:
             raise ProtocolError(f"{kind}: array name {name!r} must be a non-empty string")
-        # The arrays an actor builds are wire-ready already (C-contiguous, a wire dtype), and then
-        # wire_array returns them unchanged: skip its np.asarray/np.require (most of encode's cost).
-        dtype_name = None
-        if type(array) is np.ndarray and array.flags.c_contiguous and array.ndim <= MAX_NDIM:
-            dtype_name = DTYPE_NAMES.get(array.dtype)
-        if dtype_name is None:
-            array = wire_array(array)
-            dtype_name = DTYPE_NAMES[array.dtype]
-        specs.append((name, dtype_name, array.shape))
-        buffers.append(array)
-    return specs
+        if len(shape) > MAX_NDIM:
+            raise ProtocolError(f"array of {len(shape)} dimensions cannot travel (at most {MAX_NDIM})")
+    # Specs are tuples and shapes numpy's tuples: msgpack packs a tuple exactly as a list.
+    blob = msgpack.packb(list(zip(names, map(DTYPE_NAMES.__getitem__, dtypes), shapes)), use_bin_type=True)
+    if len(blob) <= MAX_CACHED_LAYOUT_BYTES:
+        _remember(_ENCODED, key, blob)
+    return blob
 
 
 def _shape_error(name: str, shape: Any) -> ProtocolError:
     return ProtocolError(f"array {name!r}: shape {shape!r} must be a list of at most {MAX_NDIM} non-negative ints")
 
 
-def check_arrays(specs: Any, frames: Sequence[Any], max_message_bytes: int, views: bool) -> Any:
-    """Check the header's array specs (a value msgpack made) against the array frames.
+def layout_of(blob: Any) -> Layout:
+    """The validated layout in the header's ``arrays`` value; raises ProtocolError if it is not one."""
+    layout = _DECODED.get(blob) if type(blob) is bytes else None
+    if layout is not None:
+        return layout
+    if type(blob) is not bytes:
+        raise ProtocolError("header 'arrays' must be bin: the msgpack encoding of a list of [name, dtype, shape]")
+    try:
+        specs = msgpack.unpackb(blob, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise ProtocolError(f"header 'arrays' is not valid msgpack: {exc}") from None
+    layout = _check_specs(specs)
+    if len(blob) <= MAX_CACHED_LAYOUT_BYTES:
+        _remember(_DECODED, blob, layout)
+    return layout
 
-    Returns the arrays as zero-copy views over the frames if ``views``, else ``specs`` unchanged.
-    This loop is most of decode's cost: each check is written out in line, and type tests are
-    exact (msgpack makes exact built-in types, so ``type(d) is int`` is "int and not bool").
-    """
-    if not isinstance(specs, list):
+
+def _check_specs(specs: Any) -> Layout:
+    """Every check of the specs themselves (names, dtypes, shapes); none of the frames."""
+    if type(specs) is not list:
         raise ProtocolError("header 'arrays' must be a list of [name, dtype, shape]")
-    if len(specs) != len(frames):
-        raise ProtocolError(f"header names {len(specs)} arrays but {len(frames)} array frames follow")
-    arrays: dict[str, Any] = {}  # len(arrays) is the index of the spec at hand
-    total = 0
-    for spec, frame in zip(specs, frames):
+    if len(specs) > MAX_ARRAYS:
+        raise ProtocolError(f"header names {len(specs)} arrays, at most {MAX_ARRAYS} can travel")
+    names: dict[str, None] = {}  # len(names) is the index of the spec at hand
+    shapes, dtypes, sizes = [], [], []
+    claim = 0
+    for spec in specs:
         if type(spec) is not list or len(spec) != 3:
-            raise ProtocolError(f"array spec {len(arrays)} must be [name, dtype, shape]")
+            raise ProtocolError(f"array spec {len(names)} must be [name, dtype, shape]")
         name, dtype_name, shape = spec
         if type(name) is not str or not name:
-            raise ProtocolError(f"array spec {len(arrays)}: name {name!r} must be a non-empty string")
-        if name in arrays:
-            raise ProtocolError(f"array spec {len(arrays)}: duplicate array name {name!r}")
+            raise ProtocolError(f"array spec {len(names)}: name {name!r} must be a non-empty string")
+        if name in names:
+            raise ProtocolError(f"array spec {len(names)}: duplicate array name {name!r}")
         dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
         if dtype is None:
             raise ProtocolError(f"array {name!r}: dtype {dtype_name!r} is not allowed; allowed: {', '.join(DTYPES)}")
@@ -193,43 +274,94 @@ def check_arrays(specs: Any, frames: Sequence[Any], max_message_bytes: int, view
         for d in shape:
             if type(d) is not int or d < 0:
                 raise _shape_error(name, shape)
-        expected = math.prod(shape) * dtype.itemsize
+        names[name] = None
+        shapes.append(tuple(shape))
+        dtypes.append(dtype)
+        sizes.append(math.prod(shape) * dtype.itemsize)
         # Zero-size arrays may have huge other dimensions; numpy (and sanity) cannot hold those.
-        if (expected or math.prod([d for d in shape if d]) * dtype.itemsize) > max_message_bytes:
-            raise ProtocolError(f"array {name!r}: shape {shape} is too large for the {max_message_bytes}-byte "
-                                "limit")
-        if type(frame) is ZmqFrame or type(frame) is bytes:  # frame_buffer's first case, in line
-            size = len(frame)
-        else:
-            frame, size = frame_buffer(frame)
-        if expected != size:
-            raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {expected} bytes, "
-                                f"frame has {size}")
-        total += expected
-        if total > max_message_bytes:
-            raise ProtocolError(f"message arrays exceed the {max_message_bytes}-byte limit")
-        # np.ndarray over the buffer is np.frombuffer(buffer, dtype).reshape(shape) in one call.
-        arrays[name] = np.ndarray(shape, dtype, frame) if views else None
-    return arrays if views else specs
+        claim = max(claim, sizes[-1] or math.prod([d for d in shape if d]) * dtype.itemsize)
+    return Layout(specs, tuple(names), tuple(shapes), tuple(dtypes), sizes, max(claim, sum(sizes)))
 
 
-# Socket helpers for hot paths (the broker's forwarding loop).
+def _limit_error(layout: Layout, max_message_bytes: int) -> ProtocolError:
+    """The error of a layout whose ``claim`` exceeds ``max_message_bytes``: the first array too large, else the sum."""
+    for (name, _, shape), dtype in zip(layout.specs, layout.dtypes):
+        if math.prod([d for d in shape if d]) * dtype.itemsize > max_message_bytes:
+            return ProtocolError(f"array {name!r}: shape {shape} is too large for the {max_message_bytes}-byte limit")
+    return ProtocolError(f"message arrays exceed the {max_message_bytes}-byte limit")
+
+
+def _frame_sizes(frames: Sequence[Any]) -> tuple[Sequence[Any], list[int]]:
+    """``(buffers, sizes)`` of the array frames: objects numpy can view them through, and their bytes.
+
+    A socket's frames (all zmq.Frame, or all bytes) and encode's arrays (all wire-ready ndarrays) are
+    read with one C-level pass each; any other mix goes frame by frame through frame_buffer's checks.
+    """
+    kinds = set(map(type, frames))
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        if kind is ZmqFrame or kind is bytes:
+            return frames, list(map(len, frames))
+        if kind is np.ndarray and all(map(_C_CONTIGUOUS, frames)) and _WIRE_DTYPES.issuperset(map(_DTYPE, frames)):
+            return frames, list(map(_NBYTES, frames))
+    pairs = [frame_buffer(f) for f in frames]
+    return [buffer for buffer, _ in pairs], [size for _, size in pairs]
+
+
+def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views: bool) -> Any:
+    """Check the header's ``arrays`` value (a packed layout) against the array frames.
+
+    Returns the arrays as zero-copy views over the frames if ``views``, else the layout's specs. The
+    layout's own checks run once per distinct layout (layout_of); the frames are checked every time.
+    """
+    layout = _DECODED.get(blob) if type(blob) is bytes else None
+    if layout is None:
+        layout = layout_of(blob)
+    if layout.claim > max_message_bytes:
+        raise _limit_error(layout, max_message_bytes)
+    sizes = layout.sizes
+    if len(frames) != len(sizes):
+        raise ProtocolError(f"header names {len(sizes)} arrays but {len(frames)} array frames follow")
+    buffers, got = _frame_sizes(frames)
+    if got != sizes:
+        i = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
+        name, dtype_name, shape = layout.specs[i]
+        raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {sizes[i]} bytes, "
+                            f"frame has {got[i]}")
+    if not views:
+        return layout.specs
+    # np.ndarray over a buffer is np.frombuffer(buffer, dtype).reshape(shape) in one call.
+    return dict(zip(layout.names, map(np.ndarray, layout.shapes, layout.dtypes, buffers)))
+
+
+# Socket helpers for hot paths (the broker's forwarding loop). They call pyzmq's compiled send/recv
+# directly: zmq.Socket.send is a Python wrapper (routing_id and group options) around them that cost
+# ~0.2 us per frame, and a trajectory is 16 frames each way.
 _SNDMORE = int(zmq.SNDMORE)  # plain ints: pyzmq builds enum objects per call otherwise (hot path)
 NOBLOCK = int(zmq.NOBLOCK)
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     """``recv_multipart(copy=False)`` without its per-frame getsockopt: ~3x cheaper per message."""
-    frame = sock.recv(flags, copy=False)
+    frame = _recv(sock, flags, False)
     frames = [frame]
     while frame.more:
-        frame = sock.recv(0, copy=False)
+        frame = _recv(sock, 0, False)
         frames.append(frame)
     return frames
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
-    """``send_multipart(copy=False)`` with int flags (the forwarding hot path)."""
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        sock.send(frame, flags | _SNDMORE if i < last else flags, copy=False)
+def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0, prefix: bytes | None = None) -> None:
+    """``send_multipart([prefix, *frames], copy=False)`` with int flags (the forwarding hot path).
+
+    ``prefix`` (a ROUTER's identity frame) goes first when given: no list is built around ``frames``.
+    """
+    more = flags | _SNDMORE
+    if prefix is not None:
+        _send(sock, prefix, more, True)
+    last = frames[-1]
+    for frame in frames[:-1]:
+        _send(sock, frame, more, False)
+    _send(sock, last, flags, False)

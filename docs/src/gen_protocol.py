@@ -96,6 +96,8 @@ def wrap(h, first_prefix, width=64):
 def block(name, msg):
     frames = [bytes(P._buffer(f)) for f in P.encode(msg)]
     header = msgpack.unpackb(frames[1], raw=False)
+    if "arrays" in header:  # travels as bin (section 2.3); shown unpacked
+        header["arrays"] = msgpack.unpackb(header["arrays"], raw=False)
     rows = []
     for k, v in header.items():
         if k in ("arrays", "layout") and v:

@@ -81,9 +81,10 @@ class ThroughputRig:
     """
 
     def __init__(self, workers: C.Workers, payloads: list[int], broker_spec: str,
-                 regrant_every: int = C.REGRANT_EVERY) -> None:
+                 regrant_every: int = C.REGRANT_EVERY, window: int = C.CREDIT_WINDOW) -> None:
         self.workers = workers
         self.regrant_every = regrant_every
+        self.window = window
         self.payloads = payloads
         self.broker_spec = broker_spec
         self.run_id = f"bench-bus-{uuid.uuid4().hex[:8]}"
@@ -103,7 +104,7 @@ class ThroughputRig:
     def _start_lane(self, path: str, send_to: str, receive_at: str, control: str | None) -> Lane:
         lane = Lane(path, C.shared_mode(), C.Counters())
         self.workers.start(f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters,
-                           self.regrant_every)
+                           self.regrant_every, self.window)
         self.workers.start(f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode)
         self.lanes[path] = lane
         return lane
@@ -159,8 +160,8 @@ class ThroughputRig:
 
 
 def run_throughput(workers: C.Workers, payloads: list[int], rounds: int, seconds: float, broker_spec: str,
-                   regrant_every: int) -> tuple[list[dict], list[dict], dict]:
-    rig = ThroughputRig(workers, payloads, broker_spec, regrant_every)
+                   regrant_every: int, window: int = C.CREDIT_WINDOW) -> tuple[list[dict], list[dict], dict]:
+    rig = ThroughputRig(workers, payloads, broker_spec, regrant_every, window)
     rig.start()
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in PATHS for b in payloads}
     for r in range(rounds):
@@ -397,18 +398,21 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int], counts: list[int],
-              broker_spec: str = C.DEFAULT_BROKER, regrant_every: int = C.REGRANT_EVERY) -> dict[str, Any]:
+              broker_spec: str = C.DEFAULT_BROKER, regrant_every: int | None = None,
+              window: int = C.CREDIT_WINDOW) -> dict[str, Any]:
+    regrant_every = regrant_every or max(window // 2, 1)
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
     with C.Workers() as workers:
-        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, regrant_every)
+        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, regrant_every,
+                                                   window)
     with C.Workers() as workers:
         broadcast = run_broadcast(workers, sizes, counts, broker_spec)
     if counters.get("dropped") and sum(counters["dropped"].values()):
         logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
     return {"bench": "bus",
             "settings": {"seconds": seconds, "rounds": rounds, "payloads": payloads, "hwm": C.HWM,
-                         "credit_window": C.CREDIT_WINDOW, "regrant_every": regrant_every,
+                         "credit_window": window, "regrant_every": regrant_every,
                          "broker": broker_spec, "cpus": os.cpu_count()},
             "results": results, "ratios": ratios, "broadcast": broadcast, "codec": codec,
             "targets": _targets(ratios, codec), "broker_counters": counters,
@@ -440,12 +444,16 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
               help="Subscriber counts for the broadcast, comma-separated.")
 @click.option("--broker-impl", default=C.DEFAULT_BROKER, show_default=True, hidden=True,
               help="module:Class of the broker to measure (for prototypes).")
-@click.option("--regrant-every", type=click.IntRange(1, C.CREDIT_WINDOW), default=C.REGRANT_EVERY, hidden=True,
-              help="Credit the bench learner returns at once (the real learner returns 1 per trajectory).")
+@click.option("--credit-window", "window", type=click.IntRange(1, 1 << 20), default=C.CREDIT_WINDOW, show_default=True,
+              hidden=True, help="Credit the bench learner grants (the learner's sync-mode window by default).")
+@click.option("--regrant-every", type=click.IntRange(1, 1 << 20), default=None, hidden=True,
+              help="Credit the bench learner returns at once (default: half the window, as DataChannel.ack does).")
 def bus(as_json: bool, seconds: float, rounds: int, payloads: list[int], sizes: list[int], counts: list[int],
-        broker_impl: str, regrant_every: int) -> None:
+        broker_impl: str, window: int, regrant_every: int | None) -> None:
     """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
     # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, regrant_every)
+    if regrant_every is not None and regrant_every > window:
+        raise click.BadParameter(f"cannot return {regrant_every} credits at once from a window of {window}")
+    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, regrant_every, window)
     click.echo(json.dumps(report) if as_json else format_report(report))

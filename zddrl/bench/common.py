@@ -250,7 +250,7 @@ def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[
 
 
 def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, counters: Counters,
-                  regrant_every: int = REGRANT_EVERY) -> None:
+                  regrant_every: int = REGRANT_EVERY, window: int = CREDIT_WINDOW) -> None:
     """The learner end: decode every message and count it; on the broker path, grant credit."""
     ctx = _setup("bench-receiver")
     link = None
@@ -260,7 +260,7 @@ def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, co
         sock = _socket(ctx, zmq.DEALER, RCVHWM=0, RCVTIMEO=IO_TIMEOUT_MS)
         sock.setsockopt(zmq.IDENTITY, LEARNER_ID.encode())
         sock.connect(endpoint)
-        sock.send_multipart(P.encode(P.Credit(sender=LEARNER_ID, credit=CREDIT_WINDOW)))
+        sock.send_multipart(P.encode(P.Credit(sender=LEARNER_ID, credit=window)))
         sock.send_multipart(P.encode(parameters(run_id, 0, np.zeros(16, np.float32))), copy=False)
     else:
         sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
