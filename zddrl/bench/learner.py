@@ -34,6 +34,7 @@ from .. import protocol as P
 from ..launch import DevicePlan, Rendezvous, shard_environments
 from ..proc import free_ports
 from . import common as C
+from .bus import Publisher
 
 BROADCAST_REPS = 5
 BROADCAST_TIMEOUT_S = 60.0
@@ -134,41 +135,20 @@ def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
     return flat, layout, model.state_dict()
 
 
-class ChunkPublisher:
-    """The main learner shard's side of a broadcast: joined as the run's learner, publishing a version
-    as the learner does (``params.split``: chunks, hashes, transport precision) on its DEALER."""
+class ChunkPublisher(Publisher):
+    """The main learner shard's side of a broadcast (``bench bus``'s publisher, joined as the run's
+    learner), sending a version as the learner does: ``params.split`` (chunks, hashes, precision)."""
 
-    def __init__(self, control: str, learner_port: int) -> None:
-        import uuid
-
-        import zmq
-
-        from ..client import BrokerLink
-
-        self.run_id = f"bench-learner-{uuid.uuid4().hex[:8]}"
-        self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()
-        if self.link.wait_welcome(30) is None:
-            raise RuntimeError(f"no broker answered at {control}")
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
-        self.sock.connect(f"tcp://127.0.0.1:{learner_port}")
-        self.version = 0
-
-    def publish(self, flat: np.ndarray, layout: list, dtype: str, chunk_bytes: int) -> float:
-        """Split (hash, convert) and send the next version; returns the time the work started."""
+    def publish(self, flat: np.ndarray, layout: list | None = None, dtype: str = "float32",
+                chunk_bytes: int = 4 << 20) -> float:
+        """Split (hash, convert) and send version ``self.version``; returns the time the work started."""
         from ..params import split
 
-        self.version += 1
         started = time.monotonic()
-        for msg in split(run_id=self.run_id, sender=C.LEARNER_ID, version=self.version, flat=flat, layout=layout,
-                         chunk_bytes=chunk_bytes, dtype=dtype):
+        for msg in split(run_id=self.run_id, sender=C.LEARNER_ID, version=self.version, flat=flat,
+                         layout=layout or [["w", "float32", [flat.size], 0]], chunk_bytes=chunk_bytes, dtype=dtype):
             self.sock.send_multipart(P.encode(msg), copy=False)
         return started
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.link.close()
 
 
 def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int,
@@ -179,13 +159,14 @@ def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int,
         ports = free_ports(4)
         workers.start("bcast-broker", C.broker_main, ports, C.DEFAULT_BROKER)
         slots = C.shared_slots(max(counts))
-        pub = ChunkPublisher(f"tcp://127.0.0.1:{ports[0]}", ports[2])
+        pub = ChunkPublisher(f"tcp://127.0.0.1:{ports[0]}", ports[2])  # version 0: 16 zeros
         started = 0
         try:
             for count in sorted(counts):
                 for index in range(started, count):
                     workers.start(f"subscriber-{index}", C.subscriber_main, f"tcp://127.0.0.1:{ports[0]}", index, slots)
                 started = count
+                pub.version += 1
                 pub.publish(flat, layout, "float32", chunk_bytes)  # newcomers get it whole (snapshot)
                 _wait(workers, slots, count, pub.version)
                 for dtype in dtypes:
@@ -199,7 +180,8 @@ def _broadcast_row(workers: C.Workers, pub: ChunkPublisher, slots: Any, flat: np
                    dtype: str, chunk_bytes: int) -> dict[str, Any]:
     latencies = []
     for rep in range(BROADCAST_REPS + 1):  # the first warms the path and is not kept
-        flat[0] = pub.version + 1  # every version has its own hashes
+        pub.version += 1
+        flat[0] = pub.version  # every version has its own hashes
         sent = pub.publish(flat, layout, dtype, chunk_bytes)
         _wait(workers, slots, count, pub.version)
         if rep:
