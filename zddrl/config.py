@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .fieldchecks import PARAM_DTYPES as WIRE_PARAM_DTYPES
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -187,7 +189,7 @@ class TrainConfig:
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
 
 
-PARAM_DTYPES = ("float32", "float16", "bfloat16")
+PARAM_DTYPES = tuple(WIRE_PARAM_DTYPES)
 
 
 @dataclass(frozen=True)
