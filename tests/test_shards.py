@@ -13,6 +13,7 @@ import pytest
 
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, processes_mentioning, train
+from zddrl.proc import free_ports
 from zddrl.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
 
 
@@ -156,3 +157,37 @@ def test_a_hung_shard_fails_the_group_within_the_collective_timeout(procs: Procs
             pass
     assert "learner shard 0" in procs.log("learner") and "timed out" in procs.log("learner").lower()
     wait_for(lambda: not processes_mentioning(str(run_dir)), 20, "every shard to be gone")
+
+
+def _own_address() -> str | None:
+    """This host's non-loopback IPv4 address (multi-node rendezvous refuses loopback), if it has one."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+        address = s.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        s.close()
+    return None if address.startswith("127.") else address
+
+
+def test_two_nodes_meet_through_the_multi_node_rendezvous(procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
+    """Two `zddrl learner --nnodes 2` commands, one per "node" (here both on this host, through its own
+    address), form one group of two shards: node 0 runs the run, node 1's shard trains in step."""
+    address = _own_address()
+    if address is None:
+        pytest.skip("no non-loopback IPv4 address on this host")
+    port = str(free_ports(1)[0])
+    common = ["--connect", broker.connect, "--shards", "1", "--nnodes", "2", "--master-addr", address,
+              "--master-port", port, "--set", "train.max_steps=3000"]
+    node1 = procs.start("node1", "learner", CARTPOLE, *common, "--node-rank", "1", "--run-dir", str(tmp_path / "n1"))
+    node0 = procs.start("node0", "learner", CARTPOLE, *common, "--node-rank", "0", "--run-dir", str(tmp_path / "n0"))
+    procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
+    assert node0.wait(timeout=90) == 0, procs.log("node0")[-3000:]
+    assert node1.wait(timeout=30) == 0, procs.log("node1")[-3000:]
+    summary = json.loads((tmp_path / "n0" / "summary.json").read_text())
+    assert summary["shards"] == 2 and summary["updates"] >= 5 and all(n > 0 for n in summary["shard_trajectories"])
+    assert not (tmp_path / "n1" / "summary.json").exists()  # only the main shard writes the run directory
