@@ -89,14 +89,14 @@ class RewardScaler:
         so each stream continues from its own previous trajectory wherever that one was trained,
         and every shard ends with the same statistics; each keeps the scaled rewards of its own.
         """
-        everything = [(sender, seq, rewards, done, i) for i, (sender, seq, rewards, done) in enumerate(streams)]
+        everything = list(streams)
         if group is not None and group.sharded:
             parts = group.exchange([[sender, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
                                     for sender, seq, rewards, done in streams])
-            everything = [(sender, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_), i if rank == group.rank
-                           else -1) for rank, part in enumerate(parts) for i, (sender, seq, r, d) in enumerate(part)]
+            everything = [(sender, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_))
+                          for part in parts for sender, seq, r, d in part]
         everything.sort(key=lambda x: (x[0], x[1]))
-        seen = [self.discounted(sender, rewards, done).reshape(-1) for sender, _, rewards, done, _ in everything]
+        seen = [self.discounted(sender, rewards, done).reshape(-1) for sender, _, rewards, done in everything]
         self.rms.update(np.concatenate(seen) if seen else np.zeros(0))
         std = np.sqrt(self.rms.var + 1e-8)
         return [(rewards / std).astype(np.float32) for _, _, rewards, _ in streams]
