@@ -139,15 +139,17 @@ class PPOLearner(LearnerCore):
         lr = self.set_lr(staleness)
         clip = schedule(a.clip, a.clip_schedule, self.steps_trained / a.total_steps)
         sums: dict[str, float] = defaultdict(float)
-        if a.norm_adv and a.minibatches == 1:  # every step sees the whole batch: normalise it once
-            batch = batch._replace(advantages=self._normalized(batch.advantages))
+        mbs = a.minibatches
         for _ in range(a.epochs):
             perm = torch.randperm(M, device=self.device)
-            for j in range(a.minibatches):
-                idx = perm[j * M // a.minibatches:(j + 1) * M // a.minibatches]
-                figures, grad_norm = self._minibatch_step(batch, idx, clip)
-                for k, v in figures.items():
-                    sums[k] += v * len(idx)
+            slices = [perm[j * M // mbs:(j + 1) * M // mbs] for j in range(mbs)]
+            # Each minibatch's advantages are standardised over that minibatch on every shard; the
+            # statistics of the epoch's k minibatches travel in one all-reduce, not one per step.
+            stats = self._advantage_stats(batch.advantages, slices) if a.norm_adv else [None] * mbs
+            for idx, stat in zip(slices, stats):
+                figures, grad_norm = self._minibatch_step(batch, idx, clip, stat)
+                for name, v in figures.items():
+                    sums[name] += v * len(idx)
                 if grad_norm is not None:
                     sums["grad_norm"] += grad_norm
                     sums["steps"] += 1
@@ -159,22 +161,27 @@ class PPOLearner(LearnerCore):
                 "explained_variance": explained_variance(batch.values, batch.returns, self.group),
                 "batch_steps": total, "is_weight_mean": pooled[-1] / max(total, 1)}
 
-    def _normalized(self, adv: torch.Tensor) -> torch.Tensor:
-        """Advantages standardised with the mean and std of the whole minibatch, over every shard."""
-        n, s, ss = self.group.sum(adv.numel(), adv.double().sum(), (adv.double() ** 2).sum())
-        if n < 2:
-            return adv
-        mean = s / n
-        std = max((ss - n * mean * mean) / (n - 1), 0.0) ** 0.5  # unbiased, as torch.std
-        return (adv - mean) / (std + 1e-8)
+    def _advantage_stats(self, advantages: torch.Tensor, slices: list[torch.Tensor]) -> list[tuple[float, float] | None]:
+        """(mean, unbiased std) of the advantages of each minibatch, pooled over the shards (float64 sums,
+        one all-reduce for all of them); None for a minibatch of fewer than 2 samples in all."""
+        adv = advantages.double()
+        local = [(len(i), adv[i].sum(), (adv[i] ** 2).sum()) for i in slices]
+        sums = self.group.sum(*(x for triple in local for x in triple))
+        stats = []
+        for n, s, ss in zip(sums[0::3], sums[1::3], sums[2::3]):
+            mean = s / n if n else 0.0
+            stats.append(None if n < 2 else (mean, max((ss - n * mean * mean) / (n - 1), 0.0) ** 0.5))
+        return stats
 
-    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float) -> tuple[dict[str, float], float | None]:
-        """One optimizer step; this shard's loss figures (none if its slice is empty) and the global
-        gradient norm (None: no shard had a sample, no step taken)."""
+    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float,
+                        adv_stat: tuple[float, float] | None) -> tuple[dict[str, float], float | None]:
+        """One optimizer step, advantages standardised with ``adv_stat`` (mean, std) if given; this
+        shard's loss figures (none if its slice is empty) and the global gradient norm (None: no
+        shard had a sample, no step taken)."""
         a = self.algo
         adv = batch.advantages[idx]
-        if a.norm_adv and a.minibatches > 1:
-            adv = self._normalized(adv)
+        if adv_stat is not None:
+            adv = (adv - adv_stat[0]) / (adv_stat[1] + 1e-8)
         loss, figures = None, {}
         if len(idx):
             logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
