@@ -423,15 +423,12 @@ class Broker:
     def _on_params(self, member: Member, msg: P.Parameters | P.ParamChunk, frames: Sequence[Any]) -> None:
         """Stream every message of a newer version to the subscribers as it comes; the version becomes
         the published one (the copy late joiners get) once all of its chunks are here."""
-        if msg.run_id != self.run_id:
-            self.counters["params_unknown_run"] += 1
-            self._ratelog.warning("params_run", f"ignored parameters of run {msg.run_id!r} (current {self.run_id!r})")
-            return
-        outcome = self.param_cache.add(msg, list(frames))
+        outcome = "unknown_run" if msg.run_id != self.run_id else self.param_cache.add(msg, list(frames))
         if outcome not in ("building", "complete"):
             self.counters[f"params_{outcome}"] += 1
-            self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of version {msg.policy_version} "
-                                                      f"({outcome}; version {self.params_version} is published)")
+            self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of run {msg.run_id!r} version "
+                                                      f"{msg.policy_version} ({outcome}; run {self.run_id!r} is at "
+                                                      f"version {self.params_version})")
             return
         self.params.send_multipart(frames, copy=False)
         self.counters["params_bytes"] += P.message_nbytes(frames)
