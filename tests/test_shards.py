@@ -28,9 +28,16 @@ def test_device_plans() -> None:
     assert plan_devices("cpu", cuda_count=0).backend == "gloo"
     plan = plan_devices("0,1", cuda_count=2)
     assert plan.devices == ("cuda:0", "cuda:1") and plan.backend == "nccl"
-    for bad, why in [("1", "does not exist here"), ("cpu:0", "cpu:N"), ("1,1", "listed twice"), ("x", "expected")]:
+    for bad, why in [("1", "does not exist here"), ("cpu:0", "cpu:N"), ("1,1", "distinct"), ("x", "expected")]:
         with pytest.raises(ValueError, match=why):
             plan_devices(bad, cuda_count=1)
+
+
+def test_a_bad_gpus_value_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--gpus", "cpu:x", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 2 and "learner.gpus: --gpus 'cpu:x': cpu:N needs N in 1..64" in done.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_shard_environments_are_torchruns() -> None:

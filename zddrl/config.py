@@ -204,6 +204,12 @@ class LearnerConfig:
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
 
     def __post_init__(self) -> None:
+        from .launch import parse_gpus
+
+        try:
+            parse_gpus(self.gpus)
+        except ValueError as exc:
+            raise ConfigError(f"learner.gpus: {exc}") from None
         _require(self.collective_timeout_s > 0, "learner.collective_timeout_s must be > 0")
         _require(1024 <= self.param_chunk_bytes <= 1 << 28, "learner.param_chunk_bytes must be in 1 KiB..256 MiB")
         _require(self.param_dtype in PARAM_DTYPES, f"learner.param_dtype must be one of {PARAM_DTYPES}")

@@ -40,35 +40,47 @@ class DevicePlan:
         return "nccl" if self.devices[0].startswith("cuda") else "gloo"
 
 
+def parse_gpus(gpus: str) -> tuple[str, tuple[int, ...]]:
+    """``--gpus`` syntax -> ``("auto", ())``, ``("cpu", (N,))`` or ``("cuda", ids)``; ValueError if malformed.
+
+    Needs no device: the config checks it, so that a typo is a usage error before anything starts."""
+    spec = gpus.strip().lower()
+    if spec in ("", "auto"):
+        return "auto", ()
+    if spec == "cpu" or spec.startswith("cpu:"):
+        count = spec.partition(":")[2] or "1"
+        if not count.isdigit() or not 1 <= int(count) <= 64:
+            raise ValueError(f"--gpus {gpus!r}: cpu:N needs N in 1..64")
+        return "cpu", (int(count),)
+    try:
+        ids = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--gpus {gpus!r}: expected 'auto', GPU indices like '0,1', or 'cpu:N'") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"--gpus {gpus!r}: GPU indices must be distinct and >= 0")
+    return "cuda", ids
+
+
 def plan_devices(gpus: str, cuda_count: int | None = None) -> DevicePlan:
     """``--gpus`` -> the local shards' devices.
 
     ``auto``: one shard, ``cuda:0`` when a GPU is visible, else the CPU. ``0,1``: one shard per
     listed GPU. ``cpu`` or ``cpu:N``: N CPU shards. Raises ``ValueError`` with a usable message.
     """
+    kind, values = parse_gpus(gpus)
+    if kind == "cpu":
+        return DevicePlan(("cpu",) * values[0])
     if cuda_count is None:
         import torch  # only the learner asks; the launcher's other users stay torch-free
 
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    spec = gpus.strip().lower()
-    if spec in ("", "auto"):
+    if kind == "auto":
         return DevicePlan(("cuda:0",) if cuda_count else ("cpu",))
-    if spec == "cpu" or spec.startswith("cpu:"):
-        count = spec.partition(":")[2] or "1"
-        if not count.isdigit() or not 1 <= int(count) <= 64:
-            raise ValueError(f"--gpus {gpus!r}: cpu:N needs N in 1..64")
-        return DevicePlan(("cpu",) * int(count))
-    try:
-        ids = [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"--gpus {gpus!r}: expected 'auto', GPU indices like '0,1', or 'cpu:N'") from None
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"--gpus {gpus!r}: a GPU is listed twice")
-    bad = [i for i in ids if not 0 <= i < cuda_count]
+    bad = [i for i in values if i >= cuda_count]
     if bad:
         seen = f"{cuda_count} CUDA device(s) visible" if cuda_count else "no CUDA device visible"
         raise ValueError(f"--gpus {gpus!r}: GPU {bad[0]} does not exist here ({seen}); use cpu:N for CPU shards")
-    return DevicePlan(tuple(f"cuda:{i}" for i in ids))
+    return DevicePlan(tuple(f"cuda:{i}" for i in values))
 
 
 def launched_as_shard(environ: dict[str, str] | None = None) -> bool:
