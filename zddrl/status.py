@@ -98,7 +98,9 @@ def member_rows(body: dict[str, Any]) -> list[list[str]]:
         s = m.get("stats", {})
         drops = sum(v for k, v in m.items() if k.startswith("dropped_"))
         envs = m["num_envs"] or s.get("num_envs", 0)  # actors started without --envs use the run's
-        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(envs), str(m["policy_version"]),
+        # A learner shard that does not publish (rank > 0) reports its version in its stats.
+        version = m["policy_version"] if m["policy_version"] >= 0 else s.get("policy_version", -1)
+        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(envs), str(version),
                      str(lags.get(peer, "-")), str(m.get("messages", 0)), str(m.get("env_steps", 0)), str(drops),
                      f"{s.get('sps', 0):.0f}", f"{100 * s.get('comm_share', 0):.0f}%",
                      f"{100 * s.get('wait_share', s.get('wait_data_share', 0)):.0f}%",
