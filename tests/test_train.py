@@ -164,13 +164,13 @@ def test_run_directories_are_protected(tmp_path: Path) -> None:
     assert done.returncode == 1 and "cannot evaluate" in done.stderr and "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("mode", ["sync", "impala"])
-def test_learning_goes_on_after_the_broker_is_killed_and_restarted(mode: str, procs: Procs, broker: BrokerHandle,
-                                                                   tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode, shards", [("sync", "1"), ("impala", "1"), ("sync", "2")])
+def test_learning_goes_on_after_the_broker_is_killed_and_restarted(mode: str, shards: str, procs: Procs,
+                                                                   broker: BrokerHandle, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = CARTPOLE if mode == "sync" else str(ROOT / "examples" / "cartpole_impala.toml")
     learner = procs.start("learner", "learner", config, "--connect", broker.connect, "--run-dir", str(run_dir),
-                          "--set", "train.until_return=1e9", "--set", "train.max_seconds=120",
+                          "--shards", shards, "--set", "train.until_return=1e9", "--set", "train.max_seconds=120",
                           "--set", "train.max_steps=100000000")
     procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
     wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 10, 60, "10 updates")
