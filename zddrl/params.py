@@ -13,7 +13,9 @@ float32, carried as uint16; rounding to nearest even). Receivers always get floa
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -62,13 +64,30 @@ def split(*, run_id: str, sender: str, version: int, flat: np.ndarray, layout: l
     wire = to_transport(flat, dtype)
     per = max(1, chunk_bytes // wire.itemsize)
     pieces = [wire[i:i + per] for i in range(0, max(wire.size, 1), per)]
-    hashes = [P.param_hash(piece) for piece in pieces]
-    whole = hashes[0] if len(pieces) == 1 else P.param_hash(wire)
+    if len(pieces) == 1:
+        hashes = [P.param_hash(wire)]
+        whole = hashes[0]
+    else:  # hashlib lets go of the GIL on big buffers: the whole-buffer hash runs beside the chunks'
+        pool = _hash_pool()
+        whole_future = pool.submit(P.param_hash, wire)
+        hashes = list(pool.map(P.param_hash, pieces))
+        whole = whole_future.result()
     first = P.Parameters(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, layout=layout,
                          arrays={"flat": pieces[0], **(extras or {})}, meta=meta or {}, param_dtype=dtype,
                          numel=wire.size, chunk_numel=per, chunk_hashes=hashes)
     return [first, *(P.ParamChunk(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, index=i,
                                   chunk_hash=hashes[i], arrays={"data": pieces[i]}) for i in range(1, len(pieces)))]
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads for the publisher's hashing (a learner has cores to spare while it publishes)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="zddrl-hash")
+    return _POOL
 
 
 @dataclass
