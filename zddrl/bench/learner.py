@@ -36,7 +36,7 @@ from ..proc import free_ports
 from . import common as C
 from .bus import Publisher
 
-BROADCAST_REPS = 5
+BROADCAST_REPS = 9
 BROADCAST_TIMEOUT_S = 60.0
 BIG_MODEL = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
 """An ActorCritic of ~10.4M parameters (two 2240-wide MLPs on 64-dim observations)."""
