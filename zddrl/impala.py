@@ -41,7 +41,6 @@ def stack_time_major(trajectories: Sequence[Trajectory], rewards: Sequence[np.nd
     lengths = {t.arrays["rewards"].shape[0] for t in trajectories}
     if len(lengths) != 1:
         raise ValueError(f"trajectories of one batch must share their length, got {sorted(lengths)}")
-    T = lengths.pop()
     widths = [t.arrays["rewards"].shape[1] for t in trajectories]
     B = sum(widths)
     trunc_index, offset = [], 0
