@@ -56,8 +56,20 @@ def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
                         env_steps=T * N, arrays=arrays)
 
 
+def exchanges(group: ShardGroup) -> list:
+    """What ``ShardGroup.exchange`` returns for payloads that fit its first all-gather, that do not, and a mix."""
+    small = {"records": [{"sender": "actor-0", "seq": group.rank}], "stop": False}
+    big = {"blob": bytes([group.rank]) * (10_000 * (group.rank + 1))}
+    return [group.exchange(small), group.exchange(big), group.exchange(small if group.rank else big),
+            group.exchange(None)]
+
+
 def main(mode: str, out: str) -> None:
     group = ShardGroup.from_env(DevicePlan(("cpu",) * 2), timeout_s=60)
+    if mode == "exchange":
+        np.save(out, np.array(repr(exchanges(group))))
+        group.close()
+        return
     cls = ImpalaLearner if mode == "impala" else PPOLearner
     core = cls(config(mode), SPEC, group)
     for update in range(UPDATES):

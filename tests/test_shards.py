@@ -52,6 +52,22 @@ def test_shard_environments_are_torchruns() -> None:
 
 
 # ---------------------------------------------------------------- equivalence
+def test_exchange_carries_small_and_long_payloads_between_shards(tmp_path: Path) -> None:
+    """Small payloads ride the first all-gather; a long one (on any shard) takes a second one, on all."""
+    procs = []
+    for rank, env in enumerate(shard_environments(DevicePlan(("cpu",) * 2), Rendezvous())):
+        out = tmp_path / f"x{rank}.npy"
+        procs.append((subprocess.Popen([sys.executable, WORKER, "exchange", str(out)], env=env), out))
+    for proc, _ in procs:
+        assert proc.wait(timeout=60) == 0
+    got = [str(np.load(out)) for _, out in procs]
+    assert got[0] == got[1]  # every shard sees the same
+    small0, small1 = {"records": [{"sender": "actor-0", "seq": 0}], "stop": False}, \
+        {"records": [{"sender": "actor-0", "seq": 1}], "stop": False}
+    big0, big1 = {"blob": b"\x00" * 10_000}, {"blob": b"\x01" * 20_000}
+    assert got[0] == repr([[small0, small1], [big0, big1], [big0, small1], [None, None]])
+
+
 def _run_workers(mode: str, tmp_path: Path, world: int) -> list[dict[str, np.ndarray]]:
     envs = shard_environments(DevicePlan(("cpu",) * world), Rendezvous()) if world > 1 else [dict(os.environ)]
     procs = []

@@ -23,6 +23,10 @@ import torch
 
 from .launch import DevicePlan, launched_as_shard
 
+EXCHANGE_SLOT = 4096
+"""Bytes per shard of an exchange's first all-gather: a poll's records fit, so one collective suffices."""
+
+
 class ShardError(RuntimeError):
     """The group cannot go on: a shard died, timed out or diverged."""
 
@@ -99,24 +103,40 @@ class ShardGroup:
         return self.all_reduce_(torch.tensor(floats, dtype=torch.float64)).tolist()
 
     def exchange(self, obj: Any) -> list[Any]:
-        """Every shard's ``obj``, in rank order (msgpack-serialisable values only)."""
+        """Every shard's ``obj``, in rank order (msgpack-serialisable values only).
+
+        One all-gather of EXCHANGE_SLOT bytes per shard (length + payload) carries the usual exchange
+        (a poll's trajectory records); when any payload is longer, a second all-gather of the longest
+        one follows, on every shard alike (each saw every length in the first)."""
         if self._dist is None:
             return [obj]
         payload = msgpack.packb(obj, use_bin_type=True)
         t0 = time.perf_counter()
         try:
-            sizes = [self._comm_tensor(torch.zeros(1, dtype=torch.int64)) for _ in range(self.world_size)]
-            self._dist.all_gather(sizes, self._comm_tensor(torch.tensor([len(payload)], dtype=torch.int64)))
-            longest = int(max(int(s.item()) for s in sizes))
-            mine = torch.zeros(longest, dtype=torch.uint8)
-            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
-            parts = [self._comm_tensor(torch.empty(longest, dtype=torch.uint8)) for _ in range(self.world_size)]
-            self._dist.all_gather(parts, self._comm_tensor(mine))
+            slot = torch.zeros(EXCHANGE_SLOT, dtype=torch.uint8)
+            slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+            if len(payload) <= EXCHANGE_SLOT - 8:
+                slot[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload \
+                    else slot[:0]
+            parts = self._all_gather(slot)
+            sizes = [int(p[:8].view(torch.int64).item()) for p in parts]
+            if max(sizes) > EXCHANGE_SLOT - 8:
+                mine = torch.zeros(max(sizes), dtype=torch.uint8)
+                mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+                parts = [p[8:] if n <= EXCHANGE_SLOT - 8 else p for p, n in zip(parts, sizes)]
+                long_parts = self._all_gather(mine)
+                parts = [long_parts[i] if n > EXCHANGE_SLOT - 8 else parts[i] for i, n in enumerate(sizes)]
+            else:
+                parts = [p[8:] for p in parts]
         except RuntimeError as exc:
             raise ShardError(f"exchange between shards failed (a shard died or timed out): {exc}") from None
         self.comm_s += time.perf_counter() - t0
-        return [msgpack.unpackb(p.cpu().numpy()[:int(n.item())].tobytes(), raw=False)
-                for p, n in zip(parts, sizes)]
+        return [msgpack.unpackb(p[:n].numpy().tobytes(), raw=False) for p, n in zip(parts, sizes)]
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [self._comm_tensor(torch.empty_like(tensor)) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, self._comm_tensor(tensor))
+        return [p.cpu() for p in parts]
 
     def broadcast(self, obj: Any) -> Any:
         """The main shard's ``obj`` on every shard."""
