@@ -31,7 +31,7 @@ import numpy as np
 from loguru import logger
 
 from .. import protocol as P
-from ..launch import DevicePlan, Rendezvous, shard_environments
+from ..launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 from ..proc import free_ports
 from . import common as C
 from .bus import Publisher
@@ -70,7 +70,7 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     from ..ppo import PPOLearner
     from ..shards import ShardGroup
 
-    group = ShardGroup.from_env(DevicePlan(("cpu",) * 64), timeout_s=120)
+    group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
     config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
                                "algo.minibatches": spec["minibatches"], "algo.torch_threads": spec["threads"],
                                "model.hidden": spec["hidden"]})
@@ -89,11 +89,13 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     group.close()
 
 
-def run_throughput(shards: int, threads: int, hidden: list[int], batch: int, updates: int, mode: str,
+def run_throughput(devices: tuple[str, ...], threads: int, hidden: list[int], batch: int, updates: int, mode: str,
                    epochs: int, minibatches: int) -> dict[str, Any]:
+    """One shard process per entry of ``devices`` ("cpu", "cuda:0", ...), each with ``threads`` torch threads."""
+    shards = len(devices)
     spec = {"mode": mode, "epochs": epochs, "minibatches": minibatches, "threads": threads, "hidden": hidden,
-            "batch": batch, "updates": updates}
-    envs = shard_environments(DevicePlan(("cpu",) * shards), Rendezvous()) if shards > 1 else [dict(os.environ)]
+            "batch": batch, "updates": updates, "devices": list(devices)}
+    envs = shard_environments(DevicePlan(devices), Rendezvous()) if shards > 1 else [dict(os.environ)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
         procs = [subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env)
@@ -107,13 +109,14 @@ def run_throughput(shards: int, threads: int, hidden: list[int], batch: int, upd
             raise click.ClickException(f"a benchmark shard failed (exit codes {codes})")
         figures = json.loads(Path(out).read_text())
     samples = batch * updates
-    row = {"mode": mode, "shards": shards, "threads_per_shard": threads, "hidden": hidden, "batch": batch,
+    row = {"mode": mode, "shards": shards, "device": devices[0], "threads_per_shard": threads, "hidden": hidden,
+           "batch": batch,
            "epochs": epochs, "minibatches": minibatches, "updates": updates,
            "samples_per_s": round(samples / figures["wall_s"], 1),
            "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
            "collective_share": round(figures["comm_s"] / figures["wall_s"], 3)}
-    logger.info(f"{shards} shard(s) x {threads} thread(s), hidden {hidden}: {row['samples_per_s']:.0f} samples/s, "
-                f"collectives {100 * row['collective_share']:.0f} %")
+    logger.info(f"{shards} shard(s) on {devices[0]} x {threads} thread(s), hidden {hidden}: "
+                f"{row['samples_per_s']:.0f} samples/s, collectives {100 * row['collective_share']:.0f} %")
     return row
 
 
@@ -217,15 +220,16 @@ def _pickle_row(state: dict) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = ["Learner throughput (samples trained per second of update time; same global batch)",
-             f"{'hidden':>12} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} {'collectives':>11} "
-             f"{'x 1 shard':>9}"]
+             f"{'hidden':>12} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
+             f"{'collectives':>11} {'x 1 shard':>9}"]
     base = {}
     for r in report["throughput"]:
-        key = tuple(r["hidden"])
+        key = (tuple(r["hidden"]), r["device"])
         if r["shards"] == 1 and r["threads_per_shard"] == 1:
             base[key] = r["samples_per_s"]
         ratio = r["samples_per_s"] / base[key] if key in base else float("nan")
-        lines.append(f"{'x'.join(map(str, r['hidden'])):>12} {r['shards']:>6} {r['threads_per_shard']:>7} "
+        name = "x".join(map(str, r["hidden"]))
+        lines.append(f"{name:>12} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
                      f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
                      f"{ratio:>8.2f}x")
     if report["broadcast"]:
@@ -259,19 +263,26 @@ def _ints(text: str) -> list[int]:
 @click.option("--chunk-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True)
 @click.option("--broadcast-hidden", default=",".join(map(str, BIG_MODEL["hidden"])), show_default=True,
               help="Hidden sizes of the broadcast model (64-dim observations, 4 actions).")
+@click.option("--gpus", default=None, help="Measure shards on these devices instead ('0', '0,1': 1 shard on the "
+                                         "first, then one per device), as `zddrl learner --gpus` takes them.")
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
 def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches, subscribers, dtypes, chunk_bytes,
-            broadcast_hidden, no_broadcast) -> None:
-    """Learner throughput with 1 and N CPU shards, and ~10M-parameter broadcast (fp32/bf16 chunks vs pickle)."""
+            broadcast_hidden, gpus, no_broadcast) -> None:
+    """Learner throughput with 1 and N shards (CPU, or --gpus), and ~10M-parameter broadcast (fp32/bf16 chunks
+    vs pickle)."""
     if batch % 512:
         raise click.UsageError("--batch must be a multiple of 512 (trajectories of 32 steps x 16 envs)")
-    counts = _ints(shards)
-    throughput = []
-    for hidden in (_ints(h) for h in hiddens):
-        for n in counts:
-            throughput.append(run_throughput(n, 1, hidden, batch, updates, mode, epochs, minibatches))
-        if max(counts) > 1:  # the same cores as threads of one shard
-            throughput.append(run_throughput(1, max(counts), hidden, batch, updates, mode, epochs, minibatches))
+    if gpus is None:  # CPU shards, and the same cores as threads of one shard
+        counts = _ints(shards)
+        runs = [(("cpu",) * n, 1) for n in counts] + ([(("cpu",), max(counts))] if max(counts) > 1 else [])
+    else:
+        try:
+            devices = plan_devices(gpus).devices
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+        runs = [(devices[:1], 1)] + ([(devices, 1)] if len(devices) > 1 else [])
+    throughput = [run_throughput(devices, threads, hidden, batch, updates, mode, epochs, minibatches)
+                  for hidden in (_ints(h) for h in hiddens) for devices, threads in runs]
     broadcast, pickled = ([], None) if no_broadcast else run_broadcast(_ints(subscribers), dtypes.split(","),
                                                                         chunk_bytes, _ints(broadcast_hidden))
     report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "cpu_count": os.cpu_count()}
