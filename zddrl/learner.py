@@ -101,9 +101,9 @@ class LearnerNode(RunLedger):
         self.batch: list[P.Trajectory] = []
         """This shard's part of the batch being collected."""
         self.last_row: dict[str, Any] = {}
-        self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0, "comm_s": 0.0}
-        """Since the last stats report: updates, samples trained on, seconds waiting for data / updating
-        / in collectives."""
+        self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": 0.0}
+        """Since the last stats report: updates, samples trained on, seconds waiting for data; and the
+        group's collective seconds when it began."""
         self.last_checkpoint_updates = -1
         self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
         """Seconds from a round's start to each actor's in-time report, over recent rounds."""
@@ -300,7 +300,8 @@ class LearnerNode(RunLedger):
             return None
         return msg
 
-    def _train(self, batch: list[P.Trajectory], round_s: float, staleness: float = 0.0) -> tuple[dict[str, float], float]:
+    def _train(self, batch: list[P.Trajectory], round_s: float,
+               staleness: float = 0.0) -> tuple[dict[str, float], float]:
         """One update on ``batch`` (this shard's part) after ``round_s`` s of collecting; the version moves
         on. Returns the figures and the seconds the update took."""
         t0 = time.monotonic()
@@ -312,7 +313,6 @@ class LearnerNode(RunLedger):
         self.timing["updates"] += 1
         self.timing["samples"] += int(figures.get("batch_steps", 0))
         self.timing["wait_s"] += round_s
-        self.timing["update_s"] += update_s
         return figures, update_s
 
     # ---------------------------------------------------------------- async / impala
@@ -358,10 +358,9 @@ class LearnerNode(RunLedger):
         elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         ret = self.return_mean()
-        timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "update_s": 0.0,
-                                            "comm_s": self.group.comm_s}
-        shard = {"shard": self.group.rank, "shards": self.group.world_size, "updates_per_s": timing["updates"] / elapsed,
-                 "samples_per_s": timing["samples"] / elapsed, "wait_data_share": timing["wait_s"] / elapsed,
+        timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": self.group.comm_s}
+        shard = {"shard": self.group.rank, "shards": self.group.world_size,
+                 "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed, "wait_data_share": timing["wait_s"] / elapsed,
                  "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
                  "policy_version": self.version}
         if not self.main:  # the run's figures are the main shard's to report
