@@ -398,10 +398,8 @@ def test_hostile_headers_only_raise_protocol_error(kind: str, fields: dict, arra
         pass
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_mutated_valid_messages_only_raise_protocol_error(data) -> None:
-    frames = wire(data.draw(st.sampled_from(EXAMPLES)).encode())
+def mutated(data, frames: list[bytes]) -> list[bytes]:
+    """``frames`` with one of them damaged: 1-4 bytes overwritten, and maybe cut short."""
     i = data.draw(st.integers(0, len(frames) - 1))
     raw = bytearray(frames[i])
     for _ in range(data.draw(st.integers(1, 4))):
@@ -409,8 +407,15 @@ def test_mutated_valid_messages_only_raise_protocol_error(data) -> None:
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
         raw = raw[:data.draw(st.integers(0, len(raw)))]
+    return [*frames[:i], bytes(raw), *frames[i + 1:]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_valid_messages_only_raise_protocol_error(data) -> None:
+    frames = wire(data.draw(st.sampled_from(EXAMPLES)).encode())
     try:
-        P.decode([*frames[:i], bytes(raw), *frames[i + 1:]])
+        P.decode(mutated(data, frames))
     except P.ProtocolError:
         pass
 
@@ -578,14 +583,7 @@ def test_validate_trajectory_agrees_on_hostile_trajectories(rnd: random.Random) 
 def test_validate_trajectory_agrees_on_mutated_messages(data) -> None:
     frames = wire(data.draw(st.sampled_from([traj(), params(), traj(arrays={"x": np.arange(6.0).reshape(2, 3),
                                                                             "y": np.zeros(0, np.int8)})])).encode())
-    i = data.draw(st.integers(0, len(frames) - 1))
-    raw = bytearray(frames[i])
-    for _ in range(data.draw(st.integers(1, 4))):
-        if raw:
-            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
-    if data.draw(st.booleans()):
-        raw = raw[:data.draw(st.integers(0, len(raw)))]
-    frames = [*frames[:i], bytes(raw), *frames[i + 1:]]
+    frames = mutated(data, frames)
     if data.draw(st.booleans()):
         frames = data.draw(st.permutations(frames)) if data.draw(st.booleans()) else [*frames, frames[-1]]
     assert_validate_agrees(frames, data.draw(st.sampled_from([P.DEFAULT_MAX_MESSAGE_BYTES, 16, 0])))
