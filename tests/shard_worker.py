@@ -47,10 +47,10 @@ def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
         "logp": rng.uniform(-1.2, -0.3, (T, N)).astype(np.float32),
         "values": rng.normal(0, 1, (T, N)).astype(np.float32), "rewards": rng.normal(1, 1, (T, N)).astype(np.float32),
         "terminated": terminated, "truncated": truncated, "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
-        "next_value": rng.normal(0, 1, N).astype(np.float32), "trunc_idx": trunc_idx,
-        "trunc_obs": rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
-        "trunc_value": rng.normal(0, 1, len(trunc_idx)).astype(np.float32),
-        "ep_returns": np.zeros(0, np.float32), "ep_lengths": np.zeros(0, np.int32)}
+        "next_value": rng.normal(0, 1, N).astype(np.float32)}
+    if len(trunc_idx):  # on the wire only when some episode was truncated (docs/protocol.md section 7)
+        arrays.update(trunc_idx=trunc_idx, trunc_obs=rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
+                      trunc_value=rng.normal(0, 1, len(trunc_idx)).astype(np.float32))
     return P.Trajectory(run_id="r", sender=sender, seq=2 * update + second, policy_version=max(0, update - 1),
                         param_hash="",
                         env_steps=T * N, arrays=arrays)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from zddrl import protocol as P
 from zddrl.actor import action_rng, collect, env_seeds
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvError, VecEnv, env_factory, probe_spec
@@ -31,12 +32,13 @@ def test_seed_streams_follow_the_documented_formula() -> None:
 
 def test_same_seed_same_actor_reproduces_exactly() -> None:
     a, b = _rollout(1, 0), _rollout(1, 0)
-    for key in a:
-        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    assert a.arrays.keys() == b.arrays.keys() and (a.ep_returns, a.ep_lengths) == (b.ep_returns, b.ep_lengths)
+    for key in a.arrays:
+        np.testing.assert_array_equal(a.arrays[key], b.arrays[key], err_msg=key)
 
 
 def test_distinct_actors_and_envs_get_distinct_initial_states() -> None:
-    a, b = _rollout(1, 0, T=1), _rollout(1, 1, T=1)
+    a, b = _rollout(1, 0, T=1).arrays, _rollout(1, 1, T=1).arrays
     firsts = np.concatenate([a["obs"][0], b["obs"][0]])
     assert len({tuple(row) for row in firsts.round(6)}) == 6
     assert not np.array_equal(a["actions"], b["actions"]) or not np.array_equal(a["obs"], b["obs"])
@@ -44,18 +46,29 @@ def test_distinct_actors_and_envs_get_distinct_initial_states() -> None:
 
 def test_trajectory_arrays_are_time_major_and_truncation_is_recorded() -> None:
     T, N = 30, 3
-    out = _rollout(3, 0, T=T, max_steps=10)  # every episode is truncated after 10 steps (or ends earlier)
+    rollout = _rollout(3, 0, T=T, max_steps=10)  # every episode is truncated after 10 steps (or ends earlier)
+    out = rollout.arrays
     assert out["obs"].shape == (T, N, 4) and out["actions"].shape == (T, N) and out["rewards"].shape == (T, N)
     assert out["next_obs"].shape == (N, 4) and out["next_value"].shape == (N,)
     trunc = out["truncated"] & ~out["terminated"]
     assert trunc.sum() == len(out["trunc_idx"]) == len(out["trunc_obs"]) == len(out["trunc_value"]) > 0
     flat = np.flatnonzero(trunc.reshape(-1))
     np.testing.assert_array_equal(np.sort(out["trunc_idx"]), flat)
-    assert len(out["ep_returns"]) == (out["terminated"] | out["truncated"]).sum()
+    assert len(rollout.ep_returns) == len(rollout.ep_lengths) == (out["terminated"] | out["truncated"]).sum()
+    assert all(1 <= n <= 10 for n in rollout.ep_lengths)
+    msg = P.Trajectory(run_id="r", sender="a", seq=0, policy_version=0, param_hash="", env_steps=T * N,
+                       arrays=out, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    P.decode(P.encode(msg))  # follows the protocol's trajectory rules
+
+
+def test_truncation_arrays_travel_only_when_an_episode_was_truncated() -> None:
+    rollout = _rollout(3, 0, T=5)  # CartPole's limit is 500 steps: nothing is truncated in 5
+    assert not set(P.TRUNCATION_ARRAYS) & rollout.arrays.keys()
+    assert set(P.TRAJECTORY_ARRAYS) == rollout.arrays.keys()
 
 
 def test_continuous_actions_have_the_action_shape() -> None:
-    out = _rollout(1, 0, T=5, env_id="Pendulum-v1")
+    out = _rollout(1, 0, T=5, env_id="Pendulum-v1").arrays
     assert out["actions"].shape == (5, 3, 1) and out["actions"].dtype == np.float32
 
 

@@ -41,9 +41,14 @@ def run_spec(**algo: Any) -> dict:
 
 
 def trajectory(run_id: str, sender: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
-    rewards = np.full(max(nbytes // 4, 1), seq, dtype=np.float32)
+    """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``."""
+    f32 = np.float32
+    arrays = {"obs": np.zeros((1, 1, max(nbytes // 4, 1)), f32), "actions": np.zeros((1, 1), np.int64),
+              "logp": np.zeros((1, 1), f32), "values": np.zeros((1, 1), f32), "rewards": np.full((1, 1), seq, f32),
+              "terminated": np.zeros((1, 1), bool), "truncated": np.zeros((1, 1), bool),
+              "next_obs": np.zeros((1, max(nbytes // 4, 1)), f32), "next_value": np.zeros(1, f32)}
     return P.Trajectory(run_id=run_id, sender=sender, seq=seq, policy_version=version, param_hash="h",
-                        env_steps=3, arrays={"rewards": rewards})
+                        env_steps=1, arrays=arrays)
 
 
 def parameters(run_id: str, version: int, sender: str = "learner-0") -> P.Parameters:
@@ -202,7 +207,7 @@ def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: Bro
     m = body["members"]
     for a in actors:
         assert m[a.peer_id]["role"] == "actor" and m[a.peer_id]["messages"] == n
-        assert m[a.peer_id]["env_steps"] == 3 * n and m[a.peer_id]["num_envs"] == 2
+        assert m[a.peer_id]["env_steps"] == n and m[a.peer_id]["num_envs"] == 2  # one step each
     for s in (l0, l1):
         assert m[s.peer_id]["role"] == "learner" and m[s.peer_id]["messages"] == len(s.trajectories())
 

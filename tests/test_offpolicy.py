@@ -31,12 +31,12 @@ def trajectory(T: int, N: int, sender: str = "a", seq: int = 0, version: int = 0
         "obs": rng.standard_normal((T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
         "logp": np.full((T, N), logp, np.float32), "values": np.zeros((T, N), np.float32),
         "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool), "truncated": truncated,
-        "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32), "trunc_idx": trunc_idx,
-        "trunc_obs": np.full((len(trunc_idx), 4), float(seq), np.float32),
-        "trunc_value": np.zeros(len(trunc_idx), np.float32), "ep_returns": np.array([10.0], np.float32),
-        "ep_lengths": np.array([10], np.int32)}
+        "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32)}
+    if len(trunc_idx):
+        arrays.update(trunc_idx=trunc_idx, trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
+                      trunc_value=np.zeros(len(trunc_idx), np.float32))
     return P.Trajectory(run_id="r", sender=sender, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
-                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N})
+                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[10.0], ep_lengths=[10])
 
 
 def test_stack_time_major_maps_truncation_indices_to_global_columns() -> None:
@@ -97,18 +97,24 @@ class FakeChannel:
 @pytest.mark.parametrize("mode", ["async", "impala"])
 def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp_path: Path) -> None:
     config = Config().replace({"algo.mode": mode, "algo.batch_size": 64, "algo.max_staleness": 2,
-                               "algo.publish_every": 2, "train.max_steps": 10_000})
+                               "algo.publish_every": 2, "train.max_steps": 10_000, "env.rollout_len": 8})
     node = LearnerNode("tcp://127.0.0.1:9", config, tmp_path / "run")
     node.run_id = "r"  # the run the test trajectories belong to
     node.version = 5
-    msgs = [trajectory(8, 4, "fresh", 0, version=5), trajectory(8, 4, "old", 1, version=2),
-            trajectory(8, 4, "future", 3, version=7), trajectory(8, 4, "ok", 2, version=3)]
+    wrong_obs = trajectory(8, 4, "wrong-obs", 0, version=5)
+    wrong_obs.arrays["obs"] = np.zeros((8, 4, 3), np.float32)  # CartPole observations have 4 numbers
+    other_length = [trajectory(16, 4, "other-length", 0, version=5)] if mode == "impala" else []
+    msgs = [trajectory(8, 4, "fresh", 0, version=5), wrong_obs, trajectory(8, 4, "old", 1, version=2),
+            trajectory(8, 4, "future", 3, version=7), *other_length, trajectory(8, 4, "ok", 2, version=3)]
     channel = node.channel = FakeChannel(msgs)
     node.link = SimpleNamespace(generation=0)
     assert node._stream(threading.Event()) is False
     assert node.progress.dropped_stale == {"old": 1, "future": 1}
+    # Data this run cannot train on is counted per actor and never trained on; IMPALA stacks rollouts
+    # time-major, so there a rollout of another length cannot join the batch (PPO takes any length).
+    assert node.progress.dropped_invalid == {"wrong-obs": 1, **{"other-length": 1 for _ in other_length}}
     assert node.progress.updates == 1 and node.version == 6
-    assert channel.granted == 4 and channel.sent == []  # publish_every = 2: nothing published yet
+    assert channel.granted == len(msgs) and channel.sent == []  # publish_every = 2: nothing published yet
     assert node.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
     second = node.channel = FakeChannel([trajectory(8, 4, "fresh", 4, version=6),
                                          trajectory(8, 4, "fresh", 5, version=6)])
@@ -119,7 +125,7 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
     header = rows[0].split(",")
     first = dict(zip(header, rows[1].split(",")))
     assert first["staleness_hist"] == "0:32 2:32" and first["staleness_max"] == "2"
-    assert first["dropped_stale"] == "2"
+    assert first["dropped_stale"] == "2" and first["dropped_invalid"] == str(sum(node.progress.dropped_invalid.values()))
 
 
 def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:

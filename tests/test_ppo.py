@@ -112,8 +112,7 @@ def _trajectory(T: int, N: int, sender: str = "a", seq: int = 0) -> Trajectory:
         "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool), "truncated": truncated,
         "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32),
         "trunc_idx": np.array([1 * N + 0]), "trunc_obs": np.zeros((1, 4), np.float32),
-        "trunc_value": np.array([10.0], np.float32), "ep_returns": np.zeros(0, np.float32),
-        "ep_lengths": np.zeros(0, np.int32)}
+        "trunc_value": np.array([10.0], np.float32)}
     return Trajectory(run_id="r", sender=sender, seq=seq, policy_version=0, param_hash="", env_steps=T * N,
                       arrays=arrays)
 
@@ -168,8 +167,9 @@ def _split(traj: Trajectory, lo: int, hi: int, sender: str) -> Trajectory:
     t_idx, n_idx = np.divmod(x["trunc_idx"], N)
     keep = (n_idx >= lo) & (n_idx < hi)
     arrays = {k: v[:, lo:hi] for k, v in x.items() if v.ndim >= 2 and v.shape[:2] == (T, N)}
-    arrays.update(next_obs=x["next_obs"][lo:hi], next_value=x["next_value"][lo:hi],
-                  trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo, trunc_obs=x["trunc_obs"][keep],
-                  trunc_value=x["trunc_value"][keep], ep_returns=x["ep_returns"], ep_lengths=x["ep_lengths"])
+    arrays.update(next_obs=x["next_obs"][lo:hi], next_value=x["next_value"][lo:hi])
+    if keep.any():  # the truncation arrays travel only when some episode was truncated
+        arrays.update(trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo, trunc_obs=x["trunc_obs"][keep],
+                      trunc_value=x["trunc_value"][keep])
     return Trajectory(run_id="r", sender=sender, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo),
                       arrays=arrays)

@@ -19,11 +19,36 @@ from zddrl.params import split as split_params
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
 
 
+def traj_arrays(T: int = 2, N: int = 2, obs_shape: tuple = (3,), discrete: bool = True, K: int = 0,
+                seed: int = 0) -> dict[str, np.ndarray]:
+    """A valid trajectory's arrays (docs/protocol.md section 7); ``K`` truncations if K > 0."""
+    rng = np.random.default_rng(seed)
+    f32 = np.float32
+    arrays = {"obs": rng.standard_normal((T, N, *obs_shape)).astype(f32),
+              "actions": rng.integers(0, 2, (T, N), dtype=np.int64) if discrete
+              else rng.standard_normal((T, N, 2)).astype(f32),
+              "logp": rng.standard_normal((T, N)).astype(f32), "values": rng.standard_normal((T, N)).astype(f32),
+              "rewards": np.ones((T, N), f32), "terminated": rng.random((T, N)) < 0.2,
+              "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, *obs_shape)).astype(f32),
+              "next_value": rng.standard_normal(N).astype(f32)}
+    if K:
+        arrays.update(trunc_idx=np.arange(K, dtype=np.int64), trunc_obs=rng.standard_normal((K, *obs_shape)).astype(f32),
+                      trunc_value=rng.standard_normal(K).astype(f32))
+    return arrays
+
+
 def traj(arrays=None, **kw) -> P.Trajectory:
+    """A trajectory: a valid one unless ``arrays`` (or a field) says otherwise."""
+    arrays = traj_arrays() if arrays is None else arrays
+    steps = arrays["rewards"].size if "rewards" in arrays else 0
     fields = dict(run_id="r-1", sender="actor-0", seq=3, policy_version=2, param_hash="0123456789abcdef",
-                  env_steps=4, arrays={"rewards": np.ones((2, 2), np.float32)} if arrays is None else arrays,
-                  info={"actor_id": 0, "num_envs": 2, "total_env_steps": 8})
+                  env_steps=steps, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 8})
     return P.Trajectory(**{**fields, **kw})
+
+
+def carrier(arrays: dict, **kw) -> P.Parameters:
+    """A valid message carrying any arrays: a params message with them beside its 'flat' buffer."""
+    return params(arrays={"flat": np.arange(6, dtype=np.float32), **arrays}, **kw)
 
 
 def params(flat=None, layout=None, **kw) -> P.Parameters:
@@ -43,7 +68,8 @@ EXAMPLES = [
               max_message_bytes=0),
     P.Heartbeat(peer_id="actor-0", policy_version=7), P.Heartbeat(peer_id="broker"),
     P.Reject(reason="unknown peer: send hello first", rehello=True), P.Reject(reason="no"),
-    traj(), traj(arrays={}), params(),
+    traj(), traj(arrays=traj_arrays(T=3, N=1, obs_shape=(2, 2), discrete=False, K=2), ep_returns=[3.0, 500],
+                 ep_lengths=[3, 500]), params(),
     *split_params(run_id="r-1", sender="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
                   layout=[["w", "float32", [10], 0]], extras={"obs_mean": np.zeros(2, np.float32)},
                   chunk_bytes=16, dtype="bfloat16"),
@@ -75,7 +101,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
 def test_round_trip_every_kind(msg: P.Message) -> None:
     frames = msg.encode()
-    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x02"
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x03"
     assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
     assert_same(msg, P.decode(wire(frames)))
     assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
@@ -118,14 +144,28 @@ names = st.text(min_size=1, max_size=12)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(names, wire_arrays(), max_size=6), st.integers(-2**63, 2**63 - 1))
-def test_trajectory_round_trip_property(arrays: dict, seq: int) -> None:
-    msg = traj(arrays=arrays, seq=seq)
+@given(st.dictionaries(names.filter(lambda n: n != "flat"), wire_arrays(), max_size=6), st.integers(-2**63, 2**63 - 1))
+def test_arrays_round_trip_property(arrays: dict, version: int) -> None:
+    msg = carrier(arrays, policy_version=version)
     decoded = P.decode(wire(msg.encode()))
     assert_same(msg, decoded)
-    for name, array in decoded.arrays.items():
-        assert array.dtype.byteorder in "<|=" and array.shape == arrays[name].shape
-        assert np.array_equal(array, arrays[name], equal_nan=array.dtype.kind == "f")
+    for name, array in arrays.items():
+        got = decoded.arrays[name]
+        assert got.dtype.byteorder in "<|=" and got.shape == array.shape
+        assert np.array_equal(got, array, equal_nan=got.dtype.kind == "f")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 4), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
+       st.booleans(), st.integers(0, 3), st.lists(st.tuples(st.floats(-1e9, 1e9), st.integers(1, 10**6)), max_size=4))
+def test_trajectory_round_trip_property(T: int, N: int, obs_shape: tuple, discrete: bool, K: int,
+                                       episodes: list) -> None:
+    episodes = episodes[:T * N]  # at most one episode ends per env step
+    msg = traj(arrays=traj_arrays(T, N, obs_shape, discrete, K), ep_returns=[r for r, _ in episodes],
+               ep_lengths=[n for _, n in episodes])
+    decoded = P.decode(wire(msg.encode()))
+    assert_same(msg, decoded)
+    assert ("trunc_idx" in decoded.arrays) == (K > 0) and decoded.env_steps == T * N
 
 
 @settings(max_examples=100, deadline=None)
@@ -185,15 +225,15 @@ def test_zero_copy_over_a_real_socket_pair(transport: str) -> None:
             b.connect(f"tcp://127.0.0.1:{port}")
         arrays = {"big": np.arange(200_000, dtype=np.float32).reshape(1000, 200), "small": np.arange(3, dtype=np.int64),
                   "flag": np.array([True, False]), "scalar": np.array(1.5), "empty": np.zeros((0, 4), np.float16)}
-        msg = traj(arrays=arrays)
+        msg = carrier(arrays)
         a.send_multipart(msg.encode(), copy=False)
         assert b.poll(5000)
         frames = b.recv_multipart(copy=False)
         assert all(isinstance(f, zmq.Frame) for f in frames)
         decoded = P.decode(frames)
         assert_same(msg, decoded)
-        for i, name in enumerate(arrays):
-            if arrays[name].size:
+        for i, name in enumerate(msg.arrays):
+            if msg.arrays[name].size:
                 assert np.shares_memory(decoded.arrays[name], np.frombuffer(frames[2 + i].buffer, np.uint8)), name
     finally:
         a.close(linger=0)
@@ -236,7 +276,7 @@ BAD = [
     ("bad signature", frames_of(HB, preamble=b"ZDRX\x01"), "bad signature"),
     ("empty preamble", frames_of(HB, preamble=b""), "bad signature"),
     ("wrong version", frames_of(HB, preamble=b"ZDRL\x01"), "unsupported protocol version 1"),
-    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x02\x00"), "unsupported protocol version 2 in a 6-byte"),
+    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x03\x00"), "unsupported protocol version 3 in a 6-byte"),
     ("preamble without version", frames_of(HB, preamble=b"ZDRL"), "unsupported protocol version None"),
     ("oversized header", frames_of(b"\x00" * (P.MAX_HEADER_BYTES + 1)), "exceeds the 1048576-byte limit"),
     ("header not msgpack", frames_of(b"\xc1"), "not valid msgpack"),
@@ -346,6 +386,52 @@ BAD += [
 ]
 
 
+def traj_frames(drop: tuple = (), K: int = 0, **changes) -> list:
+    """Frames of a trajectory with arrays dropped, replaced or added (``changes`` that are arrays) and header
+    fields changed (the other ``changes``): encode checks no trajectory rule, so it can make every broken one."""
+    arrays = traj_arrays(K=K)
+    fields = {k: v for k, v in changes.items() if not isinstance(v, np.ndarray)}
+    arrays.update({k: v for k, v in changes.items() if isinstance(v, np.ndarray)})
+    return wire(traj(arrays={k: v for k, v in arrays.items() if k not in drop}, **fields).encode())
+
+
+F32 = np.float32
+BAD += [
+    ("trajectory without obs", traj_frames(drop=("obs",)), "trajectory: missing arrays ['obs']"),
+    ("trajectory without next_value", traj_frames(drop=("next_value",)), "missing arrays ['next_value']"),
+    ("trajectory unknown array", traj_frames(extra=np.zeros(2, F32)), "trajectory: unknown arrays ['extra']"),
+    ("trajectory obs float64", traj_frames(obs=np.zeros((2, 2, 3))), "'obs' must be float32 [T, N, *obs_shape]"),
+    ("trajectory obs without N", traj_frames(obs=np.zeros(2, F32)), "'obs' must be float32 [T, N, *obs_shape]"),
+    ("trajectory T = 0", traj_frames(obs=np.zeros((0, 2, 3), F32)), "with T, N >= 1"),
+    ("trajectory actions int32", traj_frames(actions=np.zeros((2, 2), np.int32)), "'actions' must be int64 [2, 2]"),
+    ("trajectory actions of another T", traj_frames(actions=np.zeros((3, 2), np.int64)), "'actions' must be int64"),
+    ("trajectory box actions without A", traj_frames(actions=np.zeros((2, 2), F32)), "or float32 [2, 2] + [A]"),
+    ("trajectory rewards of another N", traj_frames(rewards=np.zeros((2, 3), F32)),
+     "'rewards' must be float32 [2, 2], got float32 [2, 3]"),
+    ("trajectory terminated uint8", traj_frames(terminated=np.zeros((2, 2), np.uint8)),
+     "'terminated' must be bool [2, 2], got uint8 [2, 2]"),
+    ("trajectory next_obs of another shape", traj_frames(next_obs=np.zeros((2, 4), F32)),
+     "'next_obs' must be float32 [2, 3]"),
+    ("trajectory next_value [N, 1]", traj_frames(next_value=np.zeros((2, 1), F32)), "'next_value' must be float32 [2]"),
+    ("trajectory part of the truncation arrays", traj_frames(drop=("trunc_value",), K=1),
+     "['trunc_idx', 'trunc_obs'] without the rest"),
+    ("trajectory truncation arrays with K = 0", traj_frames(K=1, trunc_idx=np.zeros(0, np.int64),
+                                                            trunc_obs=np.zeros((0, 3), F32),
+                                                            trunc_value=np.zeros(0, F32)), "(K = 0): leave them out"),
+    ("trajectory trunc_obs of another K", traj_frames(K=1, trunc_obs=np.zeros((2, 3), F32)),
+     "'trunc_obs' must be float32 [1, 3]"),
+    ("trajectory trunc_idx float", traj_frames(K=1, trunc_idx=np.zeros(1, F32)), "'trunc_idx' must be int64 [1]"),
+    ("trajectory env_steps not T * N", traj_frames(env_steps=5), "env_steps 5 must be T * N = 4"),
+    ("trajectory episodes unpaired", traj_frames(ep_returns=[1.0], ep_lengths=[]), "must pair up"),
+    ("trajectory more episodes than steps", traj_frames(ep_returns=[1.0] * 5, ep_lengths=[1] * 5), "must pair up"),
+    ("trajectory episode of no steps", traj_frames(ep_returns=[1.0], ep_lengths=[0]), "lengths must be >= 1"),
+    ("trajectory NaN return", traj_frames(ep_returns=[math.nan], ep_lengths=[1]), "'ep_returns' has the wrong type"),
+    ("trajectory str return", traj_frames(ep_returns=["1"], ep_lengths=[1]), "'ep_returns' has the wrong type"),
+    ("trajectory bool length", traj_frames(ep_returns=[1.0], ep_lengths=[True]), "'ep_lengths' has the wrong type"),
+    ("trajectory float length", traj_frames(ep_returns=[1.0], ep_lengths=[1.0]), "'ep_lengths' has the wrong type"),
+]
+
+
 @pytest.mark.parametrize("frames,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
 def test_validation_failure_raises_protocol_error(frames: list, match: str) -> None:
     with pytest.raises(P.ProtocolError) as info:
@@ -354,10 +440,10 @@ def test_validation_failure_raises_protocol_error(frames: list, match: str) -> N
 
 
 def test_total_size_limit() -> None:
-    frames = wire(traj(arrays={"a": np.zeros(100, np.uint8), "b": np.zeros(100, np.uint8)}).encode())
-    P.decode(frames, max_message_bytes=200)
-    with pytest.raises(P.ProtocolError, match="exceed the 199-byte limit"):
-        P.decode(frames, max_message_bytes=199)
+    frames = wire(carrier({"a": np.zeros(100, np.uint8), "b": np.zeros(100, np.uint8)}).encode())  # + 24 B of flat
+    P.decode(frames, max_message_bytes=224)
+    with pytest.raises(P.ProtocolError, match="exceed the 223-byte limit"):
+        P.decode(frames, max_message_bytes=223)
     with pytest.raises(P.ProtocolError, match="too large for the 99-byte limit"):
         P.decode(frames, max_message_bytes=99)
 
@@ -517,15 +603,22 @@ def test_validate_trajectory_agrees_on_every_example(msg: P.Message) -> None:
 
 
 def test_validate_trajectory_limits_and_result() -> None:
-    frames = wire(traj(arrays={"a": np.zeros(100, np.uint8), "b": np.zeros((2, 50), "<i2")}).encode())
-    for limit in (300, 299, 200, 199, 0):
+    msg = traj(arrays=traj_arrays(T=2, N=2, obs_shape=(25,)))  # obs 400 B, next_obs 200 B, 116 B more
+    frames = wire(msg.encode())
+    total = sum(a.nbytes for a in msg.arrays.values())
+    for limit in (total, total - 1, 400, 399, 0):
         assert_validate_agrees(frames, limit)
-    header = P.validate_trajectory(frames, 300)
-    assert header["arrays"] == [["a", "uint8", [100]], ["b", "int16", [2, 50]]] and header["seq"] == 3
-    with pytest.raises(P.ProtocolError, match="exceed the 299-byte limit"):
-        P.validate_trajectory(frames, 299)
-    minimal = {k: v for k, v in GOOD.items() if k != "info"}  # info is optional: its default is filled in
-    assert P.validate_trajectory(frames_of(minimal, A3), 12)["info"] == {} == P.decode(frames_of(minimal, A3)).info
+    header = P.validate_trajectory(frames, total)
+    assert header["arrays"][:2] == [["obs", "float32", [2, 2, 25]], ["actions", "int64", [2, 2]]]
+    assert header["seq"] == 3 and header["env_steps"] == 4
+    with pytest.raises(P.ProtocolError, match=f"exceed the {total - 1}-byte limit"):
+        P.validate_trajectory(frames, total - 1)
+    minimal = msgpack.unpackb(frames[1])
+    for optional in ("info", "ep_returns", "ep_lengths"):  # their defaults are filled in
+        del minimal[optional]
+    minimal_frames = [frames[0], msgpack.packb(minimal), *frames[2:]]
+    assert P.validate_trajectory(minimal_frames, total)["info"] == {} == P.decode(minimal_frames).info
+    assert P.decode(minimal_frames).ep_returns == [] == P.decode(minimal_frames).ep_lengths
     with pytest.raises(P.ProtocolError, match="a heartbeat message is not a trajectory"):
         P.validate_trajectory(frames_of(HB), 0)
 
@@ -581,8 +674,9 @@ def test_validate_trajectory_agrees_on_hostile_trajectories(rnd: random.Random) 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_validate_trajectory_agrees_on_mutated_messages(data) -> None:
-    frames = wire(data.draw(st.sampled_from([traj(), params(), traj(arrays={"x": np.arange(6.0).reshape(2, 3),
-                                                                            "y": np.zeros(0, np.int8)})])).encode())
+    frames = wire(data.draw(st.sampled_from([traj(), params(), traj(arrays=traj_arrays(K=1)),
+                                             traj(arrays={"x": np.arange(6.0).reshape(2, 3),
+                                                          "y": np.zeros(0, np.int8)})])).encode())
     frames = mutated(data, frames)
     if data.draw(st.booleans()):
         frames = data.draw(st.permutations(frames)) if data.draw(st.booleans()) else [*frames, frames[-1]]
@@ -614,12 +708,12 @@ def test_zmq_frames_take_the_same_checks_as_bytes() -> None:
 def test_encode_sends_wire_ready_arrays_without_copying() -> None:
     ready = {"f": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, bool), "s": np.array(7, np.int64)}
     other = {"t": ready["f"].T, "be": np.arange(3, dtype=">i4"), "list": [1.5, 2.5]}
-    frames = P.encode(traj(arrays={**ready, **other}))
-    for frame, array in zip(frames[2:], ready.values()):
+    frames = P.encode(carrier({**ready, **other}))
+    for frame, array in zip(frames[3:], ready.values()):  # after 'flat'
         assert frame is array
-    for frame, array in zip(frames[2 + len(ready):], other.values()):
+    for frame, array in zip(frames[3 + len(ready):], other.values()):
         assert not np.shares_memory(frame, np.asarray(array)) and np.array_equal(frame, array)
-    assert_same(traj(arrays={**ready, **other}), P.decode(frames))
+    assert_same(carrier({**ready, **other}), P.decode(frames))
 
 
 def test_unexportable_array_frames_are_protocol_errors() -> None:

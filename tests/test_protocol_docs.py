@@ -111,12 +111,11 @@ def test_params_examples_hashes_layout_and_chunks() -> None:
     np.testing.assert_array_equal(assembler.add(chunk).arrays["flat"], rebuilt)
 
 
-TRAJECTORY_SPECS = {  # name -> (dtype, shape written with T, N, K, E, O for obs dims)
+TRAJECTORY_SPECS = {  # name -> (dtype, shape written with T, N, K, O for obs dims)
     "obs": ("float32", "T N O"), "actions": ("int64", "T N"), "logp": ("float32", "T N"),
     "values": ("float32", "T N"), "rewards": ("float32", "T N"), "terminated": ("bool", "T N"),
     "truncated": ("bool", "T N"), "next_obs": ("float32", "N O"), "next_value": ("float32", "N"),
     "trunc_idx": ("int64", "K"), "trunc_obs": ("float32", "K O"), "trunc_value": ("float32", "K"),
-    "ep_returns": ("float32", "E"), "ep_lengths": ("int32", "E"),
 }
 
 
@@ -126,16 +125,19 @@ def test_trajectory_example_matches_the_documented_layout(name: str) -> None:
     a = msg.arrays
     T, N = a["rewards"].shape
     obs = list(a["next_obs"].shape[1:])
-    dims = {"T": [T], "N": [N], "K": [a["trunc_idx"].size], "E": [a["ep_returns"].size], "O": obs}
-    assert list(a) == list(TRAJECTORY_SPECS)
-    for key, (dtype, shape) in TRAJECTORY_SPECS.items():
+    done = np.flatnonzero((a["truncated"] & ~a["terminated"]).reshape(-1))
+    dims = {"T": [T], "N": [N], "K": [len(done)], "O": obs}
+    want = [k for k in TRAJECTORY_SPECS if k in P.TRAJECTORY_ARRAYS or len(done)]  # truncation arrays iff K >= 1
+    assert list(a) == want and tuple(TRAJECTORY_SPECS) == P.TRAJECTORY_ARRAYS + P.TRUNCATION_ARRAYS
+    for key in want:
+        dtype, shape = TRAJECTORY_SPECS[key]
         assert a[key].dtype == P.DTYPES[dtype], key
         assert list(a[key].shape) == [d for s in shape.split() for d in dims[s]], key
         assert f"`{key}`" in DOC
     assert msg.env_steps == T * N and msg.info["num_envs"] == N
-    done = np.flatnonzero((a["truncated"] & ~a["terminated"]).reshape(-1))
-    assert a["trunc_idx"].tolist() == done.tolist()
-    assert a["ep_lengths"].size == int((a["terminated"] | a["truncated"]).sum())
+    if len(done):
+        assert a["trunc_idx"].tolist() == done.tolist()
+    assert len(msg.ep_returns) == len(msg.ep_lengths) == int((a["terminated"] | a["truncated"]).sum())
 
 
 def test_constants_and_names_are_documented() -> None:

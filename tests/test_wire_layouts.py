@@ -9,9 +9,14 @@ from zddrl import protocol as P
 from zddrl import wire as W
 
 HEADER = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_version": 0, "param_hash": "",
-          "env_steps": 0, "info": {}}
-SPECS = [["obs", "float32", [2, 3]], ["done", "bool", [2]]]
-FRAMES = [np.zeros(6, np.float32).tobytes(), b"\x00\x01"]
+          "env_steps": 2, "info": {}}
+# A trajectory of T = 2 steps of N = 1 env with 3-dim observations: obs first, terminated sixth.
+SPECS = [["obs", "float32", [2, 1, 3]], ["actions", "int64", [2, 1]], ["logp", "float32", [2, 1]],
+         ["values", "float32", [2, 1]], ["rewards", "float32", [2, 1]], ["terminated", "bool", [2, 1]],
+         ["truncated", "bool", [2, 1]], ["next_obs", "float32", [1, 3]], ["next_value", "float32", [1]]]
+FRAMES = [np.zeros(6, np.float32).tobytes(), bytes(16), bytes(8), bytes(8), bytes(8), b"\x00\x01", bytes(2),
+          bytes(12), bytes(4)]
+TOTAL = sum(map(len, FRAMES))  # 90 bytes
 
 
 def message(specs=SPECS, frames=FRAMES, layout: bytes | None = None) -> list:
@@ -21,11 +26,9 @@ def message(specs=SPECS, frames=FRAMES, layout: bytes | None = None) -> list:
 
 @pytest.fixture(autouse=True)
 def empty_caches():
-    W._DECODED.clear()
-    W._ENCODED.clear()
+    W.forget_layouts()
     yield
-    W._DECODED.clear()
-    W._ENCODED.clear()
+    W.forget_layouts()
 
 
 @pytest.fixture
@@ -47,16 +50,16 @@ def decode_both(frames: list, limit: int = P.DEFAULT_MAX_MESSAGE_BYTES) -> P.Tra
 def test_a_known_layout_is_checked_once(spec_checks: list) -> None:
     for seq in range(3):
         msg = decode_both(message())
-        assert msg.arrays["obs"].shape == (2, 3) and msg.arrays["done"].tolist() == [False, True]
+        assert msg.arrays["obs"].shape == (2, 1, 3) and msg.arrays["terminated"].tolist() == [[False], [True]]
     assert len(spec_checks) == 1
 
 
 @pytest.mark.parametrize("frames,error", [
-    ([FRAMES[0][:-4], FRAMES[1]], "array 'obs': shape [2, 3] x float32 needs 24 bytes, frame has 20"),
-    ([FRAMES[0] + b"\x00", FRAMES[1]], "array 'obs': shape [2, 3] x float32 needs 24 bytes, frame has 25"),
-    ([FRAMES[0], b""], "array 'done': shape [2] x bool needs 2 bytes, frame has 0"),
-    ([FRAMES[0]], "header names 2 arrays but 1 array frames follow"),
-    ([*FRAMES, b""], "header names 2 arrays but 3 array frames follow"),
+    ([FRAMES[0][:-4], *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 20"),
+    ([FRAMES[0] + b"\x00", *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 25"),
+    ([*FRAMES[:5], b"", *FRAMES[6:]], "array 'terminated': shape [2, 1] x bool needs 2 bytes, frame has 0"),
+    (FRAMES[:-1], "header names 9 arrays but 8 array frames follow"),
+    ([*FRAMES, b""], "header names 9 arrays but 10 array frames follow"),
 ])
 def test_a_cached_layout_still_checks_every_frame(frames: list, error: str) -> None:
     decode_both(message())  # the layout is cached now
@@ -67,19 +70,20 @@ def test_a_cached_layout_still_checks_every_frame(frames: list, error: str) -> N
 
 
 def test_a_cached_layout_still_meets_each_callers_limit() -> None:
-    decode_both(message(), limit=26)
-    with pytest.raises(P.ProtocolError, match="exceed the 25-byte limit"):
-        P.decode(message(), 25)
-    with pytest.raises(P.ProtocolError, match="array 'obs': shape \\[2, 3\\] is too large for the 23-byte limit"):
+    decode_both(message(), limit=TOTAL)
+    with pytest.raises(P.ProtocolError, match=f"exceed the {TOTAL - 1}-byte limit"):
+        P.decode(message(), TOTAL - 1)
+    with pytest.raises(P.ProtocolError, match="array 'obs': shape \\[2, 1, 3\\] is too large for the 23-byte limit"):
         P.validate_trajectory(message(), 23)
 
 
 @pytest.mark.parametrize("specs,error", [
-    ([["obs", "float32", [2, True]], ["done", "bool", [2]]], "shape [2, True] must be a list"),
-    ([["obs", "float32", [2, 3.0]], ["done", "bool", [2]]], "shape [2, 3.0] must be a list"),
-    ([["obs", "float64", [2, 3]], ["done", "bool", [2]]], "needs 48 bytes, frame has 24"),
-    ([["obs", "float32", [2, 3]], ["obs", "bool", [2]]], "duplicate array name 'obs'"),
-    ([["obs", "<f4", [2, 3]], ["done", "bool", [2]]], "dtype '<f4' is not allowed"),
+    ([["obs", "float32", [2, True, 3]], *SPECS[1:]], "shape [2, True, 3] must be a list"),
+    ([["obs", "float32", [2, 1, 3.0]], *SPECS[1:]], "shape [2, 1, 3.0] must be a list"),
+    ([["obs", "float64", [2, 1, 3]], *SPECS[1:]], "needs 48 bytes, frame has 24"),
+    ([*SPECS[:5], ["obs", "bool", [2, 1]], *SPECS[6:]], "duplicate array name 'obs'"),
+    ([["obs", "<f4", [2, 1, 3]], *SPECS[1:]], "dtype '<f4' is not allowed"),
+    ([["obs", "float32", [1, 2, 3]], *SPECS[1:]], "'actions' must be int64 [1, 2]"),  # a trajectory rule
 ])
 def test_a_changed_layout_is_validated_afresh(spec_checks: list, specs: list, error: str) -> None:
     """Values equal in Python (True == 1, 3.0 == 3) are other bytes on the wire: no cache hit for them."""
@@ -89,8 +93,22 @@ def test_a_changed_layout_is_validated_afresh(spec_checks: list, specs: list, er
     assert len(spec_checks) == 2
 
 
+def test_a_trajectory_rule_runs_once_per_layout_and_a_refused_one_is_not_remembered(monkeypatch) -> None:
+    calls: list = []
+    rule = P.check_trajectory_layout
+    monkeypatch.setitem(P._LAYOUT_RULES, P.Trajectory, lambda layout: (calls.append(1), rule(layout)))
+    for _ in range(3):
+        decode_both(message())
+    assert len(calls) == 1
+    unknown = message([*SPECS, ["extra", "uint8", [1]]], [*FRAMES, b"\x00"])
+    for _ in range(2):
+        with pytest.raises(P.ProtocolError, match="unknown arrays \\['extra'\\]"):
+            P.decode(unknown)
+    assert len(calls) == 3
+
+
 def test_a_refused_layout_is_not_remembered(spec_checks: list) -> None:
-    bad = message([["obs", "float32", [2, -3]], ["done", "bool", [2]]])
+    bad = message([["obs", "float32", [2, -3]], *SPECS[1:]])
     for _ in range(2):
         with pytest.raises(P.ProtocolError, match="must be a list of at most 8 non-negative ints"):
             P.decode(bad)
@@ -99,16 +117,18 @@ def test_a_refused_layout_is_not_remembered(spec_checks: list) -> None:
 
 def test_caches_are_bounded_in_entries_and_in_size(spec_checks: list) -> None:
     for n in range(W.LAYOUT_CACHE_SIZE + 10):
-        P.decode(message([["obs", "uint8", [n]]], [b"\x00" * n]))
+        with pytest.raises(P.ProtocolError, match="missing arrays"):  # a valid layout, not a trajectory's
+            P.decode(message([["obs", "uint8", [n]]], [b"\x00" * n]))
         P.encode(P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0,
                               arrays={"obs": np.zeros(n, np.uint8)}))
     assert 0 < len(W._DECODED) <= W.LAYOUT_CACHE_SIZE and 0 < len(W._ENCODED) <= W.LAYOUT_CACHE_SIZE
     W._DECODED.clear()
     long_name = "x" * W.MAX_CACHED_LAYOUT_BYTES
     frames = message([[long_name, "uint8", [1]]], [b"\x00"])
-    P.decode(frames)
-    P.decode(frames)
-    assert not W._DECODED and len(spec_checks) == W.LAYOUT_CACHE_SIZE + 12
+    for _ in range(2):
+        with pytest.raises(P.ProtocolError, match="missing arrays"):
+            P.decode(frames)
+    assert not W._DECODED and not any(W._RULED.values()) and len(spec_checks) == W.LAYOUT_CACHE_SIZE + 12
 
 
 def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
@@ -116,7 +136,8 @@ def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
     msg = P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0, arrays=arrays)
     first, second = P.encode(msg), P.encode(msg)
     layout = msgpack.unpackb(first[1])["arrays"]
-    assert layout == msgpack.unpackb(second[1])["arrays"] == msgpack.packb(SPECS, use_bin_type=True)
+    specs = [["obs", "float32", [2, 3]], ["done", "bool", [2]]]
+    assert layout == msgpack.unpackb(second[1])["arrays"] == msgpack.packb(specs, use_bin_type=True)
     assert len(W._ENCODED) == 1
     other = P.encode(P.Trajectory(**{**vars(msg), "arrays": {**arrays, "obs": np.zeros((3, 2), np.float32)}}))
     assert msgpack.unpackb(msgpack.unpackb(other[1])["arrays"])[0] == ["obs", "float32", [3, 2]]
@@ -127,9 +148,8 @@ def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
 def test_a_cached_encode_layout_never_lets_an_array_skip_its_conversion() -> None:
     """The encode cache is keyed by dtype objects: a big-endian or non-wire array with a cached
     layout's names and shapes misses it and is converted (or refused), never sent as it is."""
-    def traj(arrays: dict) -> P.Trajectory:
-        return P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0,
-                            arrays=arrays)
+    def traj(arrays: dict) -> P.Parameters:  # a params message: its extra arrays may be anything
+        return P.Parameters(run_id="r", sender="s", policy_version=0, param_hash="", layout=[], arrays=arrays)
 
     little = {"x": np.arange(4, dtype="<f4").reshape(2, 2)}
     P.encode(traj(little))

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -98,9 +99,18 @@ class Rollout:
         self.truncated = np.zeros((T, N), dtype=bool)
 
 
+class Collected(NamedTuple):
+    """One rollout as a trajectory carries it: its arrays (frames) and its episode figures (header)."""
+
+    arrays: dict[str, np.ndarray]
+    ep_returns: list[float]
+    ep_lengths: list[int]
+
+
 def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
-            slowdown: float = 1.0) -> dict[str, np.ndarray]:
-    """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory arrays (docs/protocol.md)."""
+            slowdown: float = 1.0) -> Collected:
+    """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
+    (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = Rollout(T, vec)
     trunc_idx, trunc_obs = [], []
     vec.finished.clear()
@@ -117,18 +127,16 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
                 trunc_obs.append(fo)
         if slowdown > 1.0:  # testing knob: this host is `slowdown` times slower per step
             time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
-    obs_shape = vec.spec.obs_shape
-    trunc_obs_arr = np.stack(trunc_obs) if trunc_obs else np.zeros((0, *obs_shape), dtype=np.float32)
-    returns = np.array([r for r, _ in vec.finished], dtype=np.float32)
-    lengths = np.array([n for _, n in vec.finished], dtype=np.int32)
-    return {
+    arrays = {
         "obs": buf.obs, "actions": buf.actions, "logp": buf.logp, "values": buf.values, "rewards": buf.rewards,
         "terminated": buf.terminated, "truncated": buf.truncated,
         "next_obs": vec.obs.copy(), "next_value": policy.value(vec.obs).astype(np.float32),
-        "trunc_idx": np.array(trunc_idx, dtype=np.int64), "trunc_obs": trunc_obs_arr,
-        "trunc_value": (policy.value(trunc_obs_arr) if trunc_obs else np.zeros(0)).astype(np.float32),
-        "ep_returns": returns, "ep_lengths": lengths,
     }
+    if trunc_idx:  # most rollouts have none: three empty frames fewer to send and check
+        final = np.stack(trunc_obs).astype(np.float32, copy=False)
+        arrays.update(trunc_idx=np.array(trunc_idx, dtype=np.int64), trunc_obs=final,
+                      trunc_value=policy.value(final).astype(np.float32))
+    return Collected(arrays, [float(r) for r, _ in vec.finished], [int(n) for _, n in vec.finished])
 
 
 class ActorHost:
@@ -207,9 +215,9 @@ class ActorHost:
                                          params.arrays.get("obs_var"))
                 T = int(params.meta.get("rollout_len", config.env.rollout_len))
                 t0 = time.monotonic()
-                arrays = collect(vec, policy, rng, T, self.slowdown)
+                rollout = collect(vec, policy, rng, T, self.slowdown)
                 self.timers.step_s += time.monotonic() - t0
-                self._send(link, push, run_id, params, arrays, T * num_envs, stop, config.algo.max_in_flight)
+                self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
                                       stats={**self.timers.stats(), "num_envs": num_envs, "run_id": run_id,
@@ -238,13 +246,14 @@ class ActorHost:
         return push
 
     def _send(self, link: BrokerLink, push: zmq.Socket, run_id: str, params: P.Parameters,
-              arrays: dict[str, np.ndarray], env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
+              rollout: Collected, env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
         self.timers.env_steps += env_steps
         self.timers.rollouts += 1
         msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
-                           param_hash=params.param_hash, env_steps=env_steps, arrays=arrays,
-                           info={"actor_id": self.actor_id, "num_envs": int(arrays["rewards"].shape[1]),
-                                 "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation})
+                           param_hash=params.param_hash, env_steps=env_steps, arrays=rollout.arrays,
+                           info={"actor_id": self.actor_id, "num_envs": int(rollout.arrays["rewards"].shape[1]),
+                                 "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation},
+                           ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
         self.seq += 1
         t0 = time.monotonic()
         frames = P.encode(msg)

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .wire import DTYPES, MAX_NDIM, ProtocolError
+from .wire import DTYPE_NAMES, DTYPES, MAX_NDIM, Layout, ProtocolError
 
 PARAM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 """Parameter transport precision -> the wire dtype of its buffers (bfloat16: the upper 16 bits of each
@@ -102,3 +102,79 @@ def check_chunk(fields: dict[str, Any]) -> None:
         raise ProtocolError(f"params_chunk: index {fields['index']} must be in 1..{MAX_PARAM_CHUNKS - 1}")
     if not _hash_ok(fields["chunk_hash"]):
         raise ProtocolError("params_chunk: chunk_hash must be 16 hex digits")
+
+
+# --------------------------------------------------------------------------------------------
+# Trajectories (docs/protocol.md section 7)
+# --------------------------------------------------------------------------------------------
+
+_F32, _BOOL, _I64 = DTYPES["float32"], DTYPES["bool"], DTYPES["int64"]
+STEP_ARRAYS = {"logp": _F32, "values": _F32, "rewards": _F32, "terminated": _BOOL, "truncated": _BOOL}
+"""Arrays of shape ``[T, N]`` besides ``obs`` and ``actions``, with their one dtype."""
+TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
+"""Every trajectory carries these."""
+TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
+"""Present together, and only in a rollout where some episode was truncated (``K >= 1``)."""
+_KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS)
+
+
+def check_trajectory_layout(layout: Layout) -> None:
+    """The array rules of a trajectory: which arrays, their dtypes, and shapes that agree on ``T``, ``N``
+    and the observation shape. Depends on the layout alone, so decode runs it once per distinct layout."""
+    arrays = dict(zip(layout.names, zip(layout.dtypes, layout.shapes)))
+    missing = [name for name in TRAJECTORY_ARRAYS if name not in arrays]
+    if missing:
+        raise ProtocolError(f"trajectory: missing arrays {missing}")
+    unknown = sorted(arrays.keys() - _KNOWN)
+    if unknown:
+        raise ProtocolError(f"trajectory: unknown arrays {unknown}")
+    obs_dtype, obs_shape = arrays["obs"]
+    if obs_dtype != _F32 or len(obs_shape) < 2 or 0 in obs_shape[:2]:
+        raise ProtocolError(f"trajectory: 'obs' must be float32 [T, N, *obs_shape] with T, N >= 1, "
+                            f"got {obs_dtype} {list(obs_shape)}")
+    steps, observation = obs_shape[:2], obs_shape[2:]
+
+    def need(name: str, dtype: np.dtype, shape: tuple) -> None:
+        if arrays[name] != (dtype, shape):
+            got_dtype, got_shape = arrays[name]
+            raise ProtocolError(f"trajectory: {name!r} must be {DTYPE_NAMES[dtype]} {list(shape)}, "
+                                f"got {DTYPE_NAMES[got_dtype]} {list(got_shape)}")
+
+    actions_dtype, actions_shape = arrays["actions"]
+    if not (actions_dtype == _I64 and actions_shape == steps
+            or actions_dtype == _F32 and len(actions_shape) == 3 and actions_shape[:2] == steps):
+        raise ProtocolError(f"trajectory: 'actions' must be int64 {list(steps)} or float32 {list(steps)} + [A], "
+                            f"got {DTYPE_NAMES[actions_dtype]} {list(actions_shape)}")
+    for name, dtype in STEP_ARRAYS.items():
+        need(name, dtype, steps)
+    need("next_obs", _F32, steps[1:] + observation)
+    need("next_value", _F32, steps[1:])
+    present = [name for name in TRUNCATION_ARRAYS if name in arrays]
+    if present:
+        if len(present) != len(TRUNCATION_ARRAYS):
+            raise ProtocolError(f"trajectory: {present} without the rest of {list(TRUNCATION_ARRAYS)}")
+        k = arrays["trunc_idx"][1][:1]
+        if k == (0,):
+            raise ProtocolError("trajectory: truncation arrays of no truncation (K = 0): leave them out")
+        need("trunc_idx", _I64, k)
+        need("trunc_obs", _F32, k + observation)
+        need("trunc_value", _F32, k)
+
+
+def _steps_of(arrays: Any) -> int:
+    """``T * N`` of a trajectory's checked arrays: views by name, or ``[name, dtype, shape]`` specs."""
+    if type(arrays) is dict:
+        return arrays["rewards"].size
+    return next(math.prod(shape) for name, _, shape in arrays if name == "rewards")
+
+
+def check_trajectory(fields: dict[str, Any]) -> None:
+    """Per message (the layout was checked by check_trajectory_layout): env_steps and episode figures."""
+    env_steps, returns, lengths = fields["env_steps"], fields["ep_returns"], fields["ep_lengths"]
+    if env_steps != _steps_of(fields["arrays"]):
+        raise ProtocolError(f"trajectory: env_steps {env_steps} must be T * N = {_steps_of(fields['arrays'])}")
+    if len(returns) != len(lengths) or len(lengths) > env_steps:
+        raise ProtocolError(f"trajectory: {len(returns)} episode returns and {len(lengths)} lengths must pair up, "
+                            f"at most one per env step")
+    if lengths and min(lengths) < 1:
+        raise ProtocolError("trajectory: episode lengths must be >= 1")

@@ -18,6 +18,7 @@ import torch
 from .core import LearnerCore, explained_variance
 from .protocol import Trajectory
 from .returns import vtrace, vtrace_discounts_and_rewards
+from .rollouts import truncations
 
 
 class TimeMajor(NamedTuple):
@@ -43,10 +44,11 @@ def stack_time_major(trajectories: Sequence[Trajectory], rewards: Sequence[np.nd
         raise ValueError(f"trajectories of one batch must share their length, got {sorted(lengths)}")
     widths = [t.arrays["rewards"].shape[1] for t in trajectories]
     B = sum(widths)
-    trunc_index, offset = [], 0
+    trunc_index, trunc_obs, offset = [], [], 0
     for traj, n in zip(trajectories, widths):
-        idx = traj.arrays["trunc_idx"]  # t * n + i within this trajectory -> t * B + offset + i
+        idx, final_obs, _ = truncations(traj.arrays)  # t * n + i within this trajectory -> t * B + offset + i
         trunc_index.append((idx // n) * B + offset + idx % n)
+        trunc_obs.append(final_obs)
         offset += n
 
     def cat(key: str) -> np.ndarray:
@@ -54,7 +56,7 @@ def stack_time_major(trajectories: Sequence[Trajectory], rewards: Sequence[np.nd
 
     return TimeMajor(cat("obs"), cat("actions"), cat("logp"), np.concatenate(rewards, axis=1), cat("terminated"),
                      cat("truncated"), np.concatenate([t.arrays["next_obs"] for t in trajectories]),
-                     np.concatenate(trunc_index), np.concatenate([t.arrays["trunc_obs"] for t in trajectories]))
+                     np.concatenate(trunc_index), np.concatenate(trunc_obs))
 
 
 IMPALA_FIGURES = ("policy_loss", "value_loss", "entropy", "rho_mean", "explained_variance")

@@ -42,6 +42,7 @@ from .ppo import PPOLearner
 from .params import split as split_params
 from .progress import Progress
 from .proc import rss_mb
+from .rollouts import mismatch
 from .ledger import FLEET_QUERY_TIMEOUT_S, LAG_WINDOW, RunLedger
 from .runlog import RunLog, latest_checkpoint, load_checkpoint
 from .shards import ShardError, ShardGroup
@@ -210,7 +211,10 @@ class LearnerNode(RunLedger):
         self._reconnect_if_needed()
         records = []
         msg, fresh = self._receive()
-        if msg is not None:
+        why = self._mismatch(msg) if fresh else ""  # kept ones were checked when they came
+        if why:
+            records.append({"sender": msg.sender, "seq": msg.seq, "invalid": why, "fresh": False, "used": False})
+        elif msg is not None:
             taken = use(msg)
             if taken:
                 self.batch.append(msg)
@@ -251,7 +255,10 @@ class LearnerNode(RunLedger):
             if "expected" in control:
                 self.expected = set(control["expected"])
             for r in records:
-                if r["used"]:
+                if "invalid" in r:
+                    if self.main:
+                        self._drop_invalid(r)
+                elif r["used"]:
                     steps += r["env_steps"]
                     reported.add(r["sender"])
                     if self.main:
@@ -300,6 +307,11 @@ class LearnerNode(RunLedger):
             return None
         return msg
 
+    def _mismatch(self, msg: P.Trajectory) -> str:
+        """Why this run cannot train on ``msg`` (rollouts.mismatch), or "". IMPALA stacks rollouts
+        time-major, so there every one must have the run's length."""
+        return mismatch(msg.arrays, self.core.spec, self.rollout_len if self.algo.mode == "impala" else None)
+
     def _train(self, batch: list[P.Trajectory], round_s: float,
                staleness: float = 0.0) -> tuple[dict[str, float], float]:
         """One update on ``batch`` (this shard's part) after ``round_s`` s of collecting; the version moves
@@ -329,7 +341,10 @@ class LearnerNode(RunLedger):
             records, control = self._poll(stop, control,
                                           lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
             for r in records:
-                if r["used"]:
+                if "invalid" in r:
+                    if self.main:
+                        self._drop_invalid(r)
+                elif r["used"]:
                     steps += r["env_steps"]
                     used.append((r["sender"], self.version - r["version"], r["env_steps"]))
                 elif self.main:
@@ -372,7 +387,8 @@ class LearnerNode(RunLedger):
             "return_mean_20": None if math.isnan(ret) else ret,
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
             "dropped_late": sum(self.progress.dropped_late.values()),
-            "dropped_stale": sum(self.progress.dropped_stale.values())}))
+            "dropped_stale": sum(self.progress.dropped_stale.values()),
+            "dropped_invalid": sum(self.progress.dropped_invalid.values())}))
 
     def _straggler_timeout(self) -> float:
         """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
@@ -427,4 +443,4 @@ def _record(msg: P.Trajectory, fresh: bool, used: bool) -> dict[str, Any]:
     return {"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "env_steps": msg.env_steps,
             "total_env_steps": total if isinstance(total, int) else None, "param_hash": msg.param_hash,
             "incarnation": msg.info.get("incarnation") if isinstance(msg.info.get("incarnation"), str) else None,
-            "ep_returns": [float(x) for x in msg.arrays["ep_returns"]], "fresh": fresh, "used": used}
+            "ep_returns": msg.ep_returns, "fresh": fresh, "used": used}

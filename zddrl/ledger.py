@@ -68,6 +68,13 @@ class RunLedger:
             self.log.warning(f"dropped late data from {r['sender']}: version {r['version']}, round "
                              f"{self.version} ({n} so far from this actor)")
 
+    def _drop_invalid(self, r: dict[str, Any]) -> None:
+        self.progress.dropped_invalid[r["sender"]] += 1
+        n = self.progress.dropped_invalid[r["sender"]]
+        if n == 1 or n % 100 == 0:
+            self.log.warning(f"dropped a trajectory from {r['sender']} (seq {r['seq']}) that this run cannot train "
+                             f"on: {r['invalid']} ({n} so far from this actor)")
+
     def total_env_steps(self) -> int:
         return self.progress.env_steps()
 
@@ -85,7 +92,8 @@ class RunLedger:
         row = {"wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
                "return_mean_20": ret, "episodes": self.progress.episodes, "staleness_mean": 0.0, "staleness_max": 0,
                "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.progress.dropped_late.values()),
-               "dropped_stale": sum(self.progress.dropped_stale.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "dropped_stale": sum(self.progress.dropped_stale.values()),
+               "dropped_invalid": sum(self.progress.dropped_invalid.values()), "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
         self.last_row = row
@@ -109,7 +117,7 @@ class RunLedger:
                 "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
                 "episodes": self.progress.episodes, "policy_version": self.version, "updates": self.progress.updates,
                 "dropped_late": dict(self.progress.dropped_late), "dropped_stale": dict(self.progress.dropped_stale),
-                "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
+                "dropped_invalid": dict(self.progress.dropped_invalid), "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
                 "run_id": self.run_id, "shards": self.group.world_size,
                 "shard_trajectories": list(self.shard_trajectories)}
 

@@ -24,6 +24,7 @@ import torch
 from .core import LearnerCore, explained_variance, schedule
 from .protocol import Trajectory
 from .returns import gae, truncated_importance_weights
+from .rollouts import truncations
 
 
 LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
@@ -90,13 +91,14 @@ class PPOLearner(LearnerCore):
             x = traj.arrays
             T, N = x["rewards"].shape
             obs_flat = x["obs"].reshape(T * N, *x["obs"].shape[2:])
+            trunc_idx, trunc_obs, trunc_values = truncations(x)
             if recompute:
                 values = self.value(obs_flat).reshape(T, N)
-                next_value, trunc_values = self.value(x["next_obs"]), self.value(x["trunc_obs"])
+                next_value, trunc_values = self.value(x["next_obs"]), self.value(trunc_obs)
             else:
-                values, next_value, trunc_values = x["values"], x["next_value"], x["trunc_value"]
+                values, next_value = x["values"], x["next_value"]
             trunc_value = np.zeros((T, N), dtype=np.float32)
-            trunc_value.reshape(-1)[x["trunc_idx"]] = trunc_values
+            trunc_value.reshape(-1)[trunc_idx] = trunc_values
             adv, ret = gae(rewards, values, x["terminated"], x["truncated"], next_value, trunc_value,
                            gamma=a.gamma, gae_lambda=a.gae_lambda)
             parts["obs"].append(obs_flat)

@@ -32,6 +32,8 @@ class Progress:
     """Per actor: [incarnation, lowest total before a message, highest total, steps of earlier incarnations]."""
     dropped_late: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dropped_invalid: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Per actor: trajectories that did not fit the run (rollouts.mismatch), never trained on."""
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target`` and ``env_steps_to_target`` once the target return was reached."""
 
@@ -72,7 +74,8 @@ class Progress:
         """Plain values for a checkpoint (loadable with ``torch.load(weights_only=True)``)."""
         return {"returns": list(self.returns), "episodes": self.episodes, "updates": self.updates,
                 "env_steps": self.env_steps(), "wall_s": wall_s, "dropped_late": dict(self.dropped_late),
-                "dropped_stale": dict(self.dropped_stale), "target": dict(self.target)}
+                "dropped_stale": dict(self.dropped_stale), "dropped_invalid": dict(self.dropped_invalid),
+                "target": dict(self.target)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Progress:
@@ -81,4 +84,5 @@ class Progress:
         p.returns.extend(float(r) for r in state["returns"])
         p.dropped_late.update(state["dropped_late"])
         p.dropped_stale.update(state["dropped_stale"])
+        p.dropped_invalid.update(state.get("dropped_invalid", {}))  # checkpoints of zddrl before 0.3 lack it
         return p

@@ -21,20 +21,18 @@ A ROUTER socket prepends the peer's identity frame; ``split_routed`` separates i
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import msgpack
 import numpy as np
 
 # The byte layer (preamble, limits, dtypes, array frames) lives in zddrl.wire; its public names are
 # part of this module's interface too.
-from .fieldchecks import (MAX_PARAM_CHUNKS, PARAM_DTYPES, check_chunk, check_params,  # noqa: F401
-                          check_welcome)
+from .fieldchecks import (MAX_PARAM_CHUNKS, PARAM_DTYPES, TRAJECTORY_ARRAYS, TRUNCATION_ARRAYS,  # noqa: F401
+                          check_chunk, check_params, check_trajectory, check_trajectory_layout, check_welcome)
+from .fieldtypes import builder, field_table
 from .wire import (DEFAULT_MAX_MESSAGE_BYTES, DTYPES, MAX_ARRAYS, MAX_HEADER_BYTES, MAX_NDIM,  # noqa: F401
                    PREAMBLE, PROTOCOL_VERSION, SIGNATURE, ProtocolError, ZmqFrame, check_arrays, check_preamble,
                    encode_arrays, flat_buffer, frame_buffer, param_hash, wire_array)
@@ -118,6 +116,10 @@ class Trajectory(Message):
     env_steps: int
     arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
     info: dict = field(default_factory=dict)
+    ep_returns: list[float] = field(default_factory=list)
+    """Undiscounted return of each episode that ended in this rollout (small: header, not frames)."""
+    ep_lengths: list[int] = field(default_factory=list)
+    """Length in steps of each of those episodes."""
 
 
 @dataclass(frozen=True)
@@ -269,107 +271,11 @@ def encode(msg: Message) -> list[Any]:
     return [PREAMBLE, _packb(header), *buffers]
 
 
-# --------------------------------------------------------------------------------------------
-# Per-kind field tables, built once at import
-# --------------------------------------------------------------------------------------------
-# Header values come from msgpack.unpackb, which makes only exact built-in types (None, bool, int,
-# float, str, bytes, list, dict, ExtType, Timestamp). So ``type(v) is int`` is the field test
-# "int and not bool", ``type(v) is str`` is isinstance(v, str), and so on: one cheap test each.
-
-_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-
-
-def _plain(value: Any) -> bool:
-    """True if ``value`` is plain data: nil, bool, int, float, str, bin, arrays and str-keyed maps of those.
-
-    Iterative, so a deeply nested hostile header cannot exhaust the Python stack. Scalars are
-    checked where they sit instead of each taking a trip through the stack (info maps are flat).
-    """
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if type(v) is dict:
-            for k in v:
-                if type(k) is not str:
-                    return False
-            items = v.values()
-        elif type(v) is list:
-            items = v
-        elif type(v) in _SCALARS:
-            continue
-        else:
-            return False  # msgpack ext types (ExtType, Timestamp) have no place in a header
-        for x in items:
-            if type(x) is dict or type(x) is list:
-                stack.append(x)
-            elif type(x) not in _SCALARS:
-                return False
-    return True
-
-
-def _checker(hint: Any) -> Any:
-    """The type test of a header field with annotation ``hint``: a type (the value's exact type must
-    be it) or a predicate. Built once per field at import: reading annotations (typing.get_origin,
-    get_args) for every field of every message was a large share of decode's cost."""
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        parts = tuple(_predicate(_checker(h)) for h in typing.get_args(hint))
-        return lambda v: any(part(v) for part in parts)
-    origin = typing.get_origin(hint) or hint
-    if hint is type(None):
-        return lambda v: v is None
-    if origin in (int, bool, str, bytes):  # exact: so an int field refuses a bool, as it must
-        return origin
-    if origin is float:
-        return lambda v: (type(v) is float or type(v) is int) and math.isfinite(v)
-    if origin in (dict, Mapping):
-        return lambda v: type(v) is dict and _plain(v)
-    if origin in (list, Sequence):
-        return lambda v: type(v) is list and _plain(v)
-    return lambda v: isinstance(v, origin)
-
-
-def _predicate(check: Any) -> Callable[[Any], bool]:
-    return (lambda v: type(v) is check) if isinstance(check, type) else check
-
-
-def _field_table(cls: type[Message]) -> tuple[tuple[str, Any, Any], ...]:
-    """``(name, type test, default factory)`` per field. ``arrays`` has no test (it is checked against
-    the frames) and, on the wire, no default; a field without a default has factory None."""
-    hints = typing.get_type_hints(cls)
-    rows = []
-    for f in dataclasses.fields(cls):
-        if f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory
-        elif f.default is not dataclasses.MISSING:
-            default = (lambda value: lambda: value)(f.default)
-        else:
-            default = None
-        if f.name == "arrays":
-            rows.append((f.name, None, None))
-        else:
-            rows.append((f.name, _checker(hints[f.name]), default))
-    return tuple(rows)
-
-
-def _builder(cls: type[Message]) -> Callable[[dict[str, Any]], Message]:
-    """``cls(**fields)`` for ``fields`` naming every field, without the generated ``__init__`` when it
-    only stores them: a frozen dataclass sets each field through object.__setattr__, which cost as
-    much as all of a trajectory's header checks together; filling ``__dict__`` at once gives the
-    same object. A class with ``__post_init__`` or ``__slots__`` keeps its ``__init__``."""
-    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__"):
-        return lambda fields: cls(**fields)
-
-    def build(fields: dict[str, Any]) -> Message:
-        obj = object.__new__(cls)
-        obj.__dict__.update(fields)
-        return obj
-    return build
-
-
 _MISSING = object()
-_FIELDS = {cls: _field_table(cls) for cls in MESSAGE_TYPES.values()}
-_FIELD_NAMES = {cls: tuple(row[0] for row in rows) for cls, rows in _FIELDS.items()}
-_BUILD = {cls: _builder(cls) for cls in MESSAGE_TYPES.values()}
+_STR_KEYS = frozenset({str})
+_FIELDS = {cls: field_table(cls) for cls in MESSAGE_TYPES.values()}
+_FIELD_NAMES = {cls: table.names for cls, table in _FIELDS.items()}
+_BUILD = {cls: builder(cls) for cls in MESSAGE_TYPES.values()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,9 +304,9 @@ def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_ME
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
-    for key in header:
-        if type(key) is not str:
-            raise ProtocolError(f"header keys must be strings, got {key!r}")
+    if not _STR_KEYS.issuperset(map(type, header)):
+        key = next(k for k in header if type(k) is not str)
+        raise ProtocolError(f"header keys must be strings, got {key!r}")
     kind = header.get("kind")
     if type(kind) is not str or kind not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message kind {kind!r}")
@@ -416,7 +322,7 @@ def _fields(cls: type[Message], header: dict[str, Any], frames: Sequence[Any], m
     """
     fields: dict[str, Any] = {}
     present = 1  # "kind"
-    for name, check, default in _FIELDS[cls]:
+    for name, check, default in _FIELDS[cls].rows:
         value = header.get(name, _MISSING)
         if value is _MISSING:
             if default is None:
@@ -425,7 +331,7 @@ def _fields(cls: type[Message], header: dict[str, Any], frames: Sequence[Any], m
             continue
         present += 1
         if check is None:
-            fields[name] = check_arrays(value, frames[2:], max_message_bytes, views)
+            fields[name] = check_arrays(value, frames[2:], max_message_bytes, views, _LAYOUT_RULES.get(cls))
         elif type(value) is check or (type(check) is not type and check(value)):
             fields[name] = value
         else:
@@ -466,7 +372,8 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
     return {"kind": Trajectory.KIND, **_fields(Trajectory, header, frames, max_message_bytes, False)}
 
 
-_CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk}
+_CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory}
+_LAYOUT_RULES = {Trajectory: check_trajectory_layout}
 
 
 def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:

@@ -81,7 +81,7 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
                      f"({learner.get('updates_per_s', 0):.1f}/s, {learner.get('samples_per_s', 0):.0f} samples/s, "
                      f"waiting {100 * learner.get('wait_data_share', 0):.0f}%)  return "
                      f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
-                     f"stale {learner.get('dropped_stale')}")
+                     f"stale {learner.get('dropped_stale')} invalid {learner.get('dropped_invalid', 0)}")
     return lines
 
 

@@ -23,7 +23,7 @@ TAGS: dict[str, tuple[str, ...]] = {
     "charts": ("return_mean_20", "episodes", "sps", "policy_version"),
     "losses": ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm"),
     "perf": ("round_s", "update_s", "staleness_mean", "staleness_max", "lr", "batch_steps", "dropped_late",
-             "dropped_stale"),
+             "dropped_stale", "dropped_invalid"),
 }
 """Namespace -> metrics.csv columns logged under it as ``namespace/column``."""
 FLUSH_SECS = 10

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from operator import attrgetter
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
 
@@ -20,7 +20,7 @@ import zmq
 from zmq import Frame as ZmqFrame
 
 SIGNATURE = b"ZDRL"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
 
 MAX_HEADER_BYTES = 1 << 20
@@ -169,11 +169,25 @@ class Layout(NamedTuple):
 
 
 _DECODED: dict[bytes, Layout] = {}
+_RULED: dict[Any, dict[bytes, bool]] = {}
+"""Per kind rule: the packed layouts known to follow it."""
 _ENCODED: dict[tuple, bytes] = {}
 _DTYPE, _SHAPE, _NBYTES = attrgetter("dtype"), attrgetter("shape"), attrgetter("nbytes")
 _C_CONTIGUOUS = attrgetter("flags.c_contiguous")
 _PLAIN_ARRAY = frozenset({np.ndarray})  # exactly ndarray: a subclass goes through wire_array's np.asarray
 _WIRE_DTYPES = frozenset(DTYPE_NAMES)
+_last_encoded: tuple = ((), b"")
+"""(key, packed layout) of the last layout encode_arrays used: compared before any hashing."""
+_SOCKET_FRAMES = frozenset({ZmqFrame, bytes})  # what sockets deliver; len() is their size
+
+
+def forget_layouts() -> None:
+    """Empty the layout caches (tests that count layout checks start from nothing)."""
+    global _last_encoded
+    _DECODED.clear()
+    _RULED.clear()
+    _ENCODED.clear()
+    _last_encoded = ((), b"")
 
 
 def _remember(cache: dict, key: Any, value: Any) -> None:
@@ -196,14 +210,25 @@ def encode_arrays(kind: str, arrays: Mapping[str, Any], buffers: list[Any]) -> b
     if not (_PLAIN_ARRAY.issuperset(map(type, values)) and all(map(_C_CONTIGUOUS, values))):
         values = [_wire_ready(v) for v in values]
     key = (tuple(arrays), tuple(map(_DTYPE, values)), tuple(map(_SHAPE, values)))
-    blob = _ENCODED.get(key)
-    if blob is None:
-        if not _WIRE_DTYPES.issuperset(key[1]):  # big-endian or not a wire dtype: convert (or refuse)
-            values = [_wire_ready(v) for v in values]
-            key = (key[0], tuple(map(_DTYPE, values)), key[2])
-        blob = _pack_layout(kind, key)
+    last = _last_encoded  # one read: another thread may replace it meanwhile
+    if key == last[0]:  # a sender's next message usually has its last one's layout: no hashing
+        blob = last[1]
+    else:
+        blob = _ENCODED.get(key)
+        if blob is None:
+            if not _WIRE_DTYPES.issuperset(key[1]):  # big-endian or not a wire dtype: convert (or refuse)
+                values = [_wire_ready(v) for v in values]
+                key = (key[0], tuple(map(_DTYPE, values)), key[2])
+            blob = _pack_layout(kind, key)
+        _remember_last(key, blob)
     buffers += values
     return blob
+
+
+def _remember_last(key: tuple, blob: bytes) -> None:
+    global _last_encoded
+    if len(blob) <= MAX_CACHED_LAYOUT_BYTES and _ENCODED.get(key) is blob:  # only a kept (checked) layout
+        _last_encoded = (key, blob)
 
 
 def _wire_ready(value: Any) -> np.ndarray:
@@ -247,6 +272,18 @@ def layout_of(blob: Any) -> Layout:
     if len(blob) <= MAX_CACHED_LAYOUT_BYTES:
         _remember(_DECODED, blob, layout)
     return layout
+
+
+def _follows(rule: Callable[[Layout], None], blob: Any, layout: Layout) -> None:
+    """Raise unless ``layout`` follows a kind's ``rule``; a layout that does is remembered (per rule)."""
+    passed = _RULED.get(rule)
+    if passed is None:
+        passed = _RULED[rule] = {}
+    if type(blob) is bytes and blob in passed:
+        return
+    rule(layout)
+    if type(blob) is bytes and len(blob) <= MAX_CACHED_LAYOUT_BYTES:
+        _remember(passed, blob, True)
 
 
 def _check_specs(specs: Any) -> Layout:
@@ -297,22 +334,22 @@ def _frame_sizes(frames: Sequence[Any]) -> tuple[Sequence[Any], list[int]]:
     A socket's frames (all zmq.Frame, or all bytes) and encode's arrays (all wire-ready ndarrays) are
     read with one C-level pass each; any other mix goes frame by frame through frame_buffer's checks.
     """
-    kinds = set(map(type, frames))
-    if len(kinds) == 1:
-        kind = kinds.pop()
-        if kind is ZmqFrame or kind is bytes:
-            return frames, list(map(len, frames))
-        if kind is np.ndarray and all(map(_C_CONTIGUOUS, frames)) and _WIRE_DTYPES.issuperset(map(_DTYPE, frames)):
-            return frames, list(map(_NBYTES, frames))
+    if _SOCKET_FRAMES.issuperset(map(type, frames)):
+        return frames, list(map(len, frames))
+    if (_PLAIN_ARRAY.issuperset(map(type, frames)) and all(map(_C_CONTIGUOUS, frames))
+            and _WIRE_DTYPES.issuperset(map(_DTYPE, frames))):
+        return frames, list(map(_NBYTES, frames))
     pairs = [frame_buffer(f) for f in frames]
     return [buffer for buffer, _ in pairs], [size for _, size in pairs]
 
 
-def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views: bool) -> Any:
+def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views: bool,
+                 rule: Callable[[Layout], None] | None = None) -> Any:
     """Check the header's ``arrays`` value (a packed layout) against the array frames.
 
     Returns the arrays as zero-copy views over the frames if ``views``, else the layout's specs. The
-    layout's own checks run once per distinct layout (layout_of); the frames are checked every time.
+    layout's own checks run once per distinct layout (layout_of), and so do a kind's ``rule`` (which
+    arrays, dtypes, shapes; it raises ProtocolError) after the frames; the frames are checked every time.
     """
     layout = _DECODED.get(blob) if type(blob) is bytes else None
     if layout is None:
@@ -328,6 +365,8 @@ def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views
         name, dtype_name, shape = layout.specs[i]
         raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {sizes[i]} bytes, "
                             f"frame has {got[i]}")
+    if rule is not None:  # the kind's own rules, once the frames are known to fit the layout
+        _follows(rule, blob, layout)
     if not views:
         return layout.specs
     # np.ndarray over a buffer is np.frombuffer(buffer, dtype).reshape(shape) in one call.

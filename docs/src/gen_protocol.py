@@ -31,11 +31,10 @@ def traj():
         "trunc_idx": np.array([3], np.int64),
         "trunc_obs": np.array([[-1.5, 2.5]], f32),
         "trunc_value": np.array([0.75], f32),
-        "ep_returns": np.array([3.0, 500.0], f32),
-        "ep_lengths": np.array([3, 500], np.int32),
     }
     return P.Trajectory(run_id=RUN_ID, sender="actor-0", seq=7, policy_version=3, param_hash="0123456789abcdef",
-                        env_steps=4, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32})
+                        env_steps=4, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32},
+                        ep_returns=[3.0, 500.0], ep_lengths=[3, 500])
 
 def params(chunk_bytes=4 << 20, dtype="float32"):
     # obs [2], model.hidden [1], Discrete(2): pi 2 -> 1 -> 2 logits, v 2 -> 1 -> 1
@@ -78,9 +77,7 @@ EXAMPLES = [
                 "logp": np.full((1, 1), -0.5, np.float32), "values": np.zeros((1, 1), np.float32),
                 "rewards": np.ones((1, 1), np.float32), "terminated": np.zeros((1, 1), bool),
                 "truncated": np.zeros((1, 1), bool), "next_obs": np.zeros((1, 2), np.float32),
-                "next_value": np.zeros(1, np.float32), "trunc_idx": np.zeros(0, np.int64),
-                "trunc_obs": np.zeros((0, 2), np.float32), "trunc_value": np.zeros(0, np.float32),
-                "ep_returns": np.zeros(0, np.float32), "ep_lengths": np.zeros(0, np.int32)},
+                "next_value": np.zeros(1, np.float32)},
         info={"actor_id": 1, "num_envs": 1, "total_env_steps": 1})),
     ("stats", P.Stats(sender="actor-0", role="actor", stats={"env_steps": 36, "sps": 900.0, "comm_share": 0.125})),
     ("status_request", P.StatusRequest(peer_id="status")),

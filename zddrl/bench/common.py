@@ -43,36 +43,31 @@ _spawn = mp.get_context("spawn")
 
 
 def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The arrays ``zddrl.actor.collect`` sends for one rollout, summing to exactly ``payload_bytes``.
+    """The arrays ``zddrl.actor.collect`` sends for a typical rollout (no truncation in it), as close to
+    ``payload_bytes`` as their layout allows (observations fill it; under by less than one obs row per step).
 
-    Same names, dtypes and layout as an actor's (14 arrays: the per-message cost of the bus grows
-    with their number, so a single big array would flatter it). Observations fill the payload;
-    ``ep_returns`` (and a uint8 pad for sizes that are not a multiple of 4) take the last bytes.
+    Same names, dtypes and layout as an actor's (9 arrays: the per-message cost of the bus grows with
+    their number, so a single big array would flatter it).
     """
     rng = np.random.default_rng(seed)
     T, N = T_STEPS, N_ENVS
-    fixed = T * N * (8 + 3 * 4 + 2) + N * 4 + 4  # per-step arrays, next_value, one episode length
-    dim = (payload_bytes - fixed - 4) // (4 * (T * N + N))
+    fixed = T * N * (8 + 3 * 4 + 2) + N * 4  # actions, logp/values/rewards, terminated/truncated, next_value
+    dim = (payload_bytes - fixed) // (4 * (T * N + N))
     if dim < 1:
         raise ValueError(f"payload {payload_bytes} B is too small for a trajectory (>= 2048 B)")
-    tail = payload_bytes - fixed - 4 * dim * (T * N + N)
     f32 = np.float32
-    arrays = {"obs": rng.standard_normal((T, N, dim), f32), "actions": rng.integers(0, 2, (T, N), np.int64),
-              "logp": rng.standard_normal((T, N), f32), "values": rng.standard_normal((T, N), f32),
-              "rewards": np.ones((T, N), f32), "terminated": np.zeros((T, N), bool),
-              "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, dim), f32),
-              "next_value": np.zeros(N, f32), "trunc_idx": np.zeros(0, np.int64),
-              "trunc_obs": np.zeros((0, dim), f32), "trunc_value": np.zeros(0, f32),
-              "ep_returns": np.full(tail // 4, 20.0, f32), "ep_lengths": np.full(1, 20, np.int32)}
-    if tail % 4:
-        arrays["pad"] = np.zeros(tail % 4, np.uint8)
-    assert sum(a.nbytes for a in arrays.values()) == payload_bytes
-    return arrays
+    return {"obs": rng.standard_normal((T, N, dim), f32), "actions": rng.integers(0, 2, (T, N), np.int64),
+            "logp": rng.standard_normal((T, N), f32), "values": rng.standard_normal((T, N), f32),
+            "rewards": np.ones((T, N), f32), "terminated": np.zeros((T, N), bool),
+            "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, dim), f32),
+            "next_value": np.zeros(N, f32)}
 
 
 def trajectory(run_id: str, seq: int, arrays: dict[str, np.ndarray]) -> P.Trajectory:
+    """A trajectory as an actor sends it; two episodes ended in it (their figures ride in the header)."""
     return P.Trajectory(run_id=run_id, sender=SENDER_ID, seq=seq, policy_version=0, param_hash="0" * 16,
-                        env_steps=T_STEPS * N_ENVS, arrays=arrays, info={"total_env_steps": seq * T_STEPS * N_ENVS})
+                        env_steps=T_STEPS * N_ENVS, arrays=arrays, info={"total_env_steps": seq * T_STEPS * N_ENVS},
+                        ep_returns=[21.0, 34.0], ep_lengths=[21, 34])
 
 
 def parameters(run_id: str, version: int, flat: np.ndarray) -> P.Parameters:

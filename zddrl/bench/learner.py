@@ -54,10 +54,7 @@ def _synthetic(sender: int, update: int, T: int, N: int) -> P.Trajectory:
     arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
               "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
               "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,
-              "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32), "next_value": np.zeros(N, np.float32),
-              "trunc_idx": np.zeros(0, np.int64), "trunc_obs": np.zeros((0, 4), np.float32),
-              "trunc_value": np.zeros(0, np.float32), "ep_returns": np.zeros(0, np.float32),
-              "ep_lengths": np.zeros(0, np.int32)}
+              "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32), "next_value": np.zeros(N, np.float32)}
     return P.Trajectory(run_id="bench", sender=f"actor-{sender}", seq=update, policy_version=update, param_hash="",
                         env_steps=T * N, arrays=arrays)
 
