@@ -175,6 +175,42 @@ def fast_broker(procs: Procs, tmp_path: Path) -> ProfiledBroker:
 # ------------------------------------------------------------------------------------------------
 
 
+def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(broker: BrokerHandle,
+                                                                                bus: Bus) -> None:
+    """DataChannel grants at most ``window`` trajectories ahead, and once they are big, as many as fit in
+    WINDOW_BYTES (never fewer than MIN_WINDOW): everything still arrives, exactly once, in order."""
+    from zddrl.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
+
+    link = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
+    assert link.wait_welcome(WAIT_S) is not None
+    channel = DataChannel(bus.ctx, link, "learner-0", link.welcome.max_message_bytes, window=8)
+    try:
+        channel.send(parameters("run-a", 0))
+        wait_for(lambda: status(broker, bus)["members"]["learner-0"]["credit"] == 8, WAIT_S, "the first grant")
+        actor = Pusher(bus, broker, "actor-0")
+        big = 3 << 20  # obs and next_obs of 3 MiB each: ~6 MiB a trajectory, 2 would fit in 16 MiB
+        for seq in range(16):
+            assert actor.send(trajectory("run-a", "actor-0", seq, nbytes=big))
+        got, deadline, ahead = [], time.monotonic() + 4 * WAIT_S, []
+        while len(got) < 16:
+            assert time.monotonic() < deadline, f"only {len(got)} of 16 arrived"
+            msg = channel.recv(50)
+            if isinstance(msg, P.Trajectory):
+                got.append(msg.seq)
+                channel.ack()
+                ahead.append(channel.outstanding)
+        assert got == list(range(16))
+        assert channel.window == MIN_WINDOW == max(MIN_WINDOW, WINDOW_BYTES // channel.last_bytes)
+        assert ahead[0] == 7 and max(ahead[7:]) <= MIN_WINDOW  # the first window runs out, no new one is as big
+        wait_for(lambda: status(broker, bus)["members"]["learner-0"]["credit"] == channel.outstanding, WAIT_S,
+                 "the broker to hold exactly the credit the channel granted and has not used")
+        b = counters(broker, bus)
+        assert b["received"] == b["forwarded"] == 16 and b["accounted"] is True
+    finally:
+        channel.close()
+
+
+
 def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: BrokerHandle, bus: Bus) -> None:
     n = 60
     l0 = start_run(bus, broker)

@@ -9,42 +9,38 @@ Three measurements, each against a reference measured in the same run:
 * latency of a parameter broadcast (learner -> broker -> N subscribers holding the verified
   version);
 * encode + decode of a trajectory (1 MiB, the target, and 8 MiB): zddrl raw frames vs pickle vs
-  msgpack-numpy, in this process before any worker starts.
+  msgpack-numpy, in this process before any worker starts (zddrl.bench.codec).
 
 Senders, receivers and the broker use the real zddrl code (protocol.encode/decode, BrokerLink,
-Broker); only the learner's credit loop is re-implemented (see common.receiver_main).
+Broker, and on the broker path the learner's DataChannel with its credit policy).
 """
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import statistics
 import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import click
-import msgpack
-import msgpack_numpy
 import numpy as np
 import zmq
 from loguru import logger
 
 from .. import protocol as P
+from ..channel import WINDOW_BYTES
 from ..status import request_status
 from ..train import free_ports
 from . import common as C
+from .codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
 
 PATHS = ("direct", "proxy", "broker")
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
 RATIO_TARGET, RATIO_FROM_BYTES = 0.9, 65536
-CODEC_TARGET, CODEC_PAYLOAD = 10.0, 1 << 20
-CODEC_SIZES = (CODEC_PAYLOAD, 8 << 20)
-"""The target is judged at 1 MiB; 8 MiB shows how the gap grows with size (zddrl's cost does not)."""
 FIRST_MSG_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.15
 """A lane counts as drained once its receiver saw nothing new for this long."""
@@ -81,9 +77,8 @@ class ThroughputRig:
     """
 
     def __init__(self, workers: C.Workers, payloads: list[int], broker_spec: str,
-                 regrant_every: int = C.REGRANT_EVERY, window: int = C.CREDIT_WINDOW) -> None:
+                 window: int = C.CREDIT_WINDOW) -> None:
         self.workers = workers
-        self.regrant_every = regrant_every
         self.window = window
         self.payloads = payloads
         self.broker_spec = broker_spec
@@ -104,7 +99,7 @@ class ThroughputRig:
     def _start_lane(self, path: str, send_to: str, receive_at: str, control: str | None) -> Lane:
         lane = Lane(path, C.shared_mode(), C.Counters())
         self.workers.start(f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters,
-                           self.regrant_every, self.window)
+                           self.window)
         self.workers.start(f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode)
         self.lanes[path] = lane
         return lane
@@ -160,8 +155,8 @@ class ThroughputRig:
 
 
 def run_throughput(workers: C.Workers, payloads: list[int], rounds: int, seconds: float, broker_spec: str,
-                   regrant_every: int, window: int = C.CREDIT_WINDOW) -> tuple[list[dict], list[dict], dict]:
-    rig = ThroughputRig(workers, payloads, broker_spec, regrant_every, window)
+                   window: int = C.CREDIT_WINDOW) -> tuple[list[dict], list[dict], dict]:
+    rig = ThroughputRig(workers, payloads, broker_spec, window)
     rig.start()
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in PATHS for b in payloads}
     for r in range(rounds):
@@ -278,60 +273,6 @@ def _wait_versions(workers: C.Workers, slots: Any, count: int, version: int) -> 
 
 
 # --------------------------------------------------------------------------------------------
-# Codec
-# --------------------------------------------------------------------------------------------
-
-
-def run_codec(payload: int = CODEC_PAYLOAD, repeats: int = 7) -> list[dict]:
-    """Encode + decode of one trajectory; repeats interleave the codecs so noise hits all alike."""
-    msg = C.trajectory("bench-codec", 1, C.trajectory_arrays(payload))
-    as_dict = {"kind": msg.KIND, "run_id": msg.run_id, "sender": msg.sender, "seq": msg.seq,
-               "policy_version": msg.policy_version, "param_hash": msg.param_hash, "env_steps": msg.env_steps,
-               "arrays": dict(msg.arrays), "info": msg.info}
-    codecs: dict[str, Callable[[], object]] = {
-        "zddrl": lambda: P.decode(P.encode(msg)),
-        # The baseline the issue names: pickle round trip of the same arrays, in this process only (nothing
-        # here comes off a socket; zddrl never unpickles wire data).
-        "pickle": lambda: pickle.loads(pickle.dumps(as_dict, protocol=pickle.HIGHEST_PROTOCOL)),
-        # Local only: msgpack-numpy never decodes anything that came off a socket.
-        "msgpack-numpy": lambda: msgpack.unpackb(msgpack.packb(as_dict, default=msgpack_numpy.encode),
-                                                 object_hook=msgpack_numpy.decode),
-    }
-    _warm_allocator()
-    loops = {name: _calibrate(fn) for name, fn in codecs.items()}
-    times: dict[str, list[float]] = {name: [] for name in codecs}
-    for _ in range(repeats):
-        for name, fn in codecs.items():
-            t0 = time.perf_counter()
-            for _ in range(loops[name]):
-                fn()
-            times[name].append((time.perf_counter() - t0) / loops[name])
-    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
-    return [{"codec": name, "payload_bytes": payload, "encode_decode_us": round(v, 2),
-             "x_slower_than_zddrl": round(v / us["zddrl"], 2)} for name, v in us.items()]
-
-
-def _warm_allocator() -> None:
-    """Put glibc's malloc in the state of a long-running process before timing the copying codecs.
-
-    In a fresh process every MiB-sized buffer pickle or msgpack allocates is a new mmap (page
-    faults: pickle of 1 MiB then takes ~0.5 ms instead of ~0.08 ms); once a big block has been freed,
-    malloc raises its mmap threshold and serves them from the heap. Which state the timings see
-    would depend on what ran before, so pin the warm one: it is the copying codecs' best case.
-    """
-    block = bytearray(16 << 20)
-    del block
-
-
-def _calibrate(fn: Callable[[], object], batch_s: float = 0.02) -> int:
-    """Loops per timed batch so that one batch takes about ``batch_s`` (timer noise stays small)."""
-    t0 = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - t0, 1e-7)
-    return max(1, int(batch_s / once))
-
-
-# --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 
@@ -345,14 +286,13 @@ def _size(n: int) -> str:
 
 def _targets(ratios: list[dict], codec: list[dict]) -> dict[str, Any]:
     judged = [r for r in ratios if r["met"] is not None]
-    pickle_x = next(r["x_slower_than_zddrl"] for r in codec
-                    if r["codec"] == "pickle" and r["payload_bytes"] == CODEC_PAYLOAD)
+    pickle_x = codec_ratio(codec, "fresh")
     return {
         "broker_vs_proxy": {"threshold": RATIO_TARGET, "from_payload_bytes": RATIO_FROM_BYTES,
                             "worst": min((r["broker_over_proxy"] for r in judged), default=None),
                             "met": all(r["met"] for r in judged) if judged else None},
-        "codec_vs_pickle": {"threshold": CODEC_TARGET, "payload_bytes": CODEC_PAYLOAD, "ratio": pickle_x,
-                            "met": pickle_x >= CODEC_TARGET},
+        "codec_vs_pickle": {"threshold": CODEC_TARGET, "payload_bytes": CODEC_PAYLOAD, "data": "fresh",
+                            "ratio": pickle_x, "met": pickle_x >= CODEC_TARGET, "hot_ratio": codec_ratio(codec, "hot")},
     }
 
 
@@ -382,38 +322,34 @@ def format_report(report: dict[str, Any]) -> str:
     out.append(_table(["size", "subscribers", "median ms", "min ms", "max ms", "reps"],
                       [[_size(r["payload_bytes"]), str(r["subscribers"]), f"{r['latency_ms']:.2f}",
                         f"{r['min_ms']:.2f}", f"{r['max_ms']:.2f}", str(r["reps"])] for r in report["broadcast"]]))
-    out += ["", "Encode + decode of one trajectory, 14 arrays (zddrl decodes to zero-copy views)"]
-    out.append(_table(["payload", "codec", "us", "x zddrl"],
-                      [[_size(r["payload_bytes"]), r["codec"], f"{r['encode_decode_us']:.1f}",
-                        f"{r['x_slower_than_zddrl']:.1f}"] for r in report["codec"]]))
+    out += ["", "Encode + decode per trajectory, 9 arrays (zddrl decodes received frames to zero-copy views); "
+                "fresh: a stream of distinct trajectories, hot: one trajectory again and again",
+            format_rows(report["codec"])]
     t = report["targets"]
     worst = t["broker_vs_proxy"]["worst"]
     out += ["", f"Targets: broker >= {RATIO_TARGET}x proxy from {_size(RATIO_FROM_BYTES)}: "
                 f"{_met(t['broker_vs_proxy']['met'])} (worst {worst if worst is None else f'{worst:.2f}x'}); "
                 f"codec >= {CODEC_TARGET:g}x faster than pickle at {_size(CODEC_PAYLOAD)}: "
                 f"{_met(t['codec_vs_pickle']['met'])} "
-                f"({t['codec_vs_pickle']['ratio']:.1f}x)",
+                f"({t['codec_vs_pickle']['ratio']:.1f}x fresh, {t['codec_vs_pickle']['hot_ratio']:.1f}x hot)",
             f"Broker counters: {report['broker_counters']}   wall {report['wall_s']:.1f} s"]
     return "\n".join(out)
 
 
 def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int], counts: list[int],
-              broker_spec: str = C.DEFAULT_BROKER, regrant_every: int | None = None,
-              window: int = C.CREDIT_WINDOW) -> dict[str, Any]:
-    regrant_every = regrant_every or max(window // 2, 1)
+              broker_spec: str = C.DEFAULT_BROKER, window: int = C.CREDIT_WINDOW) -> dict[str, Any]:
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
     with C.Workers() as workers:
-        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, regrant_every,
-                                                   window)
+        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, window)
     with C.Workers() as workers:
         broadcast = run_broadcast(workers, sizes, counts, broker_spec)
     if counters.get("dropped") and sum(counters["dropped"].values()):
         logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
     return {"bench": "bus",
             "settings": {"seconds": seconds, "rounds": rounds, "payloads": payloads, "hwm": C.HWM,
-                         "credit_window": window, "regrant_every": regrant_every,
-                         "broker": broker_spec, "cpus": os.cpu_count()},
+                         "credit_window": window, "window_bytes": WINDOW_BYTES, "broker": broker_spec,
+                         "cpus": os.cpu_count()},
             "results": results, "ratios": ratios, "broadcast": broadcast, "codec": codec,
             "targets": _targets(ratios, codec), "broker_counters": counters,
             "wall_s": round(time.monotonic() - t0, 1)}
@@ -445,15 +381,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--broker-impl", default=C.DEFAULT_BROKER, show_default=True, hidden=True,
               help="module:Class of the broker to measure (for prototypes).")
 @click.option("--credit-window", "window", type=click.IntRange(1, 1 << 20), default=C.CREDIT_WINDOW, show_default=True,
-              hidden=True, help="Credit the bench learner grants (the learner's sync-mode window by default).")
-@click.option("--regrant-every", type=click.IntRange(1, 1 << 20), default=None, hidden=True,
-              help="Credit the bench learner returns at once (default: half the window, as DataChannel.ack does).")
+              hidden=True, help="Most credit the bench learner grants (the learner's sync-mode window by default).")
 def bus(as_json: bool, seconds: float, rounds: int, payloads: list[int], sizes: list[int], counts: list[int],
-        broker_impl: str, window: int, regrant_every: int | None) -> None:
+        broker_impl: str, window: int) -> None:
     """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
     # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    if regrant_every is not None and regrant_every > window:
-        raise click.BadParameter(f"cannot return {regrant_every} credits at once from a window of {window}")
-    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, regrant_every, window)
+    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, window)
     click.echo(json.dumps(report) if as_json else format_report(report))

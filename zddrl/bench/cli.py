@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from .bus import bus
+from .codec import codec
 from .learner import learner
 from .sample import sample
 from .train import train
@@ -11,10 +12,11 @@ from .train import train
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, sample, train, learner. Each prints a table, or JSON with --json."""
+    """Benchmarks: bus, codec, sample, train, learner. Each prints a table, or JSON with --json."""
 
 
 bench.add_command(bus)
+bench.add_command(codec)
 bench.add_command(learner)
 bench.add_command(sample)
 bench.add_command(train)

@@ -24,8 +24,6 @@ from ..channel import CREDIT_WINDOW
 
 HWM = 16
 """Queue depth of every bench socket: BrokerConfig.trajectory_hwm, so all paths buffer alike."""
-REGRANT_EVERY = CREDIT_WINDOW // 2
-"""Credit goes back in batches of half the window, as the learner's DataChannel.ack does (--regrant-every)."""
 IO_TIMEOUT_MS = 100
 """Blocking socket calls give up after this so that workers notice a new mode promptly."""
 T_STEPS, N_ENVS = 16, 4
@@ -245,48 +243,50 @@ def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[
 
 
 def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, counters: Counters,
-                  regrant_every: int = REGRANT_EVERY, window: int = CREDIT_WINDOW) -> None:
-    """The learner end: decode every message and count it; on the broker path, grant credit."""
+                  window: int = CREDIT_WINDOW) -> None:
+    """The learner end: decode every message and count it. On the broker path it is a learner shard's
+    data channel (zddrl.channel.DataChannel: the same credit policy, the same decode)."""
     ctx = _setup("bench-receiver")
-    link = None
-    if path == "broker":
-        # Same order as LearnerNode.run: hello (starts the run), then the data DEALER, credit, v0.
-        link = _link(control, make_hello("learner", LEARNER_ID, run_id))
-        sock = _socket(ctx, zmq.DEALER, RCVHWM=0, RCVTIMEO=IO_TIMEOUT_MS)
-        sock.setsockopt(zmq.IDENTITY, LEARNER_ID.encode())
-        sock.connect(endpoint)
-        sock.send_multipart(P.encode(P.Credit(sender=LEARNER_ID, credit=window)))
-        sock.send_multipart(P.encode(parameters(run_id, 0, np.zeros(16, np.float32))), copy=False)
-    else:
+    if path != "broker":
         sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
         if path == "direct":
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
+        _count(lambda: _recv_decoded(sock), counters)
+        return
+    from ..channel import DataChannel
+
+    # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
+    link = _link(control, make_hello("learner", LEARNER_ID, run_id))
     try:
-        _receive_loop(sock, regrant_every if path == "broker" else 0, counters)
+        channel = DataChannel(ctx, link, LEARNER_ID, link.welcome.max_message_bytes, window)
+        channel.send(parameters(run_id, 0, np.zeros(16, np.float32)))
+
+        def receive() -> P.Message | None:
+            msg = channel.recv(IO_TIMEOUT_MS)
+            if isinstance(msg, P.Trajectory):
+                channel.ack()
+            return msg
+        _count(receive, counters)
     finally:
-        if link is not None:
-            link.close()
+        link.close()
 
 
-def _receive_loop(sock: zmq.Socket, regrant_every: int, counters: Counters) -> None:
-    """Count decoded trajectories; with ``regrant_every`` > 0, return credit every that many."""
-    n = nbytes = owed = 0
-    regrant = P.encode(P.Credit(sender=LEARNER_ID, credit=max(regrant_every, 1)))
+def _recv_decoded(sock: zmq.Socket) -> P.Message | None:
+    try:
+        return P.decode(sock.recv_multipart(copy=False))
+    except zmq.Again:
+        return None
+
+
+def _count(receive: Callable[[], P.Message | None], counters: Counters) -> None:
+    """Count the decoded trajectories ``receive`` returns (None: nothing yet)."""
+    n = nbytes = 0
     while True:
-        try:
-            frames = sock.recv_multipart(copy=False)
-        except zmq.Again:
-            continue
-        msg = P.decode(frames)
+        msg = receive()
         if not isinstance(msg, P.Trajectory):
             continue
-        if regrant_every:
-            owed += 1
-            if owed >= regrant_every:
-                sock.send_multipart(regrant)
-                owed = 0
         n += 1
         nbytes += sum(a.nbytes for a in msg.arrays.values())
         counters.publish(n, nbytes, time.monotonic())
