@@ -6,6 +6,7 @@ from loguru import logger
 
 from . import protocol as P
 from .client import BrokerLink
+from .wire import NOBLOCK, recv_frames
 
 CREDIT_WINDOW = 64
 """Most trajectories a shard lets the broker send ahead of what it has consumed (sync mode; async modes
@@ -25,7 +26,8 @@ class DataChannel:
     """The shard's DEALER on the broker's learner socket: credit out, trajectories in, parameters out.
 
     Credit is granted by the message and bounded twice: ``window`` trajectories, and as many as fit in
-    WINDOW_BYTES at the size of the last one received (never below MIN_WINDOW).
+    WINDOW_BYTES at the size of the last one received (that bound never below MIN_WINDOW; a smaller
+    ``window`` stays as it is).
     """
 
     def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int,
@@ -61,9 +63,10 @@ class DataChannel:
         """One received trajectory consumed: credit goes back once half the window is used (one
         credit message per trajectory would double the broker's message rate for nothing), up to a
         window sized by the last trajectory's bytes."""
-        self.outstanding -= 1
+        # Floored: a trajectory the broker sent before a re-welcome reset its count used no credit granted since.
+        self.outstanding = max(0, self.outstanding - 1)
         if self.last_bytes:
-            self.window = max(MIN_WINDOW, min(self.max_window, WINDOW_BYTES // self.last_bytes))
+            self.window = min(self.max_window, max(MIN_WINDOW, WINDOW_BYTES // self.last_bytes))
         missing = self.window - self.outstanding
         if missing * 2 >= self.window:
             self.grant(missing)
@@ -72,10 +75,14 @@ class DataChannel:
         self.sock.send_multipart(P.encode(msg), copy=False)
 
     def recv(self, timeout_ms: int) -> P.Message | None:
-        if not self.sock.poll(timeout_ms):
-            return None
-        frames = self.sock.recv_multipart(copy=False)
-        self.last_bytes = P.message_nbytes(frames)
+        try:  # what is queued already comes without a poll (one system call and a wake-up less per message)
+            frames = recv_frames(self.sock, NOBLOCK)
+        except zmq.Again:
+            if not self.sock.poll(timeout_ms):
+                return None
+            frames = recv_frames(self.sock)
+        if len(frames) > 2:  # carries arrays: a trajectory, whose size sets the window
+            self.last_bytes = sum(map(len, frames))
         try:
             return P.decode(frames, self.max_message_bytes)
         except P.ProtocolError as exc:

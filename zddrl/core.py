@@ -5,10 +5,12 @@ Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trac
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
 import torch
+from loguru import logger
 
 from .config import Config
 from .envs import EnvSpec
@@ -145,6 +147,8 @@ class LearnerCore:
         self.obs_rms = RunningMeanStd(spec.obs_shape) if config.algo.normalize_obs else None
         self.reward_scaler = RewardScaler(config.algo.gamma) if config.algo.normalize_reward else None
         self.steps_trained = 0
+        self.skipped_steps = 0
+        """Optimizer steps not taken because the gradient was not finite."""
 
     def update(self, trajectories) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -195,9 +199,15 @@ class LearnerCore:
                 p.grad = torch.zeros_like(p)
         if self.group.average_gradients(params, weight) == 0:
             return None
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            # One poisoned sample (a finite but absurd log-probability, say) must not turn every weight into
+            # NaN for good. Gradients are all-reduced, so every shard sees the same norm and skips alike.
+            self.skipped_steps += 1
+            logger.warning(f"skipped an optimizer step: gradient norm {grad_norm} ({self.skipped_steps} so far)")
+            return None
         self.optimizer.step()
-        return float(grad_norm)
+        return grad_norm
 
     def state(self) -> dict:
         """Everything an update depends on, as tensors and plain values (``weights_only`` loadable)."""

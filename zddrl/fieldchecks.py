@@ -153,9 +153,10 @@ def check_trajectory_layout(layout: Layout) -> None:
     if present:
         if len(present) != len(TRUNCATION_ARRAYS):
             raise ProtocolError(f"trajectory: {present} without the rest of {list(TRUNCATION_ARRAYS)}")
-        k = arrays["trunc_idx"][1][:1]
-        if k == (0,):
+        k = arrays["trunc_idx"][1]
+        if len(k) == 1 and k[0] == 0:
             raise ProtocolError("trajectory: truncation arrays of no truncation (K = 0): leave them out")
+        k = k if len(k) == 1 else (1,)  # a trunc_idx of another rank is refused by need() below
         need("trunc_idx", _I64, k)
         need("trunc_obs", _F32, k + observation)
         need("trunc_value", _F32, k)

@@ -310,7 +310,10 @@ class LearnerNode(RunLedger):
     def _mismatch(self, msg: P.Trajectory) -> str:
         """Why this run cannot train on ``msg`` (rollouts.mismatch), or "". IMPALA stacks rollouts
         time-major, so there every one must have the run's length."""
-        return mismatch(msg.arrays, self.core.spec, self.rollout_len if self.algo.mode == "impala" else None)
+        try:
+            return mismatch(msg.arrays, self.core.spec, self.rollout_len if self.algo.mode == "impala" else None)
+        except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it, never the run
+            return f"its check failed ({type(exc).__name__}: {exc})"
 
     def _train(self, batch: list[P.Trajectory], round_s: float,
                staleness: float = 0.0) -> tuple[dict[str, float], float]:

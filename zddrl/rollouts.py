@@ -16,6 +16,8 @@ from .envs import EnvSpec
 
 _NO_INDEX = np.zeros(0, dtype=np.int64)
 _NO_VALUE = np.zeros(0, dtype=np.float32)
+LOGP_SLACK = 1e-3
+"""A categorical log-probability is at most 0; float32 rounding may put it a hair above."""
 _FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value")
 
 
@@ -43,13 +45,18 @@ def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int |
     if spec.discrete:
         if actions.ndim != 2:
             return f"continuous actions {list(actions.shape)} for a discrete action space"
-        if actions.size and (actions.min() < 0 or actions.max() >= spec.action_dim):
+        if actions.min() < 0 or actions.max() >= spec.action_dim:
             return f"actions outside 0..{spec.action_dim - 1}"
+        if arrays["logp"].max() > LOGP_SLACK:
+            return "positive log-probabilities of discrete actions"
     elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
         return f"actions of shape {list(actions.shape)}, the run's env needs [T, N, {spec.action_dim}]"
     index = arrays.get("trunc_idx")
-    if index is not None and (index.min() < 0 or index.max() >= T * N or len(np.unique(index)) != len(index)):
-        return f"truncation indices outside 0..{T * N - 1} or repeated"
+    if index is not None:
+        if index.min() < 0 or index.max() >= T * N or len(np.unique(index)) != len(index):
+            return f"truncation indices outside 0..{T * N - 1} or repeated"
+        if not (arrays["truncated"].reshape(-1)[index] & ~arrays["terminated"].reshape(-1)[index]).all():
+            return "truncation indices of steps that were not truncated (or were terminated)"
     for name in (*_FLOAT_ARRAYS, *(("actions",) if not spec.discrete else ())):
         a = arrays.get(name)
         if a is not None and a.size and not np.isfinite(a).all():

@@ -1,0 +1,87 @@
+"""What a learner checks of a decoded trajectory before training on it (zddrl.rollouts), and the
+optimizer step a poisoned batch can no longer take (LearnerCore.step_optimizer)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from zddrl import protocol as P
+from zddrl.config import Config
+from zddrl.envs import EnvSpec
+from zddrl.ppo import PPOLearner
+from zddrl.rollouts import mismatch, truncations
+
+from test_protocol import traj, traj_arrays
+
+CARTPOLE = EnvSpec((3,), True, 2)  # traj_arrays' observations have 3 numbers, its actions are 0/1
+BOX = EnvSpec((3,), False, 2, action_low=(-1.0, -1.0), action_high=(1.0, 1.0))
+
+
+def with_(K: int = 0, discrete: bool = True, **changes: np.ndarray) -> dict:
+    arrays = traj_arrays(K=K, discrete=discrete)
+    arrays["logp"] = -np.abs(arrays["logp"])  # a categorical log-probability is <= 0
+    if K:
+        arrays["truncated"].reshape(-1)[arrays["trunc_idx"]] = True
+        arrays["terminated"].reshape(-1)[arrays["trunc_idx"]] = False
+    return {**arrays, **changes}
+
+
+def test_valid_trajectories_fit() -> None:
+    assert mismatch(with_(), CARTPOLE) == "" == mismatch(with_(K=2), CARTPOLE)
+    assert mismatch(with_(discrete=False), BOX) == ""
+    assert mismatch(with_(), CARTPOLE, rollout_len=2) == ""
+    decoded = P.decode(P.encode(traj(arrays=with_(K=1)))).arrays  # read-only views off the wire work too
+    assert mismatch(decoded, CARTPOLE) == ""
+
+
+F32 = np.float32
+
+
+@pytest.mark.parametrize("arrays,spec,why", [
+    (with_(obs=np.zeros((2, 2, 4), F32), next_obs=np.zeros((2, 4), F32)), CARTPOLE, "observations of shape [4]"),
+    (with_(discrete=False), CARTPOLE, "continuous actions [2, 2, 2] for a discrete action space"),
+    (with_(actions=np.array([[0, 1], [2, 0]])), CARTPOLE, "actions outside 0..1"),
+    (with_(actions=np.array([[0, -1], [1, 0]])), CARTPOLE, "actions outside 0..1"),
+    (with_(logp=np.full((2, 2), 0.5, F32)), CARTPOLE, "positive log-probabilities"),
+    (with_(), BOX, "actions of shape [2, 2], the run's env needs [T, N, 2]"),
+    (with_(discrete=False, actions=np.zeros((2, 2, 3), F32)), BOX, "needs [T, N, 2]"),
+    (with_(rewards=np.array([[1, np.nan], [1, 1]], F32)), CARTPOLE, "non-finite values in 'rewards'"),
+    (with_(obs=np.full((2, 2, 3), np.inf, F32)), CARTPOLE, "non-finite values in 'obs'"),
+    (with_(discrete=False, actions=np.full((2, 2, 2), np.nan, F32)), BOX, "non-finite values in 'actions'"),
+    (with_(K=1, trunc_value=np.array([np.nan], F32)), CARTPOLE, "non-finite values in 'trunc_value'"),
+    (with_(K=1, trunc_idx=np.array([4])), CARTPOLE, "truncation indices outside 0..3"),
+    (with_(K=1, trunc_idx=np.array([-1])), CARTPOLE, "truncation indices outside 0..3"),
+    (with_(K=2, trunc_idx=np.array([1, 1])), CARTPOLE, "or repeated"),
+    (with_(K=1, truncated=np.zeros((2, 2), bool)), CARTPOLE, "of steps that were not truncated"),
+])
+def test_what_a_run_cannot_train_on_is_named(arrays: dict, spec: EnvSpec, why: str) -> None:
+    assert why in mismatch(arrays, spec)
+
+
+def test_impala_needs_the_runs_rollout_length() -> None:
+    assert mismatch(with_(), CARTPOLE, rollout_len=3) == "a rollout of 2 steps, the run's rollouts have 3"
+
+
+def test_truncations_are_empty_when_the_trajectory_carries_none() -> None:
+    idx, obs, value = truncations(with_())
+    assert idx.dtype == np.int64 and idx.shape == (0,) and obs.shape == (0, 3) and value.shape == (0,)
+    arrays = with_(K=2)
+    idx, obs, value = truncations(arrays)
+    assert idx is arrays["trunc_idx"] and obs is arrays["trunc_obs"] and value is arrays["trunc_value"]
+
+
+def test_a_step_with_a_non_finite_gradient_is_skipped_not_taken() -> None:
+    """A behaviour log-probability of -1e30 is finite and <= 0, so it passes mismatch; in sync PPO the
+    probability ratio to it overflows, and with a negative advantage the clipped surrogate is -inf. The
+    step is skipped and counted; the weights stay finite. (Async PPO's rho_bar clips such a ratio.)"""
+    config = Config().replace({"algo.mode": "sync", "algo.epochs": 1, "algo.minibatches": 1})
+    core = PPOLearner(config, EnvSpec((3,), True, 2))
+    before = [p.detach().clone() for p in core.model.parameters()]
+    arrays = with_(logp=np.full((2, 2), -1e30, F32))
+    assert mismatch(arrays, CARTPOLE) == ""
+    core.update([traj(arrays=arrays)])
+    assert core.skipped_steps >= 1
+    for old, new in zip(before, core.model.parameters()):
+        assert torch.isfinite(new).all()
+        torch.testing.assert_close(old, new)  # no step was taken
