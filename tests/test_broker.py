@@ -286,6 +286,55 @@ def test_credit_release_keeps_each_senders_order(broker: BrokerHandle, bus: Bus)
         assert [t.seq for t in shard.trajectories() if t.sender == a.peer_id] == list(range(30))
 
 
+class ControlClient:
+    """An actor's control socket by hand (a DEALER): hello, then every credit message the broker sends it."""
+
+    def __init__(self, bus: Bus, broker: BrokerHandle, peer_id: str) -> None:
+        self.sock = bus.socket(zmq.DEALER)
+        self.sock.connect(broker.connect)
+        self.sock.send_multipart(P.encode(P.Hello(role="actor", peer_id=peer_id, num_envs=2)))
+        self.credits: list[int] = []
+        self.welcome = self._next(P.Welcome)
+
+    def _next(self, kind: type) -> P.Message:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            if self.sock.poll(50):
+                msg = P.decode(self.sock.recv_multipart())
+                if isinstance(msg, P.Credit):
+                    self.credits.append(msg.credit)
+                if isinstance(msg, kind):
+                    return msg
+        pytest.fail(f"no {kind.KIND} from the broker")
+
+    def credit_until(self, total: int) -> list[int]:
+        while sum(self.credits) < total:
+            self._next(P.Credit)
+        return self.credits
+
+
+@pytest.mark.parametrize("max_in_flight,batch", [(2, 1), (8, 4)])
+def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Procs, tmp_path: Path, bus: Bus,
+                                                                      max_in_flight: int, batch: int) -> None:
+    """The run's algo.max_in_flight sets the batch; what a batch leaves pending goes back with the next
+    heartbeat, so every trajectory's credit returns and no actor waits more than a beat for it."""
+    broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()
+    shard = start_run(bus, broker, max_in_flight=max_in_flight)
+    shard.grant(100)
+    actor = ControlClient(bus, broker, "actor-0")
+    push = bus.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{actor.welcome.ports['trajectories']}")
+    sent = 2 * batch + 1  # two whole batches and one left over
+    for seq in range(sent):
+        push.send_multipart(P.encode(trajectory("run-a", "actor-0", seq)))
+    collect([shard], sent, regrant=False)
+    credits = actor.credit_until(sent)
+    assert sum(credits) == sent
+    assert all(c >= batch for c in credits[:-1]), credits  # only the heartbeat's remainder may be smaller
+    if batch > 1:
+        assert len(credits) < sent
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Distribution follows readiness (credit), not round-robin
 # ------------------------------------------------------------------------------------------------
@@ -486,12 +535,13 @@ def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: B
         P.encode(P.Hello(role="overlord", peer_id="x")),              # unknown role
         P.encode(P.Hello(role="learner", peer_id="y", run_id="other-run")),  # new run without spec
         P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": [1, 2]})),
+        P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": {"max_in_flight": 0}})),
     ]
     for frames in bad_control:
         control.send_multipart(frames)
     # The refused hellos are answered with a reject that says why.
     rejects = []
-    while len(rejects) < 3:  # the params snapshot and heartbeats may come in between
+    while len(rejects) < 4:  # the params snapshot and heartbeats may come in between
         msg = recv_control(control)
         if not isinstance(msg, (P.Parameters, P.Heartbeat)):
             rejects.append(msg)

@@ -33,8 +33,8 @@ from .config import BrokerConfig, ConfigError, split_endpoint
 from .client import CRASH_PREFIX, REFUSED_PREFIX
 from .health import HealthMonitor
 from .params import FrameCache
-from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, log_health_events, staleness_of,
-                         id_conflict, throughput, trajectory_refusal)
+from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, credit_batch_of, id_conflict,
+                         log_health_events, staleness_of, throughput, trajectory_refusal)
 from .wire import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
@@ -80,14 +80,15 @@ class Broker:
         self._next_beat = 0.0
         self._poll_traj = False
         self._staleness = 0
+        self._credit_batch = 1
+        """An actor's credit goes back once this many of its trajectories were read (membership.credit_batch_of)."""
         self.params_published_at = 0.0
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
         """Create and bind every socket; returns the bound ports."""
         host, port = split_endpoint(self.config.bind)
-        # Fix: BrokerConfig only checks the tcp://HOST:PORT shape, so "tcp://host:abc" used to die
-        # in int() with a bare ValueError; say which setting is wrong instead.
+        # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
         if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
             raise ConfigError(f"broker.bind port must be 1..65535 or *, got {self.config.bind!r}")
         c = self.config
@@ -124,8 +125,7 @@ class Broker:
         return sock
 
     def close(self) -> None:
-        # Fix: close() runs in the CLI's finally; when bind() failed before every socket existed it
-        # raised AttributeError and hid the real error.
+        # Runs in the CLI's finally, also after a bind() that failed half-way: must not hide that error.
         for name in ("control", "trajectories", "learners", "params"):
             sock = getattr(self, name, None)
             if sock is not None:
@@ -163,8 +163,7 @@ class Broker:
             self._poll_traj = want
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
-        # Fix: errors on the learner socket (bad credit, wrong kind) used to be counted as
-        # control_malformed; each socket now has its own counter.
+        # Each socket has its own counters: bad credit on the learner socket is not control traffic.
         what = "control" if sock is self.control else "learner"
         for _ in range(FORWARD_BURST):
             try:
@@ -178,9 +177,7 @@ class Broker:
                 self.counters[f"{what}_malformed"] += 1
                 self._ratelog.warning(f"{what}_malformed", f"dropped a malformed {what} message: {exc}")
             except Exception as exc:  # noqa: BLE001
-                # Fix: only ProtocolError was caught, so any other exception raised while handling
-                # one peer's message ended the broker's loop and took the whole bus down. Bad input
-                # must never stop the broker: count it, log it (rate-limited), keep serving.
+                # Bad input must never stop the broker, whatever it raises: count, log (rate-limited), serve on.
                 self.counters[f"{what}_errors"] += 1
                 self._ratelog.warning(f"{what}_error", f"error handling a {what} message "
                                                        f"({type(exc).__name__}: {exc}); message dropped")
@@ -188,10 +185,8 @@ class Broker:
     def _decode(self, frames: Sequence[Any]) -> P.Message:
         """``P.decode`` that raises nothing but ProtocolError.
 
-        Fix: any other exception out of ``P.decode`` used to stop the broker. One did: a header map
-        with both str and bytes keys made decode's "unknown fields" message sort mixed types
-        (TypeError) and one such message killed the whole bus. protocol.py now refuses those
-        headers itself; this guard keeps the next slip of that kind a malformed message.
+        An unexpected exception in decode once stopped the broker (a header with str and bytes keys);
+        protocol.py refuses those itself now, and this guard keeps the next slip a malformed message.
         """
         try:
             return P.decode(frames, self.config.max_message_bytes)
@@ -202,8 +197,9 @@ class Broker:
 
     # ---------------------------------------------------------------- trajectories
     def _forward_trajectories(self) -> None:
-        """Forward up to FORWARD_BURST trajectories, then return each sender's credit in one message."""
-        acks: dict[bytes, int] = defaultdict(int)
+        """Forward up to FORWARD_BURST trajectories, then return the credit of each sender that has a
+        batch of it due, in one message per sender (the rest goes back with the next heartbeats)."""
+        due: dict[str, Member] = {}
         for _ in range(FORWARD_BURST):
             if self.credit <= 0:
                 break
@@ -220,17 +216,23 @@ class Broker:
             try:
                 actor = self._route_trajectory(frames, nbytes)
             except Exception as exc:  # noqa: BLE001
-                # Fix: an exception here used to kill the broker and leave in_flight raised for
-                # good. Whatever happens, the message ends up forwarded or dropped with a reason.
+                # Whatever happens, the message ends up forwarded or dropped with a reason (in_flight balances).
                 if self._decided == decided:
                     self._drop("malformed", None, f"dropped a trajectory: error while routing it "
                                                   f"({type(exc).__name__}: {exc})")
             finally:
                 self.in_flight -= 1
             if actor is not None:
-                acks[actor.identity] += 1
-        for identity, n in acks.items():  # actor-side credit: what was read may be replaced
-            self._send_frames(self.control, identity, _credit_frames(n))
+                actor.unacked += 1
+                if actor.unacked >= self._credit_batch:
+                    due[actor.peer_id] = actor
+        for actor in due.values():  # actor-side credit: what was read may be replaced
+            self._return_credit(actor)
+
+    def _return_credit(self, actor: Member) -> None:
+        if actor.unacked:
+            self._send_frames(self.control, actor.identity, _credit_frames(actor.unacked))
+            actor.unacked = 0
 
     def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> Member | None:
         """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
@@ -244,7 +246,7 @@ class Broker:
         actor = self.members.get(msg["sender"])
         if actor is not None:
             actor.last_seen = time.monotonic()
-        # Fix: the bound was read, unchecked, from the learner's run spec per trajectory; now once per hello.
+        # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
         reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
         if reason:
             self._drop(reason, actor, why)
@@ -315,9 +317,7 @@ class Broker:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
-        # Fix: a refused hello used to get no answer at all (the client kept waiting for a welcome
-        # that never came); it now gets a reject that says why. "monitor" is a role the protocol
-        # defines (protocol.Hello) but was refused; monitors join and get welcomes and heartbeats.
+        # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
         try:
             if msg.role not in ROLES:
                 raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
@@ -325,13 +325,13 @@ class Broker:
             if new_run:
                 if msg.run is None:
                     raise P.ProtocolError("a learner hello for a new run must carry the run spec")
-                staleness = staleness_of(msg.run)
+                staleness, credit_batch = staleness_of(msg.run), credit_batch_of(msg.run)
             self._check_id_free(msg)
         except P.ProtocolError as exc:
             self._send(self.control, identity, P.Reject(reason=f"{REFUSED_PREFIX}{exc}"))
             raise
         if new_run:
-            self._start_run(msg.run_id, msg.run, staleness)
+            self._start_run(msg.run_id, msg.run, staleness, credit_batch)
         old = self.members.get(msg.peer_id)
         if old is not None:
             self._forget(old)
@@ -361,11 +361,11 @@ class Broker:
         if conflict:
             raise P.ProtocolError(conflict)
 
-    def _start_run(self, run_id: str, run: dict, staleness: int) -> None:
+    def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
         self.param_cache, self.params_version = FrameCache(), -1
-        self._staleness = staleness
+        self._staleness, self._credit_batch = staleness, credit_batch
         self.health.start_run(staleness, run_id)
         for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
             if shard.run_id != run_id:
@@ -388,10 +388,8 @@ class Broker:
         now = time.monotonic()
         if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
             return
-        # Fix: a heartbeat sent just before a new version reached the actor over PUB reports the
-        # previous version, and every such heartbeat made the broker send the whole parameter
-        # buffer again on the control socket: up to double the parameter traffic when updates are
-        # faster than heartbeats. Unforced snapshots now wait until the PUB had a heartbeat to land.
+        # A heartbeat sent just before a new version reached the actor over PUB reports the previous one:
+        # an unforced snapshot waits until the PUB had a heartbeat's time to land (no doubled traffic).
         if not force and now - self.params_published_at < self.config.heartbeat_interval_s:
             return
         member.last_snapshot = now
@@ -442,6 +440,7 @@ class Broker:
     # ---------------------------------------------------------------- liveness
     def _send_heartbeats(self) -> None:
         for member in list(self.members.values()):
+            self._return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
             self._send(self.control, member.identity, P.Heartbeat(peer_id="broker", policy_version=self.params_version))
 
     def _purge_expired(self, now: float) -> None:

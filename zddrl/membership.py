@@ -46,6 +46,9 @@ class Member:
     last_seen: float = field(default_factory=time.monotonic)
     policy_version: int = -1
     credit: int = 0
+    """Learners: trajectories the shard can take now."""
+    unacked: int = 0
+    """Actors: trajectories read from it whose credit has not gone back yet."""
     run_id: str = ""
     """Learners: the run they train (trajectories go only to shards of the current run)."""
     last_snapshot: float = 0.0
@@ -165,6 +168,17 @@ def staleness_of(run: Any) -> int:
         raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
     return 0 if mode == "sync" else staleness
 
+
+
+def credit_batch_of(run: dict) -> int:
+    """How many of an actor's trajectories the broker reads before it returns their credit: half the run's
+    ``algo.max_in_flight`` (at least 1), as a learner shard returns half its window. An actor that may
+    have 2 in flight (the default) gets its credit back after every burst; one with 16 in flight after 8."""
+    algo = run.get("algo", {}) if isinstance(run, dict) else {}
+    limit = algo.get("max_in_flight", AlgoConfig.max_in_flight) if isinstance(algo, dict) else 1
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise P.ProtocolError(f"run spec: algo.max_in_flight must be an int >= 1, got {limit!r}")
+    return max(1, limit // 2)
 
 
 def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
