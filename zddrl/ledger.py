@@ -89,11 +89,12 @@ class RunLedger:
         wall = self.wall_s()
         steps = self.total_env_steps()
         ret = self.return_mean()
+        p = self.progress
         row = {"wall_s": wall, "env_steps": steps, "policy_version": self.version, "sps": steps / wall,
-               "return_mean_20": ret, "episodes": self.progress.episodes, "staleness_mean": 0.0, "staleness_max": 0,
-               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures, "dropped_late": sum(self.progress.dropped_late.values()),
-               "dropped_stale": sum(self.progress.dropped_stale.values()),
-               "dropped_invalid": sum(self.progress.dropped_invalid.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "return_mean_20": ret, "episodes": p.episodes, "staleness_mean": 0.0, "staleness_max": 0,
+               "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures,
+               "dropped_late": sum(p.dropped_late.values()), "dropped_stale": sum(p.dropped_stale.values()),
+               "dropped_invalid": sum(p.dropped_invalid.values()), "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
         self.last_row = row

@@ -139,7 +139,7 @@ def wire_array(array: np.ndarray) -> np.ndarray:
 
 
 # The header's "arrays" value is a msgpack bin holding the msgpack list of [name, dtype, shape] specs
-# (protocol version 2). Being bytes, a layout can be recognised by a dictionary lookup: a message whose
+# (since protocol version 2). Being bytes, a layout can be recognised by a dictionary lookup: a message whose
 # layout is byte-identical to one validated before skips the spec checks, and only its frames (count
 # and every frame's size) are checked against it. Encoders keep the packed layouts they made, so an
 # actor sending rollouts of one shape packs its layout once.
