@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from zddrl import protocol as P
-from zddrl.actor import action_rng, collect, env_seeds
+from zddrl.actor import action_rng, collect, encode_rollout, env_seeds
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvError, VecEnv, env_factory, probe_spec
 from zddrl.model import ActorCritic, flatten_params
@@ -59,6 +59,20 @@ def test_trajectory_arrays_are_time_major_and_truncation_is_recorded() -> None:
     msg = P.Trajectory(run_id="r", sender="a", seq=0, policy_version=0, param_hash="", env_steps=T * N,
                        arrays=out, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
     P.decode(P.encode(msg))  # follows the protocol's trajectory rules
+
+
+def test_an_actor_refuses_to_send_what_the_broker_would_drop() -> None:
+    rollout = _rollout(1, 0, T=4)
+    msg = P.Trajectory(run_id="r", sender="a", seq=0, policy_version=0, param_hash="", env_steps=12,
+                       arrays=rollout.arrays, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    assert P.decode(encode_rollout(msg)).env_steps == 12
+    with pytest.raises(ValueError, match="exceeds the broker's max_message_bytes 100"):
+        encode_rollout(msg, limit=100)
+    broken = P.Trajectory(**{**vars(msg), "arrays": {**msg.arrays, "values": msg.arrays["values"][:, :1]}})
+    with pytest.raises(P.ProtocolError, match="'values' must be float32 \\[4, 3\\]"):
+        encode_rollout(broken)
+    with pytest.raises(P.ProtocolError, match="env_steps 11 must be T \\* N = 12"):
+        encode_rollout(P.Trajectory(**{**vars(msg), "env_steps": 11}))
 
 
 def test_truncation_arrays_travel_only_when_an_episode_was_truncated() -> None:

@@ -139,6 +139,18 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
     return Collected(arrays, [float(r) for r, _ in vec.finished], [int(n) for _, n in vec.finished])
 
 
+def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
+    """``msg``'s frames, checked as the broker will check them: what it would drop as malformed (a rollout
+    over its ``max_message_bytes`` limit, or arrays that break the trajectory rules) is this actor's own
+    defect, so it fails here, loudly, instead of being dropped and counted one message at a time."""
+    frames = P.encode(msg)
+    if limit and P.message_nbytes(frames) > limit:
+        raise ValueError(f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
+                         f"max_message_bytes {limit}: lower env.rollout_len or --envs")
+    P.validate_trajectory(frames, limit or P.DEFAULT_MAX_MESSAGE_BYTES)  # a few us: layouts are checked once
+    return frames
+
+
 class ActorHost:
     """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done."""
 
@@ -256,11 +268,7 @@ class ActorHost:
                            ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
         self.seq += 1
         t0 = time.monotonic()
-        frames = P.encode(msg)
-        limit = link.welcome.max_message_bytes if link.welcome is not None else 0
-        if limit and P.message_nbytes(frames) > limit:  # the broker would drop every one as malformed
-            raise ValueError(f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
-                             f"max_message_bytes {limit}: lower env.rollout_len or --envs")
+        frames = encode_rollout(msg, link.welcome.max_message_bytes if link.welcome is not None else 0)
         generation = link.generation
         t_wait = time.monotonic()
         # Backpressure, stoppable: wait for the broker to read enough of what this actor sent (ZeroMQ's
