@@ -142,6 +142,8 @@ def test_trajectory_example_matches_the_documented_layout(name: str) -> None:
 
 def test_constants_and_names_are_documented() -> None:
     assert P.PREAMBLE.hex() in DOC and P.PREAMBLE.hex(" ") in DOC
+    # Every preamble the text spells out is this version's (a stale one once survived a version bump).
+    assert set(re.findall(r"5a ?44 ?52 ?4c ?[0-9a-f]{2}", DOC)) <= {P.PREAMBLE.hex(), P.PREAMBLE.hex(" ")}
     for value in (P.MAX_HEADER_BYTES, P.MAX_ARRAYS, P.MAX_ARRAYS + 2, P.MAX_NDIM, P.DEFAULT_MAX_MESSAGE_BYTES):
         assert str(value) in DOC, value
     for dtype in P.DTYPES:
