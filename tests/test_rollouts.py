@@ -85,3 +85,6 @@ def test_a_step_with_a_non_finite_gradient_is_skipped_not_taken() -> None:
     for old, new in zip(before, core.model.parameters()):
         assert torch.isfinite(new).all()
         torch.testing.assert_close(old, new)  # no step was taken
+    fresh = PPOLearner(config, EnvSpec((3,), True, 2))
+    fresh.load_state(core.state())  # the count survives a checkpoint (metrics.csv: skipped_steps)
+    assert fresh.skipped_steps == core.skipped_steps

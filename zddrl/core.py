@@ -212,7 +212,8 @@ class LearnerCore:
     def state(self) -> dict:
         """Everything an update depends on, as tensors and plain values (``weights_only`` loadable)."""
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "steps_trained": self.steps_trained, "torch_rng": torch.get_rng_state()}
+                 "steps_trained": self.steps_trained, "skipped_steps": self.skipped_steps,
+                 "torch_rng": torch.get_rng_state()}
         if self.obs_rms is not None:
             state["obs_rms"] = _rms_state(self.obs_rms)
         if self.reward_scaler is not None:
@@ -224,6 +225,7 @@ class LearnerCore:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.steps_trained = int(state["steps_trained"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # checkpoints before protocol 3 lack it
         torch.set_rng_state(state["torch_rng"])  # the main shard's generator, saved by it
         if self.group.rank:  # other shards must not draw the main shard's minibatch order
             torch.manual_seed(self.config.env.seed * 1_000_003 + self.group.rank * 7919 + self.steps_trained)

@@ -94,7 +94,8 @@ class RunLedger:
                "return_mean_20": ret, "episodes": p.episodes, "staleness_mean": 0.0, "staleness_max": 0,
                "staleness_hist": f"0:{figures.get('batch_steps', 0)}", **figures,
                "dropped_late": sum(p.dropped_late.values()), "dropped_stale": sum(p.dropped_stale.values()),
-               "dropped_invalid": sum(p.dropped_invalid.values()), "actors": actors, "rollout_len": self.rollout_len,
+               "dropped_invalid": sum(p.dropped_invalid.values()), "skipped_steps": self.core.skipped_steps,
+               "actors": actors, "rollout_len": self.rollout_len,
                "round_s": round_s, "update_s": update_s}
         self.runlog.write(row)
         self.last_row = row

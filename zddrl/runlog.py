@@ -31,7 +31,7 @@ METRIC_COLUMNS = (
     "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
     "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm", "lr",
     "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean", "rho_mean", "dropped_late", "dropped_stale",
-    "dropped_invalid", "actors", "rollout_len", "round_s", "update_s",
+    "dropped_invalid", "skipped_steps", "actors", "rollout_len", "round_s", "update_s",
 )
 SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "total_env_steps", "wall_s",
                 "sps", "return_mean_20", "episodes", "policy_version", "updates", "dropped_late", "dropped_stale",
