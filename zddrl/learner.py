@@ -204,7 +204,8 @@ class LearnerNode(RunLedger):
         """One poll of this shard's data socket, then one exchange with the other shards.
 
         ``use(msg) -> bool`` says whether a received trajectory goes into this shard's batch (it is
-        appended to ``self.batch``). Returns every shard's records of this poll and the main shard's
+        appended to ``self.batch``). Returns every shard's records of this poll (those of trajectories the
+        run cannot train on are counted here, by the main shard, and left out) and the main shard's
         ``control`` (its ``stop`` also set when any shard was asked to stop). Every shard calls this
         the same number of times: a round or batch ends at the same poll everywhere.
         """
@@ -213,7 +214,7 @@ class LearnerNode(RunLedger):
         msg, fresh = self._receive()
         why = self._mismatch(msg) if fresh else ""  # kept ones were checked when they came
         if why:
-            records.append({"sender": msg.sender, "seq": msg.seq, "invalid": why, "fresh": False, "used": False})
+            records.append({"sender": msg.sender, "seq": msg.seq, "invalid": why, "fresh": False})
         elif msg is not None:
             taken = use(msg)
             if taken:
@@ -228,9 +229,11 @@ class LearnerNode(RunLedger):
             for i, part in enumerate(parts):
                 self.shard_trajectories[i] += sum(r["fresh"] for r in part["records"])
             for r in everything:
-                if r["fresh"]:
+                if "invalid" in r:
+                    self._drop_invalid(r)
+                elif r["fresh"]:
                     self._account(r)
-        return everything, control
+        return [r for r in everything if "invalid" not in r], control
 
     # ---------------------------------------------------------------- one sync round
     def _round(self, stop: threading.Event) -> bool:
@@ -255,10 +258,7 @@ class LearnerNode(RunLedger):
             if "expected" in control:
                 self.expected = set(control["expected"])
             for r in records:
-                if "invalid" in r:
-                    if self.main:
-                        self._drop_invalid(r)
-                elif r["used"]:
+                if r["used"]:
                     steps += r["env_steps"]
                     reported.add(r["sender"])
                     if self.main:
@@ -344,10 +344,7 @@ class LearnerNode(RunLedger):
             records, control = self._poll(stop, control,
                                           lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
             for r in records:
-                if "invalid" in r:
-                    if self.main:
-                        self._drop_invalid(r)
-                elif r["used"]:
+                if r["used"]:
                     steps += r["env_steps"]
                     used.append((r["sender"], self.version - r["version"], r["env_steps"]))
                 elif self.main:

@@ -22,13 +22,20 @@ LAG_WINDOW = 20
 FLEET_QUERY_TIMEOUT_S = 1.0
 
 
+def _tally(drops: dict[str, int], sender: str) -> int:
+    """Count one more drop of ``sender``'s data; its count when this drop is worth a log line (the first,
+    then every 100th), else 0."""
+    drops[sender] += 1
+    n = drops[sender]
+    return n if n == 1 or n % 100 == 0 else 0
+
+
 class RunLedger:
     """Counting and records of a learner node (see the module docstring)."""
 
     def _drop_stale(self, r: dict[str, Any], staleness: int) -> None:
-        self.progress.dropped_stale[r["sender"]] += 1
-        n = self.progress.dropped_stale[r["sender"]]
-        if n == 1 or n % 100 == 0:
+        n = _tally(self.progress.dropped_stale, r["sender"])
+        if n:
             self.log.warning(f"dropped stale data from {r['sender']}: version {r['version']} is {staleness} "
                              f"behind {self.version} (max_staleness {self.algo.max_staleness}; {n} so far)")
 
@@ -62,16 +69,14 @@ class RunLedger:
             # timeout) rather than leave it out for the rest of the run.
             self.stragglers.discard(r["sender"])
             self.log.info(f"{r['sender']} is only one version late: back in the quota")
-        self.progress.dropped_late[r["sender"]] += 1
-        n = self.progress.dropped_late[r["sender"]]
-        if n == 1 or n % 100 == 0:
+        n = _tally(self.progress.dropped_late, r["sender"])
+        if n:
             self.log.warning(f"dropped late data from {r['sender']}: version {r['version']}, round "
                              f"{self.version} ({n} so far from this actor)")
 
     def _drop_invalid(self, r: dict[str, Any]) -> None:
-        self.progress.dropped_invalid[r["sender"]] += 1
-        n = self.progress.dropped_invalid[r["sender"]]
-        if n == 1 or n % 100 == 0:
+        n = _tally(self.progress.dropped_invalid, r["sender"])
+        if n:
             self.log.warning(f"dropped a trajectory from {r['sender']} (seq {r['seq']}) that this run cannot train "
                              f"on: {r['invalid']} ({n} so far from this actor)")
 
