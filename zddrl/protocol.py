@@ -32,7 +32,7 @@ import numpy as np
 # part of this module's interface too.
 from .fieldchecks import (MAX_PARAM_CHUNKS, PARAM_DTYPES, TRAJECTORY_ARRAYS, TRUNCATION_ARRAYS,  # noqa: F401
                           check_chunk, check_params, check_trajectory, check_trajectory_layout, check_welcome)
-from .fieldtypes import builder, field_table
+from .fieldtypes import builder, fast_reader, field_table
 from .wire import (DEFAULT_MAX_MESSAGE_BYTES, DTYPES, MAX_ARRAYS, MAX_HEADER_BYTES, MAX_NDIM,  # noqa: F401
                    PREAMBLE, PROTOCOL_VERSION, SIGNATURE, ProtocolError, ZmqFrame, check_arrays, check_preamble,
                    encode_arrays, flat_buffer, frame_buffer, param_hash, wire_array)
@@ -285,6 +285,13 @@ _BUILD = {cls: builder(cls) for cls in MESSAGE_TYPES.values()}
 
 def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict[str, Any]:
     """Check preamble, frame count and header; return the header map (arrays not yet checked)."""
+    header = _unpack_header(frames)
+    _check_kind(header)
+    return header
+
+
+def _unpack_header(frames: Sequence[Any]) -> dict[str, Any]:
+    """Check preamble and frame count, unpack the header; raise unless it is a map (keys unchecked)."""
     if len(frames) < 2:
         raise ProtocolError(f"a message has at least 2 frames (preamble, header), got {len(frames)}")
     if len(frames) > MAX_ARRAYS + 2:
@@ -304,13 +311,39 @@ def decode_header(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_ME
         raise ProtocolError(f"header is not valid msgpack: {exc}") from None
     if type(header) is not dict:
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
+    return header
+
+
+def _check_kind(header: dict[str, Any]) -> type[Message]:
+    """The message class of an unpacked header; raises unless every key is a string and the kind known."""
     if not _STR_KEYS.issuperset(map(type, header)):
         key = next(k for k in header if type(k) is not str)
         raise ProtocolError(f"header keys must be strings, got {key!r}")
     kind = header.get("kind")
     if type(kind) is not str or kind not in MESSAGE_TYPES:
         raise ProtocolError(f"unknown message kind {kind!r}")
-    return header
+    return MESSAGE_TYPES[kind]
+
+
+def _read(frames: Sequence[Any], max_message_bytes: int, views: bool,
+          expect: type[Message] | None = None) -> tuple[type[Message], dict[str, Any]]:
+    """``(class, fields)`` of a message (of class ``expect`` if given); raises ProtocolError on any defect.
+
+    The usual message (every field present with its sender's type) goes through its class's generated
+    reader (fieldtypes.fast_reader); anything else, and every error, through the generic checks.
+    """
+    header = _unpack_header(frames)
+    kind = header.get("kind")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    fields = None
+    if cls is not None and (expect is None or cls is expect):
+        fields = _FAST[cls](header, frames, max_message_bytes, views)
+    if fields is None:
+        cls = _check_kind(header)
+        if expect is not None and cls is not expect:
+            raise ProtocolError(f"a {cls.KIND} message is not a {expect.KIND}")
+        fields = _fields(cls, header, frames, max_message_bytes, views)
+    return cls, fields
 
 
 def _fields(cls: type[Message], header: dict[str, Any], frames: Sequence[Any], max_message_bytes: int,
@@ -353,9 +386,8 @@ def decode(frames: Sequence[Any], max_message_bytes: int = DEFAULT_MAX_MESSAGE_B
     Array values are views over the frames (zero-copy, no copy is made): they share the frames'
     memory, so copy them before mutating or before the frames' buffers are reused.
     """
-    header = decode_header(frames, max_message_bytes)
-    cls = MESSAGE_TYPES[header["kind"]]
-    return _BUILD[cls](_fields(cls, header, frames, max_message_bytes, True))
+    cls, fields = _read(frames, max_message_bytes, True)
+    return _BUILD[cls](fields)
 
 
 def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[str, Any]:
@@ -366,14 +398,13 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
     Trajectory field (defaults filled in), with ``arrays`` the checked ``[name, dtype, shape]`` specs
     (the layout cache's own list: read it, do not modify it).
     """
-    header = decode_header(frames, max_message_bytes)
-    if header["kind"] != Trajectory.KIND:
-        raise ProtocolError(f"a {header['kind']} message is not a trajectory")
-    return {"kind": Trajectory.KIND, **_fields(Trajectory, header, frames, max_message_bytes, False)}
+    return {"kind": Trajectory.KIND, **_read(frames, max_message_bytes, False, Trajectory)[1]}
 
 
 _CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory}
 _LAYOUT_RULES = {Trajectory: check_trajectory_layout}
+_FAST = {cls: fast_reader(_FIELDS[cls], check_arrays if cls.HAS_ARRAYS else None, _LAYOUT_RULES.get(cls),
+                          _CHECKS.get(cls)) for cls in MESSAGE_TYPES.values()}
 
 
 def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:
