@@ -468,6 +468,7 @@ def bad_trajectories(run_id: str) -> dict[str, list[list[bytes]]]:
             with_header(seq="seven"),                                  # field of the wrong type
             [bytes(f) for f in P.encode(P.Heartbeat(peer_id="x"))],    # not a trajectory
         ],
+        "unknown_sender": [[bytes(f) for f in P.encode(trajectory(run_id, "never-said-hello", 999))]],
         "unknown_run": [[bytes(f) for f in P.encode(trajectory("no-such-run", "actor-0", 998))]],
         "unknown_version": [[bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 997, version=7))],
                             [bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 996, version=-1))]],
@@ -494,12 +495,12 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     collect([shard], seq, regrant=False)
     assert [t.seq for t in shard.trajectories()] == list(range(seq))
 
-    expected = {"malformed": len(bad["malformed"]) + flood, "unknown_run": 1, "unknown_version": 2}
+    expected = {"malformed": len(bad["malformed"]) + flood, "unknown_sender": 1, "unknown_run": 1, "unknown_version": 2}
     total = seq + sum(expected.values())
     wait_for(lambda: counters(broker, bus)["received"] == total, WAIT_S, "every message to be read")
     body = status(broker, bus)
     b = body["broker"]
-    assert b["dropped"] == {"malformed": expected["malformed"], "unknown_run": 1, "stale": 0,
+    assert b["dropped"] == {"malformed": expected["malformed"], "unknown_sender": 1, "unknown_run": 1, "stale": 0,
                             "unknown_version": 2, "no_route": 0}
     assert b["forwarded"] == seq and b["accounted"] is True
     assert b["received"] == b["forwarded"] + sum(b["dropped"].values()) + b["in_flight"]
@@ -511,6 +512,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     assert 1 <= len(lines) <= 3, f"{len(lines)} log lines for {expected['malformed']} malformed messages"
     assert "dropped a trajectory of unknown run 'no-such-run'" in log
     assert "never published" in log
+    assert "dropped a trajectory from 'never-said-hello', which is not an actor that joined with hello" in log
     assert broker.proc.poll() is None
 
 

@@ -37,7 +37,7 @@ from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stat
                          log_health_events, staleness_of, throughput, trajectory_refusal)
 from .wire import NOBLOCK, recv_frames, send_frames
 
-DROP_REASONS = ("malformed", "unknown_run", "stale", "unknown_version", "no_route")
+DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")
 POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
@@ -244,8 +244,14 @@ class Broker:
             self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
             return None
         actor = self.members.get(msg["sender"])
-        if actor is not None:
-            actor.last_seen = time.monotonic()
+        if actor is None or actor.role != "actor":
+            # Only a member's data goes on: learners keep per-sender figures (lag, env steps), which a
+            # stream of made-up sender ids would otherwise grow without bound. An actor the broker has
+            # forgotten (expired, or a restarted broker) is told to hello again by its next heartbeat.
+            self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
+                                               "that joined with hello")
+            return None
+        actor.last_seen = time.monotonic()
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
         reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
         if reason:
@@ -268,8 +274,7 @@ class Broker:
             shard.count(nbytes)
             self.counters["forwarded"] += 1
             self.counters["bytes_out"] += nbytes
-            if actor is not None:
-                actor.count(nbytes, msg["env_steps"])
+            actor.count(nbytes, msg["env_steps"])
             return actor
 
     def _set_credit(self, shard: Member, credit: int) -> None:

@@ -50,7 +50,7 @@ def params(chunk_bytes=4 << 20, dtype="float32"):
 STATUS = {"broker": {"uptime_s": 12.5, "host": "node0", "run_id": RUN_ID, "policy_version": 3,
                      "ports": {"control": 5555, "trajectories": 5556, "learners": 5557, "params": 5558},
                      "received": 10, "forwarded": 9,
-                     "dropped": {"malformed": 0, "unknown_run": 0, "stale": 1, "unknown_version": 0, "no_route": 0},
+                     "dropped": {"malformed": 0, "unknown_sender": 0, "unknown_run": 0, "stale": 1, "unknown_version": 0, "no_route": 0},
                      "in_flight": 0, "bytes_in": 14000, "bytes_out": 12600, "accounted": True,
                      "params_published": 4},
           "members": {"actor-0": {"role": "actor", "host": "node1", "pid": 4242, "num_envs": 2, "policy_version": 3,
