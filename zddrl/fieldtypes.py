@@ -124,15 +124,16 @@ def builder(cls: type) -> Callable[[dict[str, Any]], Any]:
 
 def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule: Callable[..., None] | None,
                 check: Callable[[dict[str, Any]], None] | None) -> Callable[..., dict[str, Any] | None]:
-    """A straight-line reader of a message class's header (``table``: its field_table) for the usual message: every field present, each of
-    the exact type its sender writes, nothing else in the header.
+    """A straight-line reader of a message class's header (``table``: its field_table) for the usual
+    message: every field present, each of the exact type its sender writes, nothing else in the header.
 
     ``reader(header, frames, max_message_bytes, views)`` returns the fields (``arrays`` read by
-    ``read_arrays`` with the kind's layout ``rule``, then its ``check`` run, both of which raise as the generic path would) or
-    None for anything else: a missing, extra or mistyped field goes to the generic path in
-    protocol.py, which fills defaults and words the error. So the reader never accepts what the
-    generic path refuses, and it costs a third of it: the generic loop spent most of its time on
-    the loop (rows, defaults, counting keys), not on the type tests, which are the same here.
+    ``read_arrays`` with the kind's layout ``rule``, then the kind's ``check`` run; both raise as the
+    generic path would) or None for anything else: a missing, extra or mistyped field goes to the
+    generic path in protocol.py, which fills defaults and words the error. So a reader never accepts
+    what the generic path refuses. It saves the generic loop's own work (rows, defaults, counting
+    keys): 0.6 us of a trajectory's 3.3 us of field checks, and the key-type pass an exact match
+    makes redundant; decode of a 1 MiB trajectory went from 6.7 to 5.8 us.
 
     Generated once per class at import, as dataclasses generates ``__init__``.
     """
@@ -150,7 +151,8 @@ def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule:
         bad = f"type(v{i}) is not t{i}" if isinstance(test, type) else f"not t{i}(v{i})"
         lines += [f"        if {bad}:", "            return None"]
     lines += ["    except KeyError:", "        return None"]
-    values = ", ".join(f"{name!r}: {'read_arrays(v%d, frames[2:], max_message_bytes, views, rule)' % i if test is None else 'v%d' % i}"
+    arrays_call = "read_arrays(v{}, frames[2:], max_message_bytes, views, rule)"
+    values = ", ".join(f"{name!r}: {arrays_call.format(i) if test is None else f'v{i}'}"
                        for i, (name, test, _) in enumerate(table.rows))
     lines.append(f"    fields = {{{values}}}")
     if check is not None:
