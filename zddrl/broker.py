@@ -245,9 +245,8 @@ class Broker:
             return None
         actor = self.members.get(msg["sender"])
         if actor is None or actor.role != "actor":
-            # Only a member's data goes on: learners keep per-sender figures (lag, env steps), which a
-            # stream of made-up sender ids would otherwise grow without bound. An actor the broker has
-            # forgotten (expired, or a restarted broker) is told to hello again by its next heartbeat.
+            # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
+            # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
             self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
                                                "that joined with hello")
             return None
