@@ -273,6 +273,35 @@ def test_without_credit_nothing_is_delivered_and_the_sender_blocks(broker: Broke
     assert b["received"] == b["forwarded"] == sent + 1 and b["accounted"]
 
 
+def test_what_an_actor_sent_before_its_bye_is_still_forwarded(broker: BrokerHandle, bus: Bus) -> None:
+    """Trajectories queued at the broker when their actor leaves are its last rollouts, not a stranger's."""
+    shard = start_run(bus, broker)  # no credit yet: the broker leaves them queued
+    actor = Pusher(bus, broker, "leaver")
+    for seq in range(3):
+        assert actor.send(trajectory("run-a", "leaver", seq))
+    actor.link.close("done")
+    wait_for(lambda: "leaver" not in status(broker, bus)["members"], WAIT_S, "the bye to remove the member")
+    shard.grant(8)
+    collect([shard], 3, regrant=False)
+    b = counters(broker, bus)
+    assert [t.seq for t in shard.trajectories()] == [0, 1, 2]
+    assert b["forwarded"] == 3 and b["dropped"]["unknown_sender"] == 0 and b["accounted"]
+
+
+def test_departed_actors_are_remembered_for_a_while_and_in_bounded_number() -> None:
+    from zddrl.membership import LEFT_ACTORS_KEPT, Departures, Member
+
+    departures = Departures()
+    departures.record(Member(peer_id="shard", role="learner", identity=b"s"), "bye")
+    for i in range(LEFT_ACTORS_KEPT + 1):
+        departures.record(Member(peer_id=f"actor-{i}", role="actor", identity=b"a"), "bye")
+    now = time.monotonic()
+    assert departures.actor_left_within("actor-1", 3.0, now)
+    assert not departures.actor_left_within("actor-1", 3.0, now + 3.1)  # the grace is over
+    assert not departures.actor_left_within("actor-0", 3.0, now)  # the oldest made room
+    assert not departures.actor_left_within("shard", 3.0, now)  # only actors send trajectories
+
+
 def test_credit_release_keeps_each_senders_order(broker: BrokerHandle, bus: Bus) -> None:
     shard = start_run(bus, broker)
     actors = [Pusher(bus, broker, f"actor-{i}") for i in range(2)]

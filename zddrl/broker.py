@@ -244,13 +244,16 @@ class Broker:
             self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
             return None
         actor = self.members.get(msg["sender"])
-        if actor is None or actor.role != "actor":
+        if actor is not None and actor.role == "actor":
+            actor.last_seen = time.monotonic()
+        elif not self._left_lately(msg["sender"]):
             # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
             self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
                                                "that joined with hello")
             return None
-        actor.last_seen = time.monotonic()
+        else:  # what an actor sent before its bye (or expiry) and the broker read after it goes on
+            actor = None
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
         reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
         if reason:
@@ -273,8 +276,14 @@ class Broker:
             shard.count(nbytes)
             self.counters["forwarded"] += 1
             self.counters["bytes_out"] += nbytes
-            actor.count(nbytes, msg["env_steps"])
+            if actor is not None:
+                actor.count(nbytes, msg["env_steps"])
             return actor
+
+    def _left_lately(self, sender: str) -> bool:
+        """``sender`` is an actor that left within its liveness window: its last trajectories may still be queued."""
+        grace = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
+        return self.departures.actor_left_within(sender, grace, time.monotonic())
 
     def _set_credit(self, shard: Member, credit: int) -> None:
         """Every change of a shard's credit goes through here, so the running total stays exact."""

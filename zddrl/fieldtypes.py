@@ -142,15 +142,19 @@ def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule:
     lines = ["def read(header, frames, max_message_bytes, views):",
              f"    if len(header) != {len(names) + 1}{'' if read_arrays else ' or len(frames) != 2'}:",  # + "kind"
              "        return None",
-             "    try:"]
-    for i, (name, test, _) in enumerate(table.rows):
-        lines.append(f"        v{i} = header[{name!r}]")
-        if test is None:  # arrays: read after every type test passed (the generic path's order of errors)
-            continue
+             "    try:",
+             *([f"        v{i} = header[{name!r}]" for i, name in enumerate(names)] or ["        pass"]),
+             "    except KeyError:",
+             "        return None"]
+    # Exact-type tests first, then predicates (which may walk a whole map): a header that fails a cheap
+    # test goes to the generic path without paying for the dear ones twice. ``arrays`` has no test here:
+    # it is read once every other field passed, so the generic path (field by field, in order) would
+    # reach it as well and raise the same error.
+    rows = [(i, test) for i, (_, test, _) in enumerate(table.rows) if test is not None]
+    for i, test in sorted(rows, key=lambda row: not isinstance(row[1], type)):
         scope[f"t{i}"] = test
         bad = f"type(v{i}) is not t{i}" if isinstance(test, type) else f"not t{i}(v{i})"
-        lines += [f"        if {bad}:", "            return None"]
-    lines += ["    except KeyError:", "        return None"]
+        lines += [f"    if {bad}:", "        return None"]
     arrays_call = "read_arrays(v{}, frames[2:], max_message_bytes, views, rule)"
     values = ", ".join(f"{name!r}: {arrays_call.format(i) if test is None else f'v{i}'}"
                        for i, (name, test, _) in enumerate(table.rows))

@@ -6,7 +6,7 @@ sockets.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -110,6 +110,10 @@ class RateLimitedLog:
                 self._suppressed[key] = 0
 
 
+LEFT_ACTORS_KEPT = 1024
+"""Departed actors remembered for the grace of Broker._route_trajectory (bounded: ids come from peers)."""
+
+
 class Departures:
     """The last DEPARTURES_KEPT members that left (bye, crash report or expiry), newest first.
 
@@ -120,8 +124,16 @@ class Departures:
 
     def __init__(self) -> None:
         self._rows: deque[dict[str, Any]] = deque(maxlen=DEPARTURES_KEPT)
+        self._actors_left: OrderedDict[str, float] = OrderedDict()
+        """Peer id -> monotonic time it left, of the last LEFT_ACTORS_KEPT actors: their trajectories
+        still queued at the broker when they left are theirs, not a stranger's (Broker._route_trajectory)."""
 
     def record(self, member: Member, reason: str) -> None:
+        if member.role == "actor":
+            self._actors_left[member.peer_id] = time.monotonic()
+            self._actors_left.move_to_end(member.peer_id)
+            if len(self._actors_left) > LEFT_ACTORS_KEPT:
+                self._actors_left.popitem(last=False)
         if len(reason) > DEPARTURE_REASON_CHARS:  # the status body must stay under MAX_HEADER_BYTES
             reason = reason[:DEPARTURE_REASON_CHARS] + "\n... (truncated by the broker)"
         self._rows.appendleft({"member": member.peer_id, "role": member.role, "host": member.host,
@@ -131,6 +143,11 @@ class Departures:
     def rows(self, now: float) -> list[dict[str, Any]]:
         return [{**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)}
                 for row in self._rows]
+
+    def actor_left_within(self, peer_id: str, seconds: float, now: float) -> bool:
+        """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``seconds`` before ``now``."""
+        left = self._actors_left.get(peer_id)
+        return left is not None and now - left <= seconds
 
 
 def checked_stats(stats: dict) -> dict:
