@@ -291,15 +291,15 @@ def test_what_an_actor_sent_before_its_bye_is_still_forwarded(broker: BrokerHand
 def test_departed_actors_are_remembered_for_a_while_and_in_bounded_number() -> None:
     from zddrl.membership import LEFT_ACTORS_KEPT, Departures, Member
 
-    departures = Departures()
+    departures = Departures(grace_s=3.0)
     departures.record(Member(peer_id="shard", role="learner", identity=b"s"), "bye")
     for i in range(LEFT_ACTORS_KEPT + 1):
         departures.record(Member(peer_id=f"actor-{i}", role="actor", identity=b"a"), "bye")
     now = time.monotonic()
-    assert departures.actor_left_within("actor-1", 3.0, now)
-    assert not departures.actor_left_within("actor-1", 3.0, now + 3.1)  # the grace is over
-    assert not departures.actor_left_within("actor-0", 3.0, now)  # the oldest made room
-    assert not departures.actor_left_within("shard", 3.0, now)  # only actors send trajectories
+    assert departures.actor_left_lately("actor-1", now)
+    assert not departures.actor_left_lately("actor-1", now + 3.1)  # the grace is over
+    assert not departures.actor_left_lately("actor-0", now)  # the oldest made room
+    assert not departures.actor_left_lately("shard", now)  # only actors send trajectories
 
 
 def test_credit_release_keeps_each_senders_order(broker: BrokerHandle, bus: Bus) -> None:

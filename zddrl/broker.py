@@ -17,7 +17,6 @@ so ``received == forwarded + sum(dropped) + in_flight`` always holds.
 """
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -33,8 +32,8 @@ from .config import BrokerConfig, ConfigError, split_endpoint
 from .client import CRASH_PREFIX, REFUSED_PREFIX
 from .health import HealthMonitor
 from .params import FrameCache
-from .membership import (ROLES, Departures, Member, RateLimitedLog, checked_stats, credit_batch_of, id_conflict,
-                         log_health_events, staleness_of, throughput, trajectory_refusal)
+from .membership import (ROLES, Departures, Member, RateLimitedLog, broker_status, checked_stats, credit_batch_of,
+                         id_conflict, log_health_events, staleness_of, throughput, trajectory_refusal)
 from .wire import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")
@@ -76,7 +75,8 @@ class Broker:
         self.ports: dict[str, int] = {}
         self._ratelog = RateLimitedLog()
         self.health = HealthMonitor()
-        self.departures = Departures()
+        # What an actor sent before it left counts as its own for as long as it could have been silent.
+        self.departures = Departures(config.heartbeat_interval_s * config.heartbeat_liveness)
         self._next_beat = 0.0
         self._poll_traj = False
         self._staleness = 0
@@ -246,7 +246,7 @@ class Broker:
         actor = self.members.get(msg["sender"])
         if actor is not None and actor.role == "actor":
             actor.last_seen = time.monotonic()
-        elif not self._left_lately(msg["sender"]):
+        elif not self.departures.actor_left_lately(msg["sender"]):
             # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
             self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
@@ -279,11 +279,6 @@ class Broker:
             if actor is not None:
                 actor.count(nbytes, msg["env_steps"])
             return actor
-
-    def _left_lately(self, sender: str) -> bool:
-        """``sender`` is an actor that left within its liveness window: its last trajectories may still be queued."""
-        grace = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
-        return self.departures.actor_left_within(sender, grace, time.monotonic())
 
     def _set_credit(self, shard: Member, credit: int) -> None:
         """Every change of a shard's credit goes through here, so the running total stays exact."""
@@ -498,18 +493,4 @@ class Broker:
         self.rates = rates or self.rates
 
     def status(self) -> dict[str, Any]:
-        now = time.monotonic()
-        c = self.counters
-        dropped = sum(self.dropped.values())
-        return {
-            "broker": {"uptime_s": round(now - self.started, 3), "host": socket.gethostname(), "run_id": self.run_id,
-                       "policy_version": self.params_version, "ports": self.ports,
-                       "received": c["received"], "forwarded": c["forwarded"], "dropped": dict(self.dropped),
-                       "in_flight": self.in_flight, "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
-                       "accounted": c["received"] == c["forwarded"] + dropped + self.in_flight,
-                       "credit": self.credit, **self.rates,
-                       **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")}},
-            "members": {pid: m.row(now) for pid, m in self.members.items()},
-            "health": self.health.rows(now),
-            "departures": self.departures.rows(now),
-        }
+        return broker_status(self)

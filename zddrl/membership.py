@@ -5,6 +5,7 @@ sockets.
 """
 from __future__ import annotations
 
+import socket
 import time
 from collections import OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
@@ -122,11 +123,12 @@ class Departures:
     on its own host.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float = 0.0) -> None:
         self._rows: deque[dict[str, Any]] = deque(maxlen=DEPARTURES_KEPT)
+        self.grace_s = grace_s
+        """How long an actor's trajectories still count as its own after it left (actor_left_lately)."""
         self._actors_left: OrderedDict[str, float] = OrderedDict()
-        """Peer id -> monotonic time it left, of the last LEFT_ACTORS_KEPT actors: their trajectories
-        still queued at the broker when they left are theirs, not a stranger's (Broker._route_trajectory)."""
+        """Peer id -> monotonic time it left, of the last LEFT_ACTORS_KEPT actors."""
 
     def record(self, member: Member, reason: str) -> None:
         if member.role == "actor":
@@ -144,10 +146,11 @@ class Departures:
         return [{**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)}
                 for row in self._rows]
 
-    def actor_left_within(self, peer_id: str, seconds: float, now: float) -> bool:
-        """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``seconds`` before ``now``."""
+    def actor_left_lately(self, peer_id: str, now: float | None = None) -> bool:
+        """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``grace_s`` ago: what it
+        sent before leaving may still be queued at the broker, and is its own, not a stranger's."""
         left = self._actors_left.get(peer_id)
-        return left is not None and now - left <= seconds
+        return left is not None and (time.monotonic() if now is None else now) - left <= self.grace_s
 
 
 def checked_stats(stats: dict) -> dict:
@@ -244,3 +247,22 @@ def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tupl
     dt = max(now - mark[0], 1e-9)
     names = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
     return new, {k: round((a - b) / dt, 1) for k, a, b in zip(names, new[1:], mark[1:])}
+
+
+def broker_status(b: Any) -> dict[str, Any]:
+    """The status body (docs/protocol.md section 9) of Broker ``b``: counters, members, health, departures."""
+    now = time.monotonic()
+    c = b.counters
+    dropped = sum(b.dropped.values())
+    return {
+        "broker": {"uptime_s": round(now - b.started, 3), "host": socket.gethostname(), "run_id": b.run_id,
+                   "policy_version": b.params_version, "ports": b.ports,
+                   "received": c["received"], "forwarded": c["forwarded"], "dropped": dict(b.dropped),
+                   "in_flight": b.in_flight, "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
+                   "accounted": c["received"] == c["forwarded"] + dropped + b.in_flight,
+                   "credit": b.credit, **b.rates,
+                   **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")}},
+        "members": {pid: m.row(now) for pid, m in b.members.items()},
+        "health": b.health.rows(now),
+        "departures": b.departures.rows(now),
+    }
