@@ -124,7 +124,8 @@ class RunLedger:
                 "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
                 "episodes": self.progress.episodes, "policy_version": self.version, "updates": self.progress.updates,
                 "dropped_late": dict(self.progress.dropped_late), "dropped_stale": dict(self.progress.dropped_stale),
-                "dropped_invalid": dict(self.progress.dropped_invalid), "lag": dict(self.lag), "mode": self.algo.mode, "seed": self.config.env.seed,
+                "dropped_invalid": dict(self.progress.dropped_invalid), "lag": dict(self.lag), "mode": self.algo.mode,
+                "seed": self.config.env.seed,
                 "run_id": self.run_id, "shards": self.group.world_size,
                 "shard_trajectories": list(self.shard_trajectories)}
 
