@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-TINY = ["--json", "--seconds", "0.3", "--rounds", "1", "--payloads", "4096",
+TINY = ["--json", "--seconds", "0.3", "--rounds", "1", "--payloads", "4096,65536",
         "--broadcast-sizes", "100000", "--subscribers", "1"]
 
 
@@ -23,14 +23,14 @@ def test_bench_bus_smoke() -> None:
     assert wall < 30, f"the tiny bench took {wall:.1f} s"
 
     rows = report["results"]
-    assert sorted(r["path"] for r in rows) == ["broker", "direct", "proxy"]
-    for row in rows:
-        assert row["payload_bytes"] == 4096
-        assert row["msgs_per_s"] > 0 and row["mb_per_s"] > 0
+    assert sorted((r["payload_bytes"], r["path"]) for r in rows) == [
+        (size, path) for size in (4096, 65536) for path in ("broker", "direct", "proxy")]
+    assert all(row["msgs_per_s"] > 0 and row["mb_per_s"] > 0 for row in rows)
 
-    (ratio,) = report["ratios"]
-    assert ratio["payload_bytes"] == 4096 and ratio["broker_over_proxy"] > 0
-    assert ratio["met"] is None  # the target applies from 64 KiB on
+    small, large = report["ratios"]
+    assert small["payload_bytes"] == 4096 and small["broker_over_proxy"] > 0
+    assert small["met"] is None  # the target applies from 64 KiB on
+    assert large["payload_bytes"] == 65536 and isinstance(large["met"], bool)
 
     (bcast,) = report["broadcast"]
     assert bcast["payload_bytes"] == 100000 and bcast["subscribers"] == 1 and bcast["latency_ms"] > 0
@@ -46,8 +46,22 @@ def test_bench_bus_smoke() -> None:
     from zddrl.channel import CREDIT_WINDOW, WINDOW_BYTES  # the bench learner is a shard's DataChannel
     assert report["settings"]["credit_window"] == CREDIT_WINDOW and report["settings"]["window_bytes"] == WINDOW_BYTES
     counters = report["broker_counters"]
-    assert counters["received"] > 0 and counters["accounted"] is True
+    # each payload ran on its own processes: a broker of its own, each one accounted for
+    assert counters["brokers"] == 2 and counters["received"] > 0 and counters["accounted"] is True
     assert sum(counters["dropped"].values()) == 0
+
+
+def test_summed_broker_counters() -> None:
+    """One broker per payload: the report adds their counters and is accounted only if each one was."""
+    from zddrl.bench.bus import _summed
+
+    a = {"received": 10, "forwarded": 9, "dropped": {"malformed": 1, "stale": 0}, "accounted": True}
+    b = {"received": 5, "forwarded": 5, "dropped": {"malformed": 0, "stale": 0}, "accounted": True}
+    assert _summed([a, b]) == {"brokers": 2, "received": 15, "forwarded": 14,
+                               "dropped": {"malformed": 1, "stale": 0}, "accounted": True}
+    assert _summed([a, {**b, "accounted": False}])["accounted"] is False
+    assert _summed([a, {"received": None, "forwarded": None, "dropped": None, "accounted": None}])["accounted"] is False
+    assert _summed([])["accounted"] is False
 
 
 def test_bench_bus_rejects_bad_payloads() -> None:

@@ -3,9 +3,10 @@
 Three measurements, each against a reference measured in the same run:
 
 * trajectory throughput actor -> forwarder -> learner for several payload sizes, through the
-  zddrl broker, a plain ``zmq.proxy`` forwarder and a direct PUSH->PULL pair. Paths alternate
-  within each round (their order rotates) and rounds repeat, so machine noise hits all of them
-  alike; medians are reported and the broker/proxy ratio is the median of per-round ratios;
+  zddrl broker, a plain ``zmq.proxy`` forwarder and a direct PUSH->PULL pair. Each round of each
+  payload runs on fresh processes; paths alternate within a round (their order rotates), so machine
+  noise hits all of them alike; medians are reported and the broker/proxy ratio is the median of
+  per-round ratios;
 * latency of a parameter broadcast (learner -> broker -> N subscribers holding the verified
   version);
 * encode + decode of a trajectory (1 MiB, the target, and 8 MiB): zddrl raw frames vs pickle vs
@@ -46,7 +47,7 @@ DRAIN_QUIET_S = 0.15
 """A lane counts as drained once its receiver saw nothing new for this long."""
 MIN_WINDOW_MSGS = 3
 WARMUP_S = 0.2
-"""Connections are up from the start (processes stay), so a short warm-up per measurement does."""
+"""After a rig's untimed first pass (run_throughput) its connections are warm: a short warm-up per measurement does."""
 BCAST_REPS = (20, 5)
 """Repetitions for broadcasts under / over 10 MB (the big ones take ~0.1-1 s each)."""
 BCAST_TIMEOUT_S = 30.0
@@ -70,10 +71,10 @@ class Lane:
 
 
 class ThroughputRig:
-    """Sender, forwarder and receiver of every path, started once and driven through shared memory.
+    """Sender, forwarder and receiver of every path, started together and driven through shared memory.
 
-    Idle lanes cost nothing (their workers block or sleep), so all three stay up for the whole
-    run and measurements can alternate between paths without process start-up in between.
+    Idle lanes cost nothing (their workers block or sleep), so all three stay up and measurements can
+    alternate between paths without process start-up in between.
     """
 
     def __init__(self, workers: C.Workers, payloads: list[int], broker_spec: str,
@@ -154,21 +155,45 @@ class ThroughputRig:
                 last, quiet_since = now, time.monotonic()
 
 
-def run_throughput(workers: C.Workers, payloads: list[int], rounds: int, seconds: float, broker_spec: str,
+def run_throughput(payloads: list[int], rounds: int, seconds: float, broker_spec: str,
                    window: int = C.CREDIT_WINDOW) -> tuple[list[dict], list[dict], dict]:
-    rig = ThroughputRig(workers, payloads, broker_spec, window)
-    rig.start()
+    """Every round of every payload on a fresh set of processes and connections.
+
+    Fresh per payload: one set of processes for all payloads measured 1 MiB on kernel socket buffers and heaps
+    that the 8 MiB rounds had grown (receive buffers autotuned to 32 MiB, the broker's heap doubled), a state no
+    run of 1 MiB rollouts reaches and one that cost the broker path more than the proxy. Fresh per round: how a
+    set of processes lands on the two cores moved the 1 MiB ratio by +-10% from one set to the next, far more
+    than rounds within a set differ, so each round draws its own (docs/benchmarks.md).
+    """
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in PATHS for b in payloads}
-    for r in range(rounds):
-        for i, size in enumerate(payloads):
-            shift = (r + i) % len(PATHS)  # every path takes every position in the order
-            for path in PATHS[shift:] + PATHS[:shift]:
-                figures = rig.measure(path, i, seconds)
-                samples[(path, size)].append(figures)
-                logger.info(f"round {r + 1}/{rounds} {_size(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} msgs/s "
-                            f"{figures['mb_per_s']:8.1f} MB/s")
+    counters = []
+    for size in payloads:
+        for r in range(rounds):
+            with C.Workers() as workers:
+                rig = ThroughputRig(workers, [size], broker_spec, window)
+                rig.start()
+                for path in PATHS:  # untimed: new connections and heaps grow to the payload's size first
+                    rig.measure(path, 0, seconds / 2)
+                shift = r % len(PATHS)  # every path takes every position in the order
+                for path in PATHS[shift:] + PATHS[:shift]:
+                    figures = rig.measure(path, 0, seconds)
+                    samples[(path, size)].append(figures)
+                    logger.info(f"round {r + 1}/{rounds} {_size(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} "
+                                f"msgs/s {figures['mb_per_s']:8.1f} MB/s")
+                counters.append(rig.broker_counters())
     results = [_result_row(path, size, samples[(path, size)]) for size in payloads for path in PATHS]
-    return results, _ratios(samples, payloads), rig.broker_counters()
+    return results, _ratios(samples, payloads), _summed(counters)
+
+
+def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
+    """One line of broker counters over the brokers of every round (each accounted for on its own)."""
+    dropped: dict[str, int] = {}
+    for c in counters:
+        for reason, n in (c.get("dropped") or {}).items():
+            dropped[reason] = dropped.get(reason, 0) + n
+    return {"brokers": len(counters), "received": sum(c.get("received") or 0 for c in counters),
+            "forwarded": sum(c.get("forwarded") or 0 for c in counters), "dropped": dropped,
+            "accounted": bool(counters) and all(c.get("accounted") is True for c in counters)}
 
 
 def _result_row(path: str, size: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -340,8 +365,7 @@ def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int]
               broker_spec: str = C.DEFAULT_BROKER, window: int = C.CREDIT_WINDOW) -> dict[str, Any]:
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
-    with C.Workers() as workers:
-        results, ratios, counters = run_throughput(workers, payloads, rounds, seconds, broker_spec, window)
+    results, ratios, counters = run_throughput(payloads, rounds, seconds, broker_spec, window)
     with C.Workers() as workers:
         broadcast = run_broadcast(workers, sizes, counts, broker_spec)
     if counters.get("dropped") and sum(counters["dropped"].values()):
