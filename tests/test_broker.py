@@ -7,7 +7,9 @@ link and process is cleaned up by the fixtures.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -364,6 +366,27 @@ def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Proc
         assert len(credits) < sent
 
 
+def test_an_actor_gets_the_credit_of_its_malformed_trajectories_back(procs: Procs, tmp_path: Path,
+                                                                     bus: Bus) -> None:
+    """A malformed trajectory still used one of its sender's credits: without it back, an actor allowed 2 in
+    flight would stall for good after its second bad message (a NaN episode return, say)."""
+    broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()
+    shard = start_run(bus, broker, max_in_flight=2)
+    shard.grant(100)
+    actor = ControlClient(bus, broker, "actor-0")
+    push = bus.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{actor.welcome.ports['trajectories']}")
+    bad = dataclasses.replace(trajectory("run-a", "actor-0", 0), ep_returns=[math.nan], ep_lengths=[1])
+    for _ in range(3):
+        push.send_multipart(P.encode(bad))
+    push.send_multipart(P.encode(trajectory("run-a", "actor-0", 1)))
+    collect([shard], 1, regrant=False)
+    assert sum(actor.credit_until(4)) == 4
+    body = status(broker, bus)
+    assert body["broker"]["dropped"]["malformed"] == 3 and body["broker"]["accounted"] is True
+    assert body["members"]["actor-0"]["dropped_malformed"] == 3
+
+
 # ------------------------------------------------------------------------------------------------
 # 3. Distribution follows readiness (credit), not round-robin
 # ------------------------------------------------------------------------------------------------
@@ -535,6 +558,8 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     assert b["received"] == b["forwarded"] + sum(b["dropped"].values()) + b["in_flight"]
     actor_row = body["members"]["actor-0"]  # drops with a readable sender are charged to it
     assert actor_row["dropped_unknown_run"] == 1 and actor_row["dropped_unknown_version"] == 2
+    # malformed ones too when their header names it: bad dtype, frame size, missing frame, bad seq
+    assert actor_row["dropped_malformed"] == 4
 
     log = procs.log("broker")
     lines = [ln for ln in log.splitlines() if "dropped a malformed trajectory" in ln]

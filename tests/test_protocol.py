@@ -657,6 +657,21 @@ def test_validate_trajectory_agrees_on_every_example(msg: P.Message) -> None:
         assert_validate_agrees(frames_as(msg.encode(), kind))
 
 
+def test_claimed_sender_reads_only_what_a_readable_header_names() -> None:
+    """For charging a malformed trajectory (and returning its credit) to an actor: the header's sender if the
+    preamble and header can be read at all, whatever else is wrong; None otherwise."""
+    good = traj_frames()
+    assert P.claimed_sender(good) == "actor-0"
+    assert P.claimed_sender(traj_frames(ep_returns=[math.nan], ep_lengths=[1])) == "actor-0"  # invalid, readable
+    assert P.claimed_sender(good[:2]) == "actor-0"  # array frames missing
+    header = msgpack.unpackb(bytes(good[1]))
+    assert P.claimed_sender([good[0], msgpack.packb({**header, "sender": 7}), *good[2:]]) is None
+    assert P.claimed_sender([good[0], msgpack.packb({k: v for k, v in header.items() if k != "sender"})]) is None
+    assert P.claimed_sender([good[0], b"\xc1not msgpack"]) is None
+    assert P.claimed_sender([b"XXXX\x01", good[1]]) is None
+    assert P.claimed_sender([b"junk"]) is None
+
+
 def test_validate_trajectory_limits_and_result() -> None:
     msg = traj(arrays=traj_arrays(T=2, N=2, obs_shape=(25,)))  # obs 400 B, next_obs 200 B, 116 B more
     frames = wire(msg.encode())

@@ -183,11 +183,8 @@ class Broker:
                                                        f"({type(exc).__name__}: {exc}); message dropped")
 
     def _decode(self, frames: Sequence[Any]) -> P.Message:
-        """``P.decode`` that raises nothing but ProtocolError.
-
-        An unexpected exception in decode once stopped the broker (a header with str and bytes keys);
-        protocol.py refuses those itself now, and this guard keeps the next slip a malformed message.
-        """
+        """``P.decode`` that raises nothing but ProtocolError. An unexpected exception in decode once stopped
+        the broker (a header with str and bytes keys); this guard keeps the next slip a malformed message."""
         try:
             return P.decode(frames, self.config.max_message_bytes)
         except P.ProtocolError:
@@ -241,10 +238,13 @@ class Broker:
         try:  # full validation, but no arrays built: the broker forwards the frames untouched
             msg = P.validate_trajectory(frames, self.config.max_message_bytes)
         except P.ProtocolError as exc:
-            self._drop("malformed", None, f"dropped a malformed trajectory: {exc}")
-            return None
-        actor = self.members.get(msg["sender"])
-        if actor is not None and actor.role == "actor":
+            # Charged to the actor its header names, whose credit comes back all the same: an actor whose
+            # messages fail (a client bug) must see its drops in `zddrl status`, not stall on lost credit.
+            actor = self._joined_actor(P.claimed_sender(frames))
+            self._drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
+            return actor
+        actor = self._joined_actor(msg["sender"])
+        if actor is not None:
             actor.last_seen = time.monotonic()
         elif not self.departures.actor_left_lately(msg["sender"]):
             # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
@@ -252,8 +252,7 @@ class Broker:
             self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
                                                "that joined with hello")
             return None
-        else:  # what an actor sent before its bye (or expiry) and the broker read after it goes on
-            actor = None
+        # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
         reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
         if reason:
@@ -279,6 +278,10 @@ class Broker:
             if actor is not None:
                 actor.count(nbytes, msg["env_steps"])
             return actor
+
+    def _joined_actor(self, sender: str | None) -> Member | None:
+        member = self.members.get(sender) if sender is not None else None
+        return member if member is not None and member.role == "actor" else None
 
     def _set_credit(self, shard: Member, credit: int) -> None:
         """Every change of a shard's credit goes through here, so the running total stays exact."""

@@ -401,6 +401,20 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
     return {"kind": Trajectory.KIND, **_read(frames, max_message_bytes, False, Trajectory)[1]}
 
 
+def claimed_sender(frames: Sequence[Any]) -> str | None:
+    """The ``sender`` a message's header names, if its preamble and header can be read at all; else None.
+
+    For accounting only, once a message has failed its checks: the broker still returns the credit of a
+    malformed trajectory to the actor it names (that actor would otherwise stall with the credit lost).
+    Nothing else of such a header is used or trusted.
+    """
+    try:
+        sender = _unpack_header(frames).get("sender")
+    except ProtocolError:
+        return None
+    return sender if type(sender) is str else None
+
+
 _CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory}
 _LAYOUT_RULES = {Trajectory: check_trajectory_layout}
 _FAST = {cls: fast_reader(_FIELDS[cls], check_arrays if cls.HAS_ARRAYS else None, _LAYOUT_RULES.get(cls),
