@@ -112,3 +112,24 @@ def test_actor_and_broker_processes_do_not_import_torch() -> None:
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_a_non_finite_episode_return_is_left_out_and_the_rollout_still_encodes() -> None:
+    """An env's NaN reward must not kill the actor with a malformed message (the protocol wants finite
+    episode figures): the episode is counted and left out of the header, the rewards frame keeps the NaN,
+    and the learner's check drops the rollout as invalid."""
+    from zddrl.rollouts import mismatch
+
+    def make() -> gym.Env:
+        env = gym.make("CartPole-v1", max_episode_steps=5)
+        return gym.wrappers.TransformReward(env, lambda r: float("nan"))
+
+    vec = VecEnv(make, env_seeds(0, 0, 2))
+    rollout = collect(vec, _policy(), action_rng(0, 0), 12)
+    assert rollout.nonfinite_episodes >= 4 and rollout.ep_returns == [] and rollout.ep_lengths == []
+    msg = P.Trajectory(run_id="r", sender="a", seq=0, policy_version=0, param_hash="", env_steps=24,
+                       arrays=rollout.arrays, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    frames = encode_rollout(msg)  # valid on the wire: the broker forwards it and returns the credit
+    decoded = P.decode(frames)
+    assert np.isnan(decoded.arrays["rewards"]).all()
+    assert "non-finite" in mismatch(decoded.arrays, probe_spec("CartPole-v1"))

@@ -9,6 +9,7 @@ after each rollout; in async/impala modes it never waits and swaps versions betw
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ from . import protocol as P
 from .client import BrokerLink, Refused, hello_fields
 from .config import Config
 from .envs import VecEnv, env_factory
+from .membership import RateLimitedLog
 from .policy import NumpyPolicy
 from .proc import rss_mb
 
@@ -63,6 +65,7 @@ class ActorTimers:
     backpressure_s: float = 0.0
     """Waiting for the broker to read earlier trajectories (the learner is the bottleneck)."""
     rollouts: int = 0
+    nonfinite_episodes: int = 0
     _mark: tuple[float, int, float, float] | None = field(default=None, repr=False)
     """(time, env_steps, send seconds, waiting seconds) at the previous report."""
 
@@ -78,6 +81,7 @@ class ActorTimers:
         self._mark = (now, self.env_steps, self.send_s, waiting)
         window = max(now - since, 1e-9)
         return {"env_steps": self.env_steps, "sps": (self.env_steps - steps0) / window, "rollouts": self.rollouts,
+                "nonfinite_episodes": self.nonfinite_episodes,
                 "wait_params_s": self.wait_params_s, "backpressure_s": self.backpressure_s, "send_s": self.send_s,
                 "comm_share": min(max((self.send_s - send0) / window, 0.0), 1.0),
                 "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0)}
@@ -105,6 +109,10 @@ class Collected(NamedTuple):
     arrays: dict[str, np.ndarray]
     ep_returns: list[float]
     ep_lengths: list[int]
+    nonfinite_episodes: int = 0
+    """Episodes that ended with a non-finite return (an env's NaN or infinite reward), left out of the figures:
+    the protocol wants them finite, and the rewards frame still holds the value, so the learner drops the
+    rollout as invalid (counted for this actor) instead of this actor dying of a malformed message."""
 
 
 def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
@@ -136,7 +144,8 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
         final = np.stack(trunc_obs).astype(np.float32, copy=False)
         arrays.update(trunc_idx=np.array(trunc_idx, dtype=np.int64), trunc_obs=final,
                       trunc_value=policy.value(final).astype(np.float32))
-    return Collected(arrays, [float(r) for r, _ in vec.finished], [int(n) for _, n in vec.finished])
+    episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
+    return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))
 
 
 def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
@@ -165,6 +174,7 @@ class ActorHost:
         self.ctx = context or zmq.Context.instance()
         self.log = logger.bind(role="actor", peer=self.peer_id)
         self.timers = ActorTimers()
+        self._ratelog = RateLimitedLog()
         self.incarnation = uuid.uuid4().hex[:12]
         """This process's name in its trajectories: totals of one incarnation form one stream (progress.py)."""
         self.seq = 0
@@ -229,6 +239,10 @@ class ActorHost:
                 t0 = time.monotonic()
                 rollout = collect(vec, policy, rng, T, self.slowdown)
                 self.timers.step_s += time.monotonic() - t0
+                if rollout.nonfinite_episodes:
+                    self.timers.nonfinite_episodes += rollout.nonfinite_episodes
+                    self._ratelog.warning("nonfinite_return", f"{config.env.id} ended an episode with a non-finite "
+                                          "return (a NaN or infinite reward): the learner drops such rollouts")
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
@@ -237,6 +251,7 @@ class ActorHost:
                                              "param_hash": params.param_hash, "reconnects": link.reconnects,
                                              "rss_mb": round(rss_mb(), 1), "first_obs_hash": first_obs}))
                     next_stats = time.monotonic() + STATS_EVERY_S
+                    self._ratelog.flush()
         finally:
             push.close(linger=0)
             vec.close()
