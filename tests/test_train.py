@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 
 from conftest import BrokerHandle, Procs, wait_for
@@ -45,6 +47,45 @@ def processes_mentioning(text: str) -> list[str]:
         if text in cmd and int(pid) != os.getpid():
             found.append(cmd)
     return found
+
+
+class _NanEveryThirdEpisode(gym.Wrapper):
+    """A buggy env: every third episode ends with a NaN reward."""
+
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.episodes = 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        if terminated or truncated:
+            self.episodes += 1
+            reward = math.nan if self.episodes % 3 == 0 else reward
+        return obs, reward, terminated, truncated, info
+
+
+def nan_every_third_episode() -> gym.Env:
+    """Env factory of the test below (``tests.test_train:nan_every_third_episode``)."""
+    return _NanEveryThirdEpisode(gym.make("CartPole-v1"))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_env_that_returns_nan_costs_rollouts_not_actors(mode: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN rewards reach the learner, which drops those rollouts as invalid (counted per actor); the actors
+    (which leave NaN episode returns out of their headers) live on, and in sync mode a round whose rollouts
+    were all unusable still ends (the next version keeps the weights), so the run goes on updating."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    run_dir = tmp_path / "run"
+    done = zddrl("train", CARTPOLE, "--run-dir", str(run_dir), "--max-seconds", "10", "--mode", mode,
+                 "--set", "env.id=tests.test_train:nan_every_third_episode")
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sum(summary["dropped_invalid"].values()) >= 2 and summary["updates"] >= 8, summary
+    assert summary["episodes"] > 0 and summary["return_mean_20"] is not None
+    actor_log = (run_dir / "logs" / "actor-0.log").read_text()
+    assert "non-finite return" in actor_log and "crashed" not in actor_log
+    assert processes_mentioning(str(run_dir)) == []
 
 
 def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path: Path) -> None:

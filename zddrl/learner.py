@@ -7,7 +7,10 @@ batch is full (``algo.batch_size`` env steps summed over actors) or the round ha
 Late data for a closed version is dropped, counted per actor and logged, never trained on.
 Each round, the learner asks the broker which actors are connected; the next round's per-env
 rollout length is ``ceil(batch_size / envs of all actors)``, so the total batch stays fixed when
-actors join or leave, and a round also closes as soon as every connected actor has reported.
+actors join or leave, and a round also closes as soon as every connected actor has reported. A
+rollout the run cannot use (rollouts.mismatch: NaN rewards of a buggy env, say) is dropped and counted,
+and its actor counts as reported; a round with no usable rollout at all publishes v+1 with the weights
+unchanged, so that actors (which wait for a newer version) sample again.
 
 Shards (``zddrl learner --gpus``): every shard takes its own share of the stream from the broker.
 After each poll the shards exchange a record of every trajectory they received (sender, version,
@@ -200,21 +203,23 @@ class LearnerNode(RunLedger):
             channel.send(msg)
 
     # ---------------------------------------------------------------- polling, in step with the other shards
-    def _poll(self, stop: threading.Event, control: dict[str, Any], use) -> tuple[list[dict], dict[str, Any]]:
+    def _poll(self, stop: threading.Event, control: dict[str, Any],
+              use) -> tuple[list[dict], list[dict], dict[str, Any]]:
         """One poll of this shard's data socket, then one exchange with the other shards.
 
         ``use(msg) -> bool`` says whether a received trajectory goes into this shard's batch (it is
-        appended to ``self.batch``). Returns every shard's records of this poll (those of trajectories the
-        run cannot train on are counted here, by the main shard, and left out) and the main shard's
-        ``control`` (its ``stop`` also set when any shard was asked to stop). Every shard calls this
-        the same number of times: a round or batch ends at the same poll everywhere.
+        appended to ``self.batch``). Returns every shard's records of this poll, those of trajectories the
+        run cannot train on apart (counted here, by the main shard), and the main shard's ``control`` (its
+        ``stop`` also set when any shard was asked to stop). Every shard calls this the same number of
+        times: a round or batch ends at the same poll everywhere.
         """
         self._reconnect_if_needed()
         records = []
         msg, fresh = self._receive()
         why = self._mismatch(msg) if fresh else ""  # kept ones were checked when they came
         if why:
-            records.append({"sender": msg.sender, "seq": msg.seq, "invalid": why, "fresh": False})
+            records.append({"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "invalid": why,
+                            "fresh": False})
         elif msg is not None:
             taken = use(msg)
             if taken:
@@ -233,7 +238,7 @@ class LearnerNode(RunLedger):
                     self._drop_invalid(r)
                 elif r["fresh"]:
                     self._account(r)
-        return [r for r in everything if "invalid" not in r], control
+        return [r for r in everything if "invalid" not in r], [r for r in everything if "invalid" in r], control
 
     # ---------------------------------------------------------------- one sync round
     def _round(self, stop: threading.Event) -> bool:
@@ -241,7 +246,7 @@ class LearnerNode(RunLedger):
         straggler timeout; then update and publish v+1. Returns True when the run is over."""
         started = time.monotonic()
         self.batch = []
-        steps, reported = 0, set()
+        steps, reported, unusable = 0, set(), set()
         announced: set[str] | None = None
         timeout = self._straggler_timeout()
         fleet_seen, expected = -1, set()
@@ -254,7 +259,10 @@ class LearnerNode(RunLedger):
                 if expected != announced:
                     control["expected"] = sorted(expected)
                     announced = expected
-            records, control = self._poll(stop, control, lambda m: m.policy_version == self.version)
+            records, invalid, control = self._poll(stop, control, lambda m: m.policy_version == self.version)
+            # An actor whose rollout of this version the run cannot use has answered all the same: waiting
+            # for it would end the round by the straggler rule at best, and never if no rollout was usable.
+            unusable.update(r["sender"] for r in invalid if r["version"] == self.version)
             if "expected" in control:
                 self.expected = set(control["expected"])
             for r in records:
@@ -270,18 +278,21 @@ class LearnerNode(RunLedger):
                 return True
             if steps >= self.algo.batch_size:
                 break
-            if steps and self.expected and reported >= self.expected:
+            if (steps or unusable) and self.expected and reported | unusable >= self.expected:
                 break  # in sync mode each actor sends one rollout per version: nothing more will come
             if steps and control["late"]:
                 if self.main:
                     self.log.info(f"round {self.version} closed by the straggler rule after {timeout * 1000:.0f} ms "
                                   f"with {steps} of {self.algo.batch_size} steps; late: "
-                                  f"{sorted(self.expected - reported)}")
+                                  f"{sorted(self.expected - reported - unusable)}")
                 break
         round_s = time.monotonic() - started
-        figures, update_s = self._train(self.batch, round_s)
+        if not steps and self.main:
+            self.log.warning(f"round {self.version}: no rollout could be used ({sorted(unusable)}); version "
+                             f"{self.version + 1} keeps the weights so that the actors sample again")
+        figures, update_s = self._train(self.batch, round_s)  # an empty batch takes no optimizer step
         if self.main:
-            self._refresh_fleet(reported)
+            self._refresh_fleet(reported | unusable)
         self._publish()
         if self.main:
             self._log_update(figures, round_s, update_s, len(reported))
@@ -341,7 +352,7 @@ class LearnerNode(RunLedger):
         steps = 0
         while steps < self.algo.batch_size:
             control = {"stop": self._finished()} if self.main else {}
-            records, control = self._poll(stop, control,
+            records, _, control = self._poll(stop, control,
                                           lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
             for r in records:
                 if r["used"]:
