@@ -46,13 +46,14 @@ def test_bench_bus_smoke() -> None:
     from zddrl.channel import CREDIT_WINDOW, WINDOW_BYTES  # the bench learner is a shard's DataChannel
     assert report["settings"]["credit_window"] == CREDIT_WINDOW and report["settings"]["window_bytes"] == WINDOW_BYTES
     counters = report["broker_counters"]
-    # each payload ran on its own processes: a broker of its own, each one accounted for
+    # each round of each payload (one each here) ran on its own processes and broker, each one accounted for
     assert counters["brokers"] == 2 and counters["received"] > 0 and counters["accounted"] is True
     assert sum(counters["dropped"].values()) == 0
 
 
 def test_summed_broker_counters() -> None:
-    """One broker per payload: the report adds their counters and is accounted only if each one was."""
+    """One broker per round of each payload: the report adds their counters and is accounted only if each
+    one was."""
     from zddrl.bench.bus import _summed
 
     a = {"received": 10, "forwarded": 9, "dropped": {"malformed": 1, "stale": 0}, "accounted": True}

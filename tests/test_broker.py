@@ -343,6 +343,16 @@ class ControlClient:
             self._next(P.Credit)
         return self.credits
 
+    def credit_over(self, seconds: float) -> list[int]:
+        """Every credit that comes within ``seconds`` (to show that no more comes than is due)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(max(1, int(left * 1000))):
+                msg = P.decode(self.sock.recv_multipart())
+                if isinstance(msg, P.Credit):
+                    self.credits.append(msg.credit)
+        return self.credits
+
 
 @pytest.mark.parametrize("max_in_flight,batch", [(2, 1), (8, 4)])
 def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Procs, tmp_path: Path, bus: Bus,
@@ -382,6 +392,7 @@ def test_an_actor_gets_the_credit_of_its_malformed_trajectories_back(procs: Proc
     push.send_multipart(P.encode(trajectory("run-a", "actor-0", 1)))
     collect([shard], 1, regrant=False)
     assert sum(actor.credit_until(4)) == 4
+    assert sum(actor.credit_over(2 * 0.3)) == 4  # two heartbeats later: none returned twice
     body = status(broker, bus)
     assert body["broker"]["dropped"]["malformed"] == 3 and body["broker"]["accounted"] is True
     assert body["members"]["actor-0"]["dropped_malformed"] == 3

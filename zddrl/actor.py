@@ -111,8 +111,8 @@ class Collected(NamedTuple):
     ep_lengths: list[int]
     nonfinite_episodes: int = 0
     """Episodes that ended with a non-finite return (an env's NaN or infinite reward), left out of the figures:
-    the protocol wants them finite, and the rewards frame still holds the value, so the learner drops the
-    rollout as invalid (counted for this actor) instead of this actor dying of a malformed message."""
+    the protocol wants them finite. The rollout whose rewards frame carried the non-finite reward (this one or
+    an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
 def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
@@ -242,7 +242,7 @@ class ActorHost:
                 if rollout.nonfinite_episodes:
                     self.timers.nonfinite_episodes += rollout.nonfinite_episodes
                     self._ratelog.warning("nonfinite_return", f"{config.env.id} ended an episode with a non-finite "
-                                          "return (a NaN or infinite reward): the learner drops such rollouts")
+                                          "return (a NaN or infinite reward): the learner drops the rollouts that carry one")
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",

@@ -172,10 +172,11 @@ def run_throughput(payloads: list[int], rounds: int, seconds: float, broker_spec
             with C.Workers() as workers:
                 rig = ThroughputRig(workers, [size], broker_spec, window)
                 rig.start()
-                for path in PATHS:  # untimed: new connections and heaps grow to the payload's size first
-                    rig.measure(path, 0, seconds / 2)
                 shift = r % len(PATHS)  # every path takes every position in the order
-                for path in PATHS[shift:] + PATHS[:shift]:
+                order = PATHS[shift:] + PATHS[:shift]
+                for path in order:  # untimed: new connections and heaps grow to the payload's size first
+                    rig.measure(path, 0, seconds / 2)
+                for path in order:
                     figures = rig.measure(path, 0, seconds)
                     samples[(path, size)].append(figures)
                     logger.info(f"round {r + 1}/{rounds} {_size(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} "
