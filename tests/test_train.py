@@ -75,7 +75,8 @@ def test_an_env_that_returns_nan_costs_rollouts_not_actors(mode: str, tmp_path: 
     """NaN rewards reach the learner, which drops those rollouts as invalid (counted per actor); the actors
     (which leave NaN episode returns out of their headers) live on, and in sync mode a round whose rollouts
     were all unusable still ends (the next version keeps the weights), so the run goes on updating."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # the actors import the env factory from here
     run_dir = tmp_path / "run"
     done = zddrl("train", CARTPOLE, "--run-dir", str(run_dir), "--max-seconds", "10", "--mode", mode,
                  "--set", "env.id=tests.test_train:nan_every_third_episode")

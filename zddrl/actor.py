@@ -242,7 +242,8 @@ class ActorHost:
                 if rollout.nonfinite_episodes:
                     self.timers.nonfinite_episodes += rollout.nonfinite_episodes
                     self._ratelog.warning("nonfinite_return", f"{config.env.id} ended an episode with a non-finite "
-                                          "return (a NaN or infinite reward): the learner drops the rollouts that carry one")
+                                          "return (a NaN or infinite reward): the learner drops the rollouts that "
+                                          "carry one")
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     link.send(P.Stats(sender=self.peer_id, role="actor",
