@@ -92,11 +92,14 @@ def test_an_env_that_returns_nan_costs_rollouts_not_actors(mode: str, tmp_path: 
 def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     summary = train(run_dir, "--until-return", "475")
-    assert summary["reached"] is True and summary["return_mean_20"] >= 475
+    assert summary["reached"] is True and summary["return_at_target"] >= 475
     assert summary["env_steps_to_target"] <= 100_000
     assert set(SUMMARY_KEYS) <= set(summary)
     rows = metrics(run_dir)
     assert list(rows[0]) == list(METRIC_COLUMNS)
+    # The run stops at the update that reached the target: its row is the last one. (The summary's
+    # return_mean_20 may differ: the learner polls once more before it stops.)
+    assert float(rows[-1]["return_mean_20"]) == pytest.approx(summary["return_at_target"], abs=0.01)
     versions = [int(r["policy_version"]) for r in rows]
     assert versions == list(range(1, len(rows) + 1))
     assert all(int(r["batch_steps"]) == 256 for r in rows)  # fixed total batch

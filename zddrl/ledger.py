@@ -105,7 +105,8 @@ class RunLedger:
         self.runlog.write(row)
         self.last_row = row
         if not self.progress.target and ret >= self.config.train.until_return:
-            self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps}
+            self.progress.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps,
+                                    "return_at_target": round(ret, 2)}
             self.log.info(f"target return {self.config.train.until_return} reached: {ret:.1f} after {steps} env "
                           f"steps, {wall:.2f} s")
 
@@ -119,7 +120,8 @@ class RunLedger:
         target = self.config.train.until_return
         return {"target_return": None if math.isinf(target) else target, "reached": bool(self.progress.target),
                 "wall_s_to_target": self.progress.target.get("wall_s_to_target"),
-                "env_steps_to_target": self.progress.target.get("env_steps_to_target"), "total_env_steps": steps,
+                "env_steps_to_target": self.progress.target.get("env_steps_to_target"),
+                "return_at_target": self.progress.target.get("return_at_target"), "total_env_steps": steps,
                 "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
                 "return_mean_20": None if math.isnan(self.return_mean()) else round(self.return_mean(), 2),
                 "episodes": self.progress.episodes, "policy_version": self.version, "updates": self.progress.updates,

@@ -35,7 +35,7 @@ class Progress:
     dropped_invalid: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Per actor: trajectories that did not fit the run (rollouts.mismatch), never trained on."""
     target: dict[str, Any] = field(default_factory=dict)
-    """``wall_s_to_target`` and ``env_steps_to_target`` once the target return was reached."""
+    """``wall_s_to_target``, ``env_steps_to_target`` and ``return_at_target`` once the target return was reached."""
 
     def count_steps(self, sender: str, reported_total: Any, env_steps: int, incarnation: Any = None) -> None:
         """Count an actor's steps from the cumulative totals it reports, in any arrival order.

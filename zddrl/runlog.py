@@ -33,9 +33,9 @@ METRIC_COLUMNS = (
     "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean", "rho_mean", "dropped_late", "dropped_stale",
     "dropped_invalid", "skipped_steps", "actors", "rollout_len", "round_s", "update_s",
 )
-SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "total_env_steps", "wall_s",
-                "sps", "return_mean_20", "episodes", "policy_version", "updates", "dropped_late", "dropped_stale",
-                "dropped_invalid", "lag", "mode", "seed", "shards", "shard_trajectories")
+SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "return_at_target",
+                "total_env_steps", "wall_s", "sps", "return_mean_20", "episodes", "policy_version", "updates",
+                "dropped_late", "dropped_stale", "dropped_invalid", "lag", "mode", "seed", "shards", "shard_trajectories")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
