@@ -353,7 +353,7 @@ class LearnerNode(RunLedger):
         while steps < self.algo.batch_size:
             control = {"stop": self._finished()} if self.main else {}
             records, _, control = self._poll(stop, control,
-                                          lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
+                                             lambda m: 0 <= self.version - m.policy_version <= self.algo.max_staleness)
             for r in records:
                 if r["used"]:
                     steps += r["env_steps"]
