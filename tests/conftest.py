@@ -14,9 +14,9 @@ import pytest
 import zmq
 
 from zddrl import protocol as P
-from zddrl.client import BrokerLink
+from zddrl.transport.link import BrokerLink
 
-from zddrl.train import free_ports
+from zddrl.proc import free_ports
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:

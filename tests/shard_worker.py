@@ -16,10 +16,10 @@ import numpy as np
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.impala import ImpalaLearner
-from zddrl.ppo import PPOLearner
-from zddrl.launch import DevicePlan
-from zddrl.shards import ShardGroup
+from zddrl.algos.impala import ImpalaLearner
+from zddrl.algos.ppo import PPOLearner
+from zddrl.dist.launch import DevicePlan
+from zddrl.dist.shards import ShardGroup
 
 SPEC = EnvSpec((4,), True, 2)
 SENDERS = ("a", "b", "c", "d")

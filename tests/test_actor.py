@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from zddrl import protocol as P
-from zddrl.actor import action_rng, collect, encode_rollout, env_seeds
+from zddrl.actor.host import action_rng, collect, encode_rollout, env_seeds
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvError, VecEnv, env_factory, probe_spec
-from zddrl.model import ActorCritic, flatten_params
-from zddrl.policy import NumpyPolicy
+from zddrl.algos.model import ActorCritic, flatten_params
+from zddrl.actor.policy import NumpyPolicy
 
 
 def _policy(env_id: str = "CartPole-v1") -> NumpyPolicy:
@@ -108,7 +108,7 @@ def test_actor_and_broker_processes_do_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, zddrl.actor, zddrl.broker, zddrl.cli, zddrl.status, zddrl.train, zddrl.runlog; "
+    code = ("import sys, zddrl.actor.host, zddrl.broker.broker, zddrl.cli, zddrl.ops.status, zddrl.ops.train, zddrl.learner.runlog; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
@@ -118,7 +118,7 @@ def test_a_non_finite_episode_return_is_left_out_and_the_rollout_still_encodes()
     """An env's NaN reward must not kill the actor with a malformed message (the protocol wants finite
     episode figures): the episode is counted and left out of the header, the rewards frame keeps the NaN,
     and the learner's check drops the rollout as invalid."""
-    from zddrl.rollouts import mismatch
+    from zddrl.algos.rollout import mismatch
 
     def make() -> gym.Env:
         env = gym.make("CartPole-v1", max_episode_steps=5)

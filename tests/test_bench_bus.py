@@ -43,7 +43,7 @@ def test_bench_bus_smoke() -> None:
 
     target = report["targets"]["codec_vs_pickle"]
     assert isinstance(target["met"], bool) and target["data"] == "fresh" and target["hot_ratio"] > 0
-    from zddrl.channel import CREDIT_WINDOW, WINDOW_BYTES  # the bench learner is a shard's DataChannel
+    from zddrl.transport.channel import CREDIT_WINDOW, WINDOW_BYTES  # the bench learner is a shard's DataChannel
     assert report["settings"]["credit_window"] == CREDIT_WINDOW and report["settings"]["window_bytes"] == WINDOW_BYTES
     counters = report["broker_counters"]
     # each round of each payload (one each here) ran on its own processes and broker, each one accounted for

@@ -25,8 +25,8 @@ import zmq
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.config import Config
-from zddrl.status import request_status
-from zddrl.train import free_ports
+from zddrl.ops.status import request_status
+from zddrl.proc import free_ports
 
 WAIT_S = 10.0
 """Upper bound of any single wait; a healthy broker answers in milliseconds."""
@@ -181,7 +181,7 @@ def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(
                                                                                 bus: Bus) -> None:
     """DataChannel grants at most ``window`` trajectories ahead, and once they are big, as many as fit in
     WINDOW_BYTES (never fewer than MIN_WINDOW): everything still arrives, exactly once, in order."""
-    from zddrl.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
+    from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
 
     link = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
     assert link.wait_welcome(WAIT_S) is not None
@@ -291,7 +291,7 @@ def test_what_an_actor_sent_before_its_bye_is_still_forwarded(broker: BrokerHand
 
 
 def test_departed_actors_are_remembered_for_a_while_and_in_bounded_number() -> None:
-    from zddrl.membership import LEFT_ACTORS_KEPT, Departures, Member
+    from zddrl.broker.membership import LEFT_ACTORS_KEPT, Departures, Member
 
     departures = Departures(grace_s=3.0)
     departures.record(Member(peer_id="shard", role="learner", identity=b"s"), "bye")

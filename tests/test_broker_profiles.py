@@ -14,7 +14,7 @@ import zmq
 from conftest import Procs, wait_for
 from zddrl import protocol as P
 from zddrl.config import BrokerConfig, ConfigError, load_broker_config
-from zddrl.train import free_ports
+from zddrl.proc import free_ports
 
 if sys.version_info >= (3, 11):
     import tomllib

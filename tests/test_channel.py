@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from zddrl import protocol as P
-from zddrl.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
+from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
 
 from test_protocol import traj, traj_arrays
 

@@ -16,8 +16,8 @@ from test_ppo import _trajectory
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning, zddrl
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.ppo import PPOLearner
-from zddrl.runlog import RunLog, latest_checkpoint, load_checkpoint
+from zddrl.algos.ppo import PPOLearner
+from zddrl.learner.runlog import RunLog, latest_checkpoint, load_checkpoint
 
 
 def test_learner_state_round_trip_continues_identically() -> None:

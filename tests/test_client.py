@@ -14,7 +14,7 @@ import zmq
 
 from conftest import Bus, wait_for
 from zddrl import protocol as P
-from zddrl.client import BrokerLink
+from zddrl.transport.link import BrokerLink
 
 WAIT_S = 10.0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from zddrl import config as C
-from zddrl.runlog import METRIC_COLUMNS, SUMMARY_KEYS
+from zddrl.learner.runlog import METRIC_COLUMNS, SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,12 +25,12 @@ import pytest
 import zmq
 
 from conftest import Bus
-from zddrl import health as H
+from zddrl.broker import health as H
 from zddrl import protocol as P
-from zddrl.actor import ActorTimers, first_obs_hash
-from zddrl.client import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
-from zddrl.health import HealthMonitor
-from zddrl.status import request_status
+from zddrl.actor.host import ActorTimers, first_obs_hash
+from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
+from zddrl.broker.health import HealthMonitor
+from zddrl.ops.status import request_status
 
 ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 10.0

@@ -12,9 +12,9 @@ import torch
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.impala import ImpalaLearner, stack_time_major
-from zddrl.learner import LearnerNode
-from zddrl.ppo import PPOLearner
+from zddrl.algos.impala import ImpalaLearner, stack_time_major
+from zddrl.learner.node import LearnerNode
+from zddrl.algos.ppo import PPOLearner
 
 SPEC = EnvSpec((4,), True, 2)
 
@@ -131,7 +131,7 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp
 def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
     from loguru import logger
 
-    from zddrl.ledger import LAG_WINDOW
+    from zddrl.learner.ledger import LAG_WINDOW
 
     node = LearnerNode("tcp://127.0.0.1:9", Config().replace({"algo.mode": "impala"}), tmp_path / "run")
     lines: list[str] = []
@@ -152,7 +152,7 @@ def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
 
 
 def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:
-    from zddrl.progress import Progress
+    from zddrl.learner.progress import Progress
 
     p = Progress()
     p.count_steps("a", 5000, 100)  # an actor host that served an earlier run: 4900 steps not ours
@@ -168,7 +168,7 @@ def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:
 
 def test_progress_counts_each_step_once_whatever_the_arrival_order() -> None:
     """Learner shards see an actor's messages out of order: totals 300, 400 before 200; each counted once."""
-    from zddrl.progress import Progress
+    from zddrl.learner.progress import Progress
 
     p = Progress()
     for total in (1100, 1300, 1400, 1200, 1200, 1500):  # 1000 steps from before this run; 1200 arrives late, twice
@@ -190,7 +190,7 @@ def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
 def test_a_step_without_samples_anywhere_is_not_taken() -> None:
     """IMPALA minibatches split env columns: 2 columns in 4 minibatches leave 2 steps per epoch empty.
     An empty step must not move the weights (Adam's momentum would) nor count as an optimizer step."""
-    from zddrl.impala import ImpalaLearner
+    from zddrl.algos.impala import ImpalaLearner
 
     core = ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 4, "algo.epochs": 3}), SPEC)
     figures = core.update([trajectory(8, 2)])

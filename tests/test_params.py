@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from conftest import BrokerHandle, Bus, wait_for
 from test_broker import WAIT_S, counters, recv_control, start_run
 from zddrl import protocol as P
-from zddrl.params import Assembler, FrameCache, from_transport, split, to_transport
+from zddrl.transport.params import Assembler, FrameCache, from_transport, split, to_transport
 
 LAYOUT = [["w", "float32", [1000], 0]]
 

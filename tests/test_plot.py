@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from zddrl.plot import PlotError, load_run, plot_runs
+from zddrl.ops.plot import PlotError, load_run, plot_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")

@@ -7,8 +7,8 @@ import torch
 
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
-from zddrl.model import ActorCritic, flatten_params, load_flat, unflatten
-from zddrl.policy import NumpyPolicy
+from zddrl.algos.model import ActorCritic, flatten_params, load_flat, unflatten
+from zddrl.actor.policy import NumpyPolicy
 
 
 @pytest.mark.parametrize("discrete", [True, False])

@@ -7,9 +7,9 @@ import torch
 
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.optim import Adam
-from zddrl.core import RewardScaler, RunningMeanStd, schedule
-from zddrl.ppo import PPOLearner, ppo_loss
+from zddrl.algos.optim import Adam
+from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
+from zddrl.algos.ppo import PPOLearner, ppo_loss
 from zddrl.protocol import Trajectory
 
 
@@ -141,7 +141,7 @@ def test_update_reports_figures_and_moves_parameters() -> None:
 @pytest.mark.parametrize("mode", ["sync", "async", "impala"])
 def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: str) -> None:
     """A batch of 8 env columns sent as 1 x 8, 2 x 4 or 4 x 2 trajectories trains the same parameters."""
-    from zddrl.impala import ImpalaLearner
+    from zddrl.algos.impala import ImpalaLearner
 
     T, N = 16, 8
     whole = _trajectory(T, N)

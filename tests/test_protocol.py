@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from zddrl import protocol as P
-from zddrl.params import split as split_params
+from zddrl.transport.params import split as split_params
 
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
 

@@ -1,11 +1,11 @@
-"""Behavioural tests for zddrl.returns (GAE, V-trace, truncated importance weights)."""
+"""Behavioural tests for zddrl.algos.returns (GAE, V-trace, truncated importance weights)."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from zddrl.returns import (gae, truncated_importance_weights, vtrace,
+from zddrl.algos.returns import (gae, truncated_importance_weights, vtrace,
                            vtrace_discounts_and_rewards)
 
 NAN = float("nan")

@@ -1,4 +1,4 @@
-"""What a learner checks of a decoded trajectory before training on it (zddrl.rollouts), and the
+"""What a learner checks of a decoded trajectory before training on it (zddrl.algos.rollout), and the
 optimizer step a poisoned batch can no longer take (LearnerCore.step_optimizer)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.ppo import PPOLearner
-from zddrl.rollouts import mismatch, truncations
+from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.rollout import mismatch, truncations
 
 from test_protocol import traj, traj_arrays
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, processes_mentioning, train
 from zddrl.proc import free_ports
-from zddrl.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
+from zddrl.dist.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
 
 
 WORKER = str(Path(__file__).resolve().parent / "shard_worker.py")
@@ -101,8 +101,8 @@ def test_two_shards_with_half_batches_learn_what_one_learner_learns(mode: str, t
 
 def _run_initial(mode: str) -> np.ndarray:
     from shard_worker import SPEC, config
-    from zddrl.impala import ImpalaLearner
-    from zddrl.ppo import PPOLearner
+    from zddrl.algos.impala import ImpalaLearner
+    from zddrl.algos.ppo import PPOLearner
 
     return (ImpalaLearner if mode == "impala" else PPOLearner)(config(mode), SPEC).params()[0]
 

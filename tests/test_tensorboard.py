@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zddrl.runlog import METRIC_COLUMNS
-from zddrl.tensorboard import TAGS, TensorBoardWriter, make_tensorboard_writer
+from zddrl.learner.runlog import METRIC_COLUMNS
+from zddrl.learner.tensorboard import TAGS, TensorBoardWriter, make_tensorboard_writer
 
 
 def _row(step: int, **changes: object) -> dict[str, object]:

@@ -14,7 +14,7 @@ import gymnasium as gym
 import pytest
 
 from conftest import BrokerHandle, Procs, wait_for
-from zddrl.runlog import METRIC_COLUMNS, SUMMARY_KEYS
+from zddrl.learner.runlog import METRIC_COLUMNS, SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")

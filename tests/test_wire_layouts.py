@@ -1,4 +1,4 @@
-"""Layout caches (zddrl.wire): a layout seen before skips its spec checks, never the checks of the frames."""
+"""Layout caches (zddrl.protocol.frames): a layout seen before skips its spec checks, never the checks of the frames."""
 from __future__ import annotations
 
 import msgpack
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from zddrl import protocol as P
-from zddrl import wire as W
+from zddrl.protocol import frames as W
 
 HEADER = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_version": 0, "param_hash": "",
           "env_steps": 2, "info": {}}

@@ -18,7 +18,7 @@ __all__ = ["__version__", "gae", "vtrace"]
 
 def __getattr__(name: str) -> Any:
     if name in ("gae", "vtrace", "GAEReturns", "VTraceReturns"):
-        from . import returns
+        from zddrl.algos import returns
 
         return getattr(returns, name)
     raise AttributeError(f"module 'zddrl' has no attribute {name!r}")

@@ -1,3 +1,3 @@
-from .cli import main
+from zddrl.cli import main
 
 main()

@@ -1,6 +1,7 @@
 """The ``zddrl`` command line (click). Every command has ``--help``; ZDDRL_* env vars give defaults."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -11,10 +12,10 @@ from typing import Any
 import click
 from loguru import logger
 
-from . import STARTED_AT, __version__
-from .config import ConfigError, load_broker_config, load_config, parse_override
-from .client import Refused
-from .logs import configure
+from zddrl import STARTED_AT, __version__
+from zddrl.config import ConfigError, load_broker_config, load_config, parse_override
+from zddrl.transport.link import Refused
+from zddrl.logs import configure
 
 CONNECT_HELP = "Broker control endpoint, the only address a client needs."
 
@@ -40,7 +41,7 @@ def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
 
 def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
     """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
-    from .envs import EnvError, probe_spec
+    from zddrl.envs import EnvError, probe_spec
 
     try:
         config = load_config(config_path, overrides)
@@ -54,7 +55,7 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
 def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
     """A run directory is continued only with --resume and with the same env and model; a new run never
     writes into a directory that holds another run's checkpoints."""
-    from .runlog import latest_checkpoint
+    from zddrl.learner.runlog import latest_checkpoint
 
     if run_dir is None:
         if resume:
@@ -80,7 +81,23 @@ set_option = click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=V
                           help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "ZDDRL"})
+class _LazyGroup(click.Group):
+    """Imports a subcommand's module only when that subcommand runs (or ``--help`` lists it): ``zddrl bench``
+    pulls in the benchmark code, which every other command does without."""
+
+    LAZY = {"bench": "zddrl.bench.cli:bench"}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *self.LAZY])
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.LAZY:
+            module, attr = self.LAZY[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": "ZDDRL"})
 @click.version_option(__version__, prog_name="zddrl")
 @click.option("--log-level", default="INFO", show_default=True, help="DEBUG, INFO, WARNING or ERROR.")
 @click.option("--log-file", default=None, help="Also log to this file (rotated at 50 MB, 5 kept).")
@@ -101,7 +118,7 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
               help="Write the bound ports as JSON here once serving (for scripts and tests).")
 def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
     """Run the broker: routes trajectories to learners and parameters to actors."""
-    from .broker import Broker
+    from zddrl.broker.broker import Broker
 
     try:
         config = load_broker_config(profile, {"bind": bind, "trajectory_port": trajectory_port,
@@ -128,7 +145,7 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
 def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
-    from .actor import ActorHost
+    from zddrl.actor.host import ActorHost
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
@@ -169,7 +186,7 @@ def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, nod
     With several devices (--gpus 0,1, --gpus cpu:2, --shards 2) or nodes (--nnodes), this process
     starts one shard process per local device and supervises them; under torchrun (RANK and
     WORLD_SIZE set) it is one shard itself."""
-    from .launch import launched_as_shard, plan_devices
+    from zddrl.dist.launch import launched_as_shard, plan_devices
 
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
@@ -193,7 +210,7 @@ def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, nod
 
 
 def _default_run_dir(config) -> Path:
-    from .train import default_run_dir
+    from zddrl.ops.train import default_run_dir
 
     return default_run_dir(config)
 
@@ -202,7 +219,7 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
     """Re-run this command once per local device as a shard (same arguments, one run directory)."""
     import sys
 
-    from .launch import LaunchError, Rendezvous, run_shards
+    from zddrl.dist.launch import LaunchError, Rendezvous, run_shards
 
     argv = list(sys.argv[1:])
     if "--run-dir" not in argv:  # every shard must agree on the (default, time-stamped) directory
@@ -217,8 +234,8 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
 
 def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
-    from .learner import LearnerNode
-    from .shards import ShardError, ShardGroup
+    from zddrl.learner.node import LearnerNode
+    from zddrl.dist.shards import ShardError, ShardGroup
 
     try:
         group = ShardGroup.from_env(plan, config.learner.collective_timeout_s)
@@ -253,7 +270,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
 def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir,
           sets) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
-    from .train import run_training
+    from zddrl.ops.train import run_training
 
     config = _load(config_path, _overrides(sets, **{
         "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
@@ -270,7 +287,7 @@ def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds,
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
     """Deterministic evaluation of a checkpoint: mean/std return over episodes."""
-    from .evaluate import evaluate
+    from zddrl.ops.evaluate import evaluate
 
     try:
         result = evaluate(checkpoint, episodes, seed)
@@ -290,7 +307,7 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the broker.")
 def status(connect, as_json, watch, interval, timeout) -> None:
     """Print the broker's counters, members, drops and health warnings."""
-    from .status import format_status, request_status, watch_status
+    from zddrl.ops.status import format_status, request_status, watch_status
 
     if watch:
         watch_status(connect, interval, timeout)
@@ -306,12 +323,7 @@ def status(connect, as_json, watch, interval, timeout) -> None:
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
 def plot(run_dirs, output) -> None:
     """Plot return vs env steps and vs wall time, SPS and staleness of one or more runs (overlaid)."""
-    from .plot import plot_runs
+    from zddrl.ops.plot import plot_runs
 
     plot_runs([Path(d) for d in run_dirs], Path(output))
     click.echo(output)
-
-
-from .bench.cli import bench  # noqa: E402  (registers the `bench` group)
-
-main.add_command(bench)

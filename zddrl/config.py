@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .fieldchecks import PARAM_DTYPES as WIRE_PARAM_DTYPES
+from zddrl.protocol import PARAM_DTYPES as WIRE_PARAM_DTYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -192,6 +192,27 @@ class TrainConfig:
 PARAM_DTYPES = tuple(WIRE_PARAM_DTYPES)
 
 
+def parse_gpus(gpus: str) -> tuple[str, tuple[int, ...]]:
+    """``--gpus`` syntax -> ``("auto", ())``, ``("cpu", (N,))`` or ``("cuda", ids)``; ValueError if malformed.
+
+    Needs no device: the config checks it, so that a typo is a usage error before anything starts."""
+    spec = gpus.strip().lower()
+    if spec in ("", "auto"):
+        return "auto", ()
+    if spec == "cpu" or spec.startswith("cpu:"):
+        count = spec.partition(":")[2] or "1"
+        if not count.isdigit() or not 1 <= int(count) <= 64:
+            raise ValueError(f"--gpus {gpus!r}: cpu:N needs N in 1..64")
+        return "cpu", (int(count),)
+    try:
+        ids = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--gpus {gpus!r}: expected 'auto', GPU indices like '0,1', or 'cpu:N'") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0:
+        raise ValueError(f"--gpus {gpus!r}: GPU indices must be distinct and >= 0")
+    return "cuda", ids
+
+
 @dataclass(frozen=True)
 class LearnerConfig:
     gpus: str = "auto"
@@ -204,8 +225,6 @@ class LearnerConfig:
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
 
     def __post_init__(self) -> None:
-        from .launch import parse_gpus
-
         try:
             parse_gpus(self.gpus)
         except ValueError as exc:

@@ -10,7 +10,7 @@ import numpy as np
 import msgpack
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from zddrl import protocol as P
-from zddrl.params import split
+from zddrl.transport.params import split
 
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2, "rollout_len": 2},
        "model": {"hidden": [1], "activation": "tanh"}, "algo": {"mode": "sync", "batch_size": 4}}

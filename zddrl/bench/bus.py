@@ -32,12 +32,12 @@ import numpy as np
 import zmq
 from loguru import logger
 
-from .. import protocol as P
-from ..channel import WINDOW_BYTES
-from ..status import request_status
-from ..train import free_ports
-from . import common as C
-from .codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
+from zddrl import protocol as P
+from zddrl.transport.channel import WINDOW_BYTES
+from zddrl.ops.status import request_status
+from zddrl.proc import free_ports
+from zddrl.bench import common as C
+from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
 
 PATHS = ("direct", "proxy", "broker")
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
@@ -233,7 +233,7 @@ class Publisher:
     """The learner side of a broadcast: joined as the run's learner, publishing on its DEALER."""
 
     def __init__(self, control: str, learner_port: int) -> None:
-        from ..client import BrokerLink
+        from zddrl.transport.link import BrokerLink
 
         self.run_id = f"bench-bcast-{uuid.uuid4().hex[:8]}"
         self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import click
 
-from .bus import bus
-from .codec import codec
-from .learner import learner
-from .sample import sample
-from .train import train
+from zddrl.bench.bus import bus
+from zddrl.bench.codec import codec
+from zddrl.bench.learner import learner
+from zddrl.bench.sample import sample
+from zddrl.bench.train import train
 
 
 @click.group()

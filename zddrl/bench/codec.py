@@ -38,8 +38,8 @@ import msgpack
 import msgpack_numpy
 import zmq
 
-from .. import protocol as P
-from . import common as C
+from zddrl import protocol as P
+from zddrl.bench import common as C
 
 CODEC_TARGET, CODEC_PAYLOAD = 10.0, 1 << 20
 CODEC_SIZES = (CODEC_PAYLOAD, 8 << 20)

@@ -19,8 +19,8 @@ import numpy as np
 import zmq
 from loguru import logger
 
-from .. import protocol as P
-from ..channel import CREDIT_WINDOW
+from zddrl import protocol as P
+from zddrl.transport.channel import CREDIT_WINDOW
 
 HWM = 16
 """Queue depth of every bench socket: BrokerConfig.trajectory_hwm, so all paths buffer alike."""
@@ -43,7 +43,7 @@ _spawn = mp.get_context("spawn")
 
 
 def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The arrays ``zddrl.actor.collect`` sends for a typical rollout (no truncation in it), as close to
+    """The arrays ``zddrl.actor.host.collect`` sends for a typical rollout (no truncation in it), as close to
     ``payload_bytes`` as their layout allows (observations fill it; under by less than one obs row per step).
 
     Same names, dtypes and layout as an actor's (9 arrays: the per-message cost of the bus grows with
@@ -176,7 +176,7 @@ def _setup(role: str) -> zmq.Context:
     parent = _spawn.parent_process()
     if parent is not None:  # a parent killed without its finally must not leave busy orphans behind
         threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
-    from ..logs import configure
+    from zddrl.logs import configure
 
     configure("WARNING", role=role)  # drops and failures still show; per-peer INFO lines would flood
     return zmq.Context.instance()
@@ -196,7 +196,7 @@ def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
 
 
 def _link(connect: str, hello: P.Hello, subscribe: bool = False):
-    from ..client import BrokerLink
+    from zddrl.transport.link import BrokerLink
 
     link = BrokerLink(connect, hello, subscribe_params=subscribe).start()
     if link.wait_welcome(30, need_run=True) is None:
@@ -205,7 +205,7 @@ def _link(connect: str, hello: P.Hello, subscribe: bool = False):
 
 
 def make_hello(role: str, peer_id: str, run_id: str = "") -> P.Hello:
-    from ..client import hello_fields
+    from zddrl.transport.link import hello_fields
 
     run = RUN_SPEC if role == "learner" else None
     return P.Hello(role=role, peer_id=peer_id, run_id=run_id, run=run, **hello_fields())
@@ -247,7 +247,7 @@ def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[
 def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, counters: Counters,
                   window: int = CREDIT_WINDOW) -> None:
     """The learner end: decode every message and count it. On the broker path it is a learner shard's
-    data channel (zddrl.channel.DataChannel: the same credit policy, the same decode)."""
+    data channel (zddrl.transport.channel.DataChannel: the same credit policy, the same decode)."""
     ctx = _setup("bench-receiver")
     if path != "broker":
         sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
@@ -257,7 +257,7 @@ def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, co
             sock.connect(endpoint)
         _count(lambda: _recv_decoded(sock), counters)
         return
-    from ..channel import DataChannel
+    from zddrl.transport.channel import DataChannel
 
     # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
     link = _link(control, make_hello("learner", LEARNER_ID, run_id))
@@ -313,7 +313,7 @@ def load_broker(spec: str) -> type:
 def broker_main(ports: list[int], spec: str = DEFAULT_BROKER) -> None:
     """A real broker through its Python API, on the given control/trajectory/learner/params ports."""
     _setup("bench-broker")
-    from ..config import BrokerConfig
+    from zddrl.config import BrokerConfig
 
     control, traj, learners, params = ports
     config = BrokerConfig(bind=f"tcp://127.0.0.1:{control}", trajectory_port=traj, learner_port=learners,

@@ -30,11 +30,11 @@ import click
 import numpy as np
 from loguru import logger
 
-from .. import protocol as P
-from ..launch import DevicePlan, Rendezvous, plan_devices, shard_environments
-from ..proc import free_ports
-from . import common as C
-from .bus import Publisher
+from zddrl import protocol as P
+from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
+from zddrl.proc import free_ports
+from zddrl.bench import common as C
+from zddrl.bench.bus import Publisher
 
 BROADCAST_REPS = 9
 BROADCAST_TIMEOUT_S = 60.0
@@ -61,11 +61,11 @@ def _synthetic(sender: int, update: int, T: int, N: int) -> P.Trajectory:
 
 def shard_main(spec: dict[str, Any], out: str) -> None:
     """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures."""
-    from ..config import Config
-    from ..envs import EnvSpec
-    from ..impala import ImpalaLearner
-    from ..ppo import PPOLearner
-    from ..shards import ShardGroup
+    from zddrl.config import Config
+    from zddrl.envs import EnvSpec
+    from zddrl.algos.impala import ImpalaLearner
+    from zddrl.algos.ppo import PPOLearner
+    from zddrl.dist.shards import ShardGroup
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
     config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
@@ -125,9 +125,9 @@ def run_throughput(devices: tuple[str, ...], threads: int, hidden: list[int], ba
 def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
     """The flat buffer, layout and state dict of a real ActorCritic (~10M parameters with the default
     2240x2240 on 64-dim observations)."""
-    from ..config import ModelConfig
-    from ..envs import EnvSpec
-    from ..model import ActorCritic, flatten_params
+    from zddrl.config import ModelConfig
+    from zddrl.envs import EnvSpec
+    from zddrl.algos.model import ActorCritic, flatten_params
 
     model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]),
                         ModelConfig(hidden=tuple(hidden)))
@@ -142,7 +142,7 @@ class ChunkPublisher(Publisher):
     def publish(self, flat: np.ndarray, layout: list | None = None, dtype: str = "float32",
                 chunk_bytes: int = 4 << 20) -> float:
         """Split (hash, convert) and send version ``self.version``; returns the time the work started."""
-        from ..params import split
+        from zddrl.transport.params import split
 
         started = time.monotonic()
         for msg in split(run_id=self.run_id, sender=C.LEARNER_ID, version=self.version, flat=flat,

@@ -25,13 +25,13 @@ import click
 import numpy as np
 import zmq
 
-from .. import protocol as P
-from ..actor import action_rng, env_seeds
-from ..client import BrokerLink, hello_fields
-from ..config import Config
-from ..envs import VecEnv, env_factory, probe_spec
-from ..channel import DataChannel
-from ..train import free_ports
+from zddrl import protocol as P
+from zddrl.actor.host import action_rng, env_seeds
+from zddrl.transport.link import BrokerLink, hello_fields
+from zddrl.config import Config
+from zddrl.envs import VecEnv, env_factory, probe_spec
+from zddrl.transport.channel import DataChannel
+from zddrl.proc import free_ports
 
 WARMUP_S = 1.0
 
@@ -43,7 +43,7 @@ def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Confi
 
 
 def _params(config: Config) -> tuple[np.ndarray, list]:
-    from ..model import ActorCritic, flatten_params
+    from zddrl.algos.model import ActorCritic, flatten_params
 
     return flatten_params(ActorCritic(probe_spec(config.env.id), config.model))
 
@@ -51,7 +51,7 @@ def _params(config: Config) -> tuple[np.ndarray, list]:
 def _plain_loop(env_id: str, envs: int, actor_id: int, flat: np.ndarray, layout: list, seconds: float,
                 out: mp.Queue) -> None:
     """What an actor does minus the bus: step, infer, store nothing."""
-    from ..policy import NumpyPolicy
+    from zddrl.actor.policy import NumpyPolicy
 
     vec = VecEnv(env_factory(env_id), env_seeds(1, actor_id, envs))
     policy = NumpyPolicy(flat, layout, "tanh", vec.spec.discrete)

@@ -1,0 +1,302 @@
+"""Actor host: steps N gymnasium envs with the newest policy and pushes one trajectory per rollout.
+
+An actor needs only the broker address. It learns the run spec (env, model, rollout length, seed,
+mode) from the welcome and the weights from parameter broadcasts, which its ``BrokerLink`` thread
+receives, verifies and decodes off the stepping path. Every trajectory is stamped with the policy
+version and parameter hash it was produced with. In sync mode the actor waits for a new version
+after each rollout; in async/impala modes it never waits and swaps versions between rollouts.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import zmq
+from loguru import logger
+
+from zddrl import protocol as P
+from zddrl.transport.link import BrokerLink, Refused, hello_fields
+from zddrl.config import Config
+from zddrl.envs import VecEnv, env_factory
+from zddrl.logs import RateLimitedLog
+from zddrl.actor.policy import NumpyPolicy
+from zddrl.proc import rss_mb
+
+WELCOME_TIMEOUT_S = 3600.0
+"""An actor may be started long before any learner; it waits (heartbeating) for a run."""
+STATS_EVERY_S = 1.0
+SEND_POLL_MS = 100
+
+
+def env_seeds(base_seed: int, actor_id: int, num_envs: int) -> list[int]:
+    """Seed stream of each env: ``base_seed + actor_id * 1000 + env_index``."""
+    return [base_seed + actor_id * 1000 + i for i in range(num_envs)]
+
+
+def action_rng(base_seed: int, actor_id: int) -> np.random.Generator:
+    """The actor's own generator for action sampling, independent of the env streams."""
+    return np.random.default_rng([base_seed + actor_id * 1000, 0xAC7])
+
+
+def first_obs_hash(obs: np.ndarray) -> str:
+    """Short hash of env 0's first observation after the first reset (stats key ``first_obs_hash``).
+
+    The broker warns when two actors report the same one: their seeds are not split. Env 0 only,
+    so that two actors given the same --actor-id but different --envs still collide."""
+    return hashlib.sha1(np.ascontiguousarray(obs[0], dtype=np.float32).tobytes()).hexdigest()[:16]
+
+
+@dataclass
+class ActorTimers:
+    """Where an actor's wall time goes; the basis of its comm-share and waiting figures."""
+
+    started: float = field(default_factory=time.monotonic)
+    env_steps: int = 0
+    step_s: float = 0.0
+    wait_params_s: float = 0.0
+    send_s: float = 0.0
+    """Encoding and handing trajectories to the socket: communication proper."""
+    backpressure_s: float = 0.0
+    """Waiting for the broker to read earlier trajectories (the learner is the bottleneck)."""
+    rollouts: int = 0
+    nonfinite_episodes: int = 0
+    _mark: tuple[float, int, float, float] | None = field(default=None, repr=False)
+    """(time, env_steps, send seconds, waiting seconds) at the previous report."""
+
+    def stats(self) -> dict[str, float]:
+        """Totals since start; ``sps`` and ``comm_share`` over the interval since the previous call.
+
+        Rates are per interval, not since start: a lifetime average hides a collapse or a stall
+        for ever longer as a run goes on, and the broker's health checks (sps_collapse, comm_share)
+        and `zddrl status --watch` need what the actor does now."""
+        now = time.monotonic()
+        waiting = self.wait_params_s + self.backpressure_s
+        since, steps0, send0, waiting0 = self._mark or (self.started, 0, 0.0, 0.0)
+        self._mark = (now, self.env_steps, self.send_s, waiting)
+        window = max(now - since, 1e-9)
+        return {"env_steps": self.env_steps, "sps": (self.env_steps - steps0) / window, "rollouts": self.rollouts,
+                "nonfinite_episodes": self.nonfinite_episodes,
+                "wait_params_s": self.wait_params_s, "backpressure_s": self.backpressure_s, "send_s": self.send_s,
+                "comm_share": min(max((self.send_s - send0) / window, 0.0), 1.0),
+                "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0)}
+
+
+class Rollout:
+    """Preallocated time-major buffers for one rollout of ``T`` steps of ``N`` envs."""
+
+    def __init__(self, T: int, vec: VecEnv) -> None:
+        N, spec = vec.num_envs, vec.spec
+        self.T, self.N = T, N
+        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=np.float32)
+        self.actions = np.zeros((T, N) if spec.discrete else (T, N, spec.action_dim),
+                                dtype=np.int64 if spec.discrete else np.float32)
+        self.logp = np.zeros((T, N), dtype=np.float32)
+        self.values = np.zeros((T, N), dtype=np.float32)
+        self.rewards = np.zeros((T, N), dtype=np.float32)
+        self.terminated = np.zeros((T, N), dtype=bool)
+        self.truncated = np.zeros((T, N), dtype=bool)
+
+
+class Collected(NamedTuple):
+    """One rollout as a trajectory carries it: its arrays (frames) and its episode figures (header)."""
+
+    arrays: dict[str, np.ndarray]
+    ep_returns: list[float]
+    ep_lengths: list[int]
+    nonfinite_episodes: int = 0
+    """Episodes that ended with a non-finite return (an env's NaN or infinite reward), left out of the figures:
+    the protocol wants them finite. The rollout whose rewards frame carried the non-finite reward (this one or
+    an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
+
+
+def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
+            slowdown: float = 1.0) -> Collected:
+    """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
+    (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
+    buf = Rollout(T, vec)
+    trunc_idx, trunc_obs = [], []
+    vec.finished.clear()
+    for t in range(T):
+        t0 = time.perf_counter()
+        obs = vec.obs
+        out = policy.act(obs, rng)
+        buf.obs[t] = obs
+        buf.actions[t], buf.logp[t], buf.values[t] = out.actions, out.logp, out.values
+        _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
+        for i, fo in final_obs.items():
+            if buf.truncated[t, i] and not buf.terminated[t, i]:
+                trunc_idx.append(t * vec.num_envs + i)
+                trunc_obs.append(fo)
+        if slowdown > 1.0:  # testing knob: this host is `slowdown` times slower per step
+            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+    arrays = {
+        "obs": buf.obs, "actions": buf.actions, "logp": buf.logp, "values": buf.values, "rewards": buf.rewards,
+        "terminated": buf.terminated, "truncated": buf.truncated,
+        "next_obs": vec.obs.copy(), "next_value": policy.value(vec.obs).astype(np.float32),
+    }
+    if trunc_idx:  # most rollouts have none: three empty frames fewer to send and check
+        final = np.stack(trunc_obs).astype(np.float32, copy=False)
+        arrays.update(trunc_idx=np.array(trunc_idx, dtype=np.int64), trunc_obs=final,
+                      trunc_value=policy.value(final).astype(np.float32))
+    episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
+    return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))
+
+
+def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
+    """``msg``'s frames, checked as the broker will check them: what it would drop as malformed (a rollout
+    over its ``max_message_bytes`` limit, or arrays that break the trajectory rules) is this actor's own
+    defect, so it fails here, loudly, instead of being dropped and counted one message at a time."""
+    frames = P.encode(msg)
+    if limit and P.message_nbytes(frames) > limit:
+        raise ValueError(f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
+                         f"max_message_bytes {limit}: lower env.rollout_len or --envs")
+    P.validate_trajectory(frames, limit or P.DEFAULT_MAX_MESSAGE_BYTES)  # a few us: layouts are checked once
+    return frames
+
+
+class ActorHost:
+    """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done."""
+
+    def __init__(self, connect: str, actor_id: int, num_envs: int | None = None, *, peer_id: str | None = None,
+                 slowdown: float = 1.0, max_steps: int | None = None, context: zmq.Context | None = None) -> None:
+        self.connect = connect
+        self.actor_id = actor_id
+        self.num_envs = num_envs
+        self.peer_id = peer_id or f"actor-{actor_id}"
+        self.slowdown = slowdown
+        self.max_steps = max_steps
+        self.ctx = context or zmq.Context.instance()
+        self.log = logger.bind(role="actor", peer=self.peer_id)
+        self.timers = ActorTimers()
+        self._ratelog = RateLimitedLog()
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This process's name in its trajectories: totals of one incarnation form one stream (progress.py)."""
+        self.seq = 0
+
+    def run(self, stop: threading.Event) -> None:
+        hello = P.Hello(role="actor", peer_id=self.peer_id, num_envs=self.num_envs or 0, **hello_fields())
+        link = BrokerLink(self.connect, hello, subscribe_params=True, context=self.ctx).start()
+        try:
+            while not stop.is_set() and not self._done():
+                welcome = link.wait_welcome(timeout_s=1.0, need_run=True)
+                if link.refused:
+                    raise Refused(link.refused)
+                if welcome is None or welcome.run is None:
+                    continue
+                self._serve_run(link, Config.from_dict(welcome.run), welcome.run_id, stop)
+        except (KeyboardInterrupt, SystemExit):
+            raise  # asked to stop: an ordinary bye
+        except BaseException as exc:
+            # The traceback would otherwise be only in this host's own log; the broker keeps it in
+            # `zddrl status` (departures). Re-raised: the process still dies with it, as before.
+            link.report_crash(exc)
+            raise
+        finally:
+            link.close(reason="actor stopping")
+
+    def _done(self) -> bool:
+        return self.max_steps is not None and self.timers.env_steps >= self.max_steps
+
+    def _serve_run(self, link: BrokerLink, config: Config, run_id: str, stop: threading.Event) -> None:
+        """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
+        num_envs = self.num_envs or config.env.num_envs
+        seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
+        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps), seeds)
+        first_obs = first_obs_hash(vec.obs)
+        rng = action_rng(config.env.seed, self.actor_id)
+        self.log.info(f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, "
+                      f"mode {config.algo.mode}")
+        generation, push = link.generation, self._push(link)
+        params, policy = None, None
+        next_stats = 0.0
+        try:
+            while not stop.is_set() and not self._done():
+                welcome = link.welcome
+                if welcome is None or (welcome.run_id and welcome.run_id != run_id):
+                    return  # another run (a "" run id is a restarted broker: same run, keep going)
+                resample = False
+                if link.generation != generation:  # re-welcomed: ports may have moved
+                    push.close(linger=0)
+                    generation, push = link.generation, self._push(link)
+                    # A restarted broker may have lost our last rollout; in sync mode the learner would
+                    # wait for it and we for the next version. Sample once more with the version held.
+                    resample = params is not None
+                newest = params if resample else self._next_params(link, params, config.algo.mode)
+                if newest is None or newest.run_id != run_id:
+                    continue
+                if params is None or newest.policy_version != params.policy_version:
+                    params = newest
+                    policy = NumpyPolicy(params.arrays["flat"], params.layout, config.model.activation,
+                                         vec.spec.discrete, params.arrays.get("obs_mean"),
+                                         params.arrays.get("obs_var"))
+                T = int(params.meta.get("rollout_len", config.env.rollout_len))
+                t0 = time.monotonic()
+                rollout = collect(vec, policy, rng, T, self.slowdown)
+                self.timers.step_s += time.monotonic() - t0
+                if rollout.nonfinite_episodes:
+                    self.timers.nonfinite_episodes += rollout.nonfinite_episodes
+                    self._ratelog.warning("nonfinite_return", f"{config.env.id} ended an episode with a non-finite "
+                                          "return (a NaN or infinite reward): the learner drops the rollouts that "
+                                          "carry one")
+                self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
+                if time.monotonic() >= next_stats:
+                    link.send(P.Stats(sender=self.peer_id, role="actor",
+                                      stats={**self.timers.stats(), "num_envs": num_envs, "run_id": run_id,
+                                             "policy_version": params.policy_version,
+                                             "param_hash": params.param_hash, "reconnects": link.reconnects,
+                                             "rss_mb": round(rss_mb(), 1), "first_obs_hash": first_obs}))
+                    next_stats = time.monotonic() + STATS_EVERY_S
+                    self._ratelog.flush()
+        finally:
+            push.close(linger=0)
+            vec.close()
+
+    def _next_params(self, link: BrokerLink, current: P.Parameters | None, mode: str) -> P.Parameters | None:
+        """Sync: wait for a version newer than the last one used. Async: the newest held, no waiting."""
+        if mode != "sync" and current is not None:
+            return link.latest_params()
+        t0 = time.monotonic()
+        newest = link.wait_params(newer_than=-1 if current is None else current.policy_version, timeout_s=0.5)
+        self.timers.wait_params_s += time.monotonic() - t0
+        return newest
+
+    def _push(self, link: BrokerLink) -> zmq.Socket:
+        push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        push.setsockopt(zmq.SNDHWM, 4)
+        push.connect(link.endpoint("trajectories"))
+        return push
+
+    def _send(self, link: BrokerLink, push: zmq.Socket, run_id: str, params: P.Parameters,
+              rollout: Collected, env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
+        self.timers.env_steps += env_steps
+        self.timers.rollouts += 1
+        msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
+                           param_hash=params.param_hash, env_steps=env_steps, arrays=rollout.arrays,
+                           info={"actor_id": self.actor_id, "num_envs": int(rollout.arrays["rewards"].shape[1]),
+                                 "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation},
+                           ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+        self.seq += 1
+        t0 = time.monotonic()
+        frames = encode_rollout(msg, link.welcome.max_message_bytes if link.welcome is not None else 0)
+        generation = link.generation
+        t_wait = time.monotonic()
+        # Backpressure, stoppable: wait for the broker to read enough of what this actor sent (ZeroMQ's
+        # queues and the kernel's would otherwise hold many rollouts, each older by the time it is used).
+        while not stop.is_set() and link.generation == generation:
+            if link.wait_in_flight_below(max_in_flight, SEND_POLL_MS / 1000):
+                break
+        waited = time.monotonic() - t_wait
+        self.timers.backpressure_s += waited
+        while not stop.is_set():
+            if push.poll(SEND_POLL_MS, zmq.POLLOUT):
+                push.send_multipart(frames, copy=False)
+                link.note_sent(generation)
+                break
+        self.timers.send_s += time.monotonic() - t0 - waited

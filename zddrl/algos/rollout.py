@@ -1,0 +1,81 @@
+"""What a learner core reads of a rollout: the ``Rollout`` interface, its truncation arrays, and
+whether a run can train on its arrays beyond the protocol's checks.
+
+``zddrl.protocol.decode`` guarantees the shape of a trajectory (docs/protocol.md section 7): every
+array present, dtypes, and shapes that agree on ``T``, ``N`` and the observation shape. Whether the
+data fits *this run* (its environment's observation and action spaces, its rollout length) and is
+trainable (finite numbers, indices in range) depends on the run, so the learner asks ``mismatch``
+before a trajectory goes anywhere near a batch. ``truncations`` reads the optional truncation arrays.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol
+
+import numpy as np
+
+from zddrl.envs import EnvSpec
+
+
+
+class Rollout(Protocol):
+    """One actor's rollout as the cores read it (a received ``zddrl.protocol.Trajectory`` is one): its
+    arrays (docs/protocol.md section 7) and its identity, which orders a batch and keys per-stream state."""
+
+    @property
+    def sender(self) -> str: ...
+
+    @property
+    def seq(self) -> int: ...
+
+    @property
+    def arrays(self) -> Mapping[str, np.ndarray]: ...
+
+
+_NO_INDEX = np.zeros(0, dtype=np.int64)
+_NO_VALUE = np.zeros(0, dtype=np.float32)
+LOGP_SLACK = 1e-3
+"""A categorical log-probability is at most 0; float32 rounding may put it a hair above."""
+_FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value")
+
+
+def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(trunc_idx [K], trunc_obs [K, *obs_shape], trunc_value [K])``; ``K = 0`` when the trajectory
+    carries none (the arrays are on the wire only when some episode was truncated)."""
+    if "trunc_idx" in arrays:
+        return arrays["trunc_idx"], arrays["trunc_obs"], arrays["trunc_value"]
+    obs_shape = arrays["next_obs"].shape[1:]
+    return _NO_INDEX, np.zeros((0, *obs_shape), dtype=np.float32), _NO_VALUE
+
+
+def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int | None = None) -> str:
+    """Why a decoded trajectory cannot be trained on in a run of ``spec``, or "" if it can.
+
+    ``rollout_len``: the only ``T`` accepted (IMPALA stacks trajectories time-major, so all of a batch
+    must share it); None accepts any.
+    """
+    obs, actions = arrays["obs"], arrays["actions"]
+    T, N = obs.shape[:2]
+    if obs.shape[2:] != tuple(spec.obs_shape):
+        return f"observations of shape {list(obs.shape[2:])}, the run's env has {list(spec.obs_shape)}"
+    if rollout_len is not None and T != rollout_len:
+        return f"a rollout of {T} steps, the run's rollouts have {rollout_len}"
+    if spec.discrete:
+        if actions.ndim != 2:
+            return f"continuous actions {list(actions.shape)} for a discrete action space"
+        if actions.min() < 0 or actions.max() >= spec.action_dim:
+            return f"actions outside 0..{spec.action_dim - 1}"
+        if arrays["logp"].max() > LOGP_SLACK:
+            return "positive log-probabilities of discrete actions"
+    elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
+        return f"actions of shape {list(actions.shape)}, the run's env needs [T, N, {spec.action_dim}]"
+    index = arrays.get("trunc_idx")
+    if index is not None:
+        if index.min() < 0 or index.max() >= T * N or len(np.unique(index)) != len(index):
+            return f"truncation indices outside 0..{T * N - 1} or repeated"
+        if not (arrays["truncated"].reshape(-1)[index] & ~arrays["terminated"].reshape(-1)[index]).all():
+            return "truncation indices of steps that were not truncated (or were terminated)"
+    for name in (*_FLOAT_ARRAYS, *(("actions",) if not spec.discrete else ())):
+        a = arrays.get(name)
+        if a is not None and a.size and not np.isfinite(a).all():
+            return f"non-finite values in {name!r}"
+    return ""

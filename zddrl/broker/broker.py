@@ -1,0 +1,500 @@
+"""The broker: one public address; routes trajectories to learner shards and fans out parameters.
+
+Sockets (all bound by the broker; clients learn the data ports from the welcome)::
+
+    control       ROUTER  hello/welcome, heartbeats both ways, stats, status, parameter snapshots
+    trajectories  PULL    actors PUSH trajectory messages here
+    learners      ROUTER  learner shards (DEALER, identity = peer id): credit in, trajectories out,
+                          parameters in
+    params        PUB     every parameter version, to every actor's SUB
+
+Flow control is credit-based: a learner shard grants credit (how many more trajectories it can
+take), the broker reads the trajectory socket only while some shard has credit and sends each
+message to the shard with the most credit left. With no credit, the broker stops reading, the
+socket queues fill to their high-water marks and actors block in ``send``: backpressure, never an
+unbounded buffer, never a silent drop. Every message read is forwarded or dropped with a reason,
+so ``received == forwarded + sum(dropped) + in_flight`` always holds.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from functools import lru_cache
+from operator import attrgetter
+from typing import Any, Sequence
+
+import zmq
+from loguru import logger
+
+from zddrl import protocol as P
+from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+from zddrl.broker.health import HealthMonitor
+from zddrl.transport.params import FrameCache
+from zddrl.broker.membership import (Departures, Member, checked_stats, credit_batch_of, id_conflict, log_health_events,
+                                    staleness_of, trajectory_refusal)
+from zddrl.broker.report import broker_status, throughput
+from zddrl.logs import RateLimitedLog
+from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
+
+DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")
+POLL_TIMEOUT_S = 0.1
+FORWARD_BURST = 256
+"""Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
+_CREDIT = attrgetter("credit")
+
+
+@lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
+def _credit_frames(n: int) -> list[Any]:
+    return P.encode(P.Credit(sender="broker", credit=n))
+
+
+class Broker:
+    """Run with ``Broker(config).bind()`` then ``run(stop_event)``; ``close()`` in a finally."""
+
+    def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
+        self.config = config
+        self.ctx = context or zmq.Context.instance()
+        self.log = logger.bind(role="broker")
+        self.members: dict[str, Member] = {}
+        self.by_identity: dict[bytes, Member] = {}
+        self.shards: dict[str, Member] = {}
+        """The learner members, by peer id (their data identity)."""
+        self.credit = 0
+        """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
+        self.rates: dict[str, float] = {}
+        self._rate_mark: tuple[float, int, int, int, int] | None = None
+        self.run_id = ""
+        self.run_spec: dict | None = None
+        self.param_cache = FrameCache()
+        self.params_version = -1
+        self.counters: dict[str, int] = defaultdict(int)
+        self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
+        self.in_flight = 0
+        self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
+        self.started = time.monotonic()
+        self.ports: dict[str, int] = {}
+        self._ratelog = RateLimitedLog()
+        self.health = HealthMonitor()
+        # What an actor sent before it left counts as its own for as long as it could have been silent.
+        self.departures = Departures(config.heartbeat_interval_s * config.heartbeat_liveness)
+        self._next_beat = 0.0
+        self._poll_traj = False
+        self._staleness = 0
+        self._credit_batch = 1
+        """An actor's credit goes back once this many of its trajectories were read (membership.credit_batch_of)."""
+        self.params_published_at = 0.0
+
+    # ---------------------------------------------------------------- setup
+    def bind(self) -> dict[str, int]:
+        """Create and bind every socket; returns the bound ports."""
+        host, port = split_endpoint(self.config.bind)
+        # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
+        if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"broker.bind port must be 1..65535 or *, got {self.config.bind!r}")
+        c = self.config
+        self.control = self._socket(zmq.ROUTER)
+        self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.trajectories = self._socket(zmq.PULL)
+        self.trajectories.setsockopt(zmq.RCVHWM, c.trajectory_hwm)
+        self.learners = self._socket(zmq.ROUTER)
+        self.learners.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.learners.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting shard reuses its identity
+        self.learners.setsockopt(zmq.SNDHWM, 0)  # bounded by credit, not by HWM
+        self.learners.setsockopt(zmq.RCVHWM, 0)  # parameters and credits must never be lost
+        self.params = self._socket(zmq.PUB)
+        self.params.setsockopt(zmq.SNDHWM, c.params_hwm)
+        base = None if port == "*" else int(port)
+        plan = [("control", self.control, base), ("trajectories", self.trajectories, c.trajectory_port),
+                ("learners", self.learners, c.learner_port), ("params", self.params, c.params_port)]
+        for offset, (name, sock, wanted) in enumerate(plan):
+            if base is None and not wanted:
+                sock.bind(f"tcp://{host}:*")
+            else:
+                sock.bind(f"tcp://{host}:{wanted or base + offset}")
+            self.ports[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.poller = zmq.Poller()
+        self.poller.register(self.control, zmq.POLLIN)
+        self.poller.register(self.learners, zmq.POLLIN)
+        self.log.info(f"broker bound on {host}: {self.ports}")
+        return dict(self.ports)
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        return sock
+
+    def close(self) -> None:
+        # Runs in the CLI's finally, also after a bind() that failed half-way: must not hide that error.
+        for name in ("control", "trajectories", "learners", "params"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(linger=0)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set. Never raises on bad input: drops, counts and logs it."""
+        while not stop.is_set():
+            self._update_trajectory_polling()
+            events = dict(self.poller.poll(POLL_TIMEOUT_S * 1000))
+            if self.control in events:
+                self._drain(self.control, self._on_control)
+            if self.learners in events:
+                self._drain(self.learners, self._on_learner)
+            if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
+                self._forward_trajectories()  # credit that just came: forward now, not after one more poll
+            now = time.monotonic()
+            if now >= self._next_beat:
+                self._send_heartbeats()
+                self._purge_expired(now)
+                self.health.evaluate(now)
+                self._log_health()
+                self._ratelog.flush()
+                self._sample_rates(now)
+                self._next_beat = now + self.config.heartbeat_interval_s
+
+    def _update_trajectory_polling(self) -> None:
+        want = self.credit > 0
+        if want != self._poll_traj:
+            if want:
+                self.poller.register(self.trajectories, zmq.POLLIN)
+            else:
+                self.poller.unregister(self.trajectories)
+            self._poll_traj = want
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        # Each socket has its own counters: bad credit on the learner socket is not control traffic.
+        what = "control" if sock is self.control else "learner"
+        for _ in range(FORWARD_BURST):
+            try:
+                frames = recv_frames(sock, NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                identity, body = P.split_routed(frames)
+                handler(identity, body)
+            except P.ProtocolError as exc:
+                self.counters[f"{what}_malformed"] += 1
+                self._ratelog.warning(f"{what}_malformed", f"dropped a malformed {what} message: {exc}")
+            except Exception as exc:  # noqa: BLE001
+                # Bad input must never stop the broker, whatever it raises: count, log (rate-limited), serve on.
+                self.counters[f"{what}_errors"] += 1
+                self._ratelog.warning(f"{what}_error", f"error handling a {what} message "
+                                                       f"({type(exc).__name__}: {exc}); message dropped")
+
+    def _decode(self, frames: Sequence[Any]) -> P.Message:
+        """``P.decode`` that raises nothing but ProtocolError. An unexpected exception in decode once stopped
+        the broker (a header with str and bytes keys); this guard keeps the next slip a malformed message."""
+        try:
+            return P.decode(frames, self.config.max_message_bytes)
+        except P.ProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise P.ProtocolError(f"undecodable message ({type(exc).__name__}: {exc})") from None
+
+    # ---------------------------------------------------------------- trajectories
+    def _forward_trajectories(self) -> None:
+        """Forward up to FORWARD_BURST trajectories, then return the credit of each sender that has a
+        batch of it due, in one message per sender (the rest goes back with the next heartbeats)."""
+        due: dict[str, Member] = {}
+        for _ in range(FORWARD_BURST):
+            if self.credit <= 0:
+                break
+            try:
+                frames = recv_frames(self.trajectories, NOBLOCK)
+            except zmq.Again:
+                break
+            self.in_flight += 1
+            self.counters["received"] += 1
+            nbytes = sum(map(len, frames))
+            self.counters["bytes_in"] += nbytes
+            decided = self._decided
+            actor = None
+            try:
+                actor = self._route_trajectory(frames, nbytes)
+            except Exception as exc:  # noqa: BLE001
+                # Whatever happens, the message ends up forwarded or dropped with a reason (in_flight balances).
+                if self._decided == decided:
+                    self._drop("malformed", None, f"dropped a trajectory: error while routing it "
+                                                  f"({type(exc).__name__}: {exc})")
+            finally:
+                self.in_flight -= 1
+            if actor is not None:
+                actor.unacked += 1
+                if actor.unacked >= self._credit_batch:
+                    due[actor.peer_id] = actor
+        for actor in due.values():  # actor-side credit: what was read may be replaced
+            self._return_credit(actor)
+
+    def _return_credit(self, actor: Member) -> None:
+        if actor.unacked:
+            self._send_frames(self.control, actor.identity, _credit_frames(actor.unacked))
+            actor.unacked = 0
+
+    def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> Member | None:
+        """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
+
+        Returns the sending actor (if it is a member) so that its credit can be returned."""
+        try:  # full validation, but no arrays built: the broker forwards the frames untouched
+            msg = P.validate_trajectory(frames, self.config.max_message_bytes)
+        except P.ProtocolError as exc:
+            # Charged to the actor its header names, whose credit comes back all the same: an actor whose
+            # messages fail (a client bug) must see its drops in `zddrl status`, not stall on lost credit.
+            actor = self._joined_actor(P.claimed_sender(frames))
+            self._drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
+            return actor
+        actor = self._joined_actor(msg["sender"])
+        if actor is not None:
+            actor.last_seen = time.monotonic()
+        elif not self.departures.actor_left_lately(msg["sender"]):
+            # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
+            # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
+            self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
+                                               "that joined with hello")
+            return None
+        # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
+        # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
+        reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
+        if reason:
+            self._drop(reason, actor, why)
+            return actor
+        while True:
+            shard = max(self.shards.values(), key=_CREDIT, default=None)
+            if shard is None or shard.credit <= 0:
+                self._drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
+                return actor
+            try:
+                send_frames(self.learners, frames, prefix=shard.peer_id.encode())
+            except zmq.ZMQError as exc:  # the shard went away between credit and send
+                self._ratelog.warning("shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); "
+                                                    "its credit is withdrawn")
+                self._set_credit(shard, 0)
+                continue
+            self._set_credit(shard, shard.credit - 1)
+            self._decided += 1
+            shard.count(nbytes)
+            self.counters["forwarded"] += 1
+            self.counters["bytes_out"] += nbytes
+            if actor is not None:
+                actor.count(nbytes, msg["env_steps"])
+            return actor
+
+    def _joined_actor(self, sender: str | None) -> Member | None:
+        member = self.members.get(sender) if sender is not None else None
+        return member if member is not None and member.role == "actor" else None
+
+    def _set_credit(self, shard: Member, credit: int) -> None:
+        """Every change of a shard's credit goes through here, so the running total stays exact."""
+        self.credit += credit - shard.credit
+        shard.credit = credit
+
+    def _drop(self, reason: str, member: Member | None, text: str) -> None:
+        self.dropped[reason] += 1
+        self._decided += 1
+        if member is not None:
+            member.counters[f"dropped_{reason}"] += 1
+        self._ratelog.warning(f"drop_{reason}", text)
+
+    # ---------------------------------------------------------------- control socket
+    def _on_control(self, identity: bytes, frames: Sequence[Any]) -> None:
+        msg = self._decode(frames)
+        member = self.by_identity.get(identity)
+        if member is not None:
+            member.last_seen = time.monotonic()
+        if isinstance(msg, P.Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, P.StatusRequest):
+            self._send(self.control, identity, P.Status(body=self.status()))
+        elif member is None:
+            self._send(self.control, identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
+        elif isinstance(msg, P.Heartbeat):
+            member.policy_version = msg.policy_version
+            self._maybe_resend_params(member)
+        elif isinstance(msg, P.ParamsRequest):
+            member.policy_version = max(member.policy_version, msg.have_version)
+            self._maybe_resend_params(member, force=True)
+        elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.sender cannot speak for others
+            member.stats = checked_stats(msg.stats)
+            self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
+            self._log_health()
+        elif isinstance(msg, P.Bye):
+            if msg.reason.startswith(P.CRASH_PREFIX):
+                self.log.error(f"{member.role} {member.peer_id} on {member.host or '?'} (pid {member.pid}) "
+                               f"{msg.reason}")
+            else:
+                self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
+            self._remove(member, msg.reason or "bye")
+        else:
+            raise P.ProtocolError(f"{msg.KIND} is not a control message")
+
+    def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
+        try:
+            if msg.role not in P.ROLES:
+                raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
+            new_run = msg.role == "learner" and msg.run_id and msg.run_id != self.run_id
+            if new_run:
+                if msg.run is None:
+                    raise P.ProtocolError("a learner hello for a new run must carry the run spec")
+                staleness, credit_batch = staleness_of(msg.run), credit_batch_of(msg.run)
+            self._check_id_free(msg)
+        except P.ProtocolError as exc:
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{exc}"))
+            raise
+        if new_run:
+            self._start_run(msg.run_id, msg.run, staleness, credit_batch)
+        old = self.members.get(msg.peer_id)
+        if old is not None:
+            self._forget(old)
+            if (old.host, old.pid) != (msg.host, msg.pid):  # another process took the id: judge it afresh
+                self.departures.record(old, f"replaced by pid {msg.pid} on {msg.host or '?'}")
+                self.health.forget(msg.peer_id)
+        member = Member(peer_id=msg.peer_id, role=msg.role, identity=identity, host=msg.host, pid=msg.pid,
+                        num_envs=msg.num_envs, run_id=msg.run_id)
+        if old is not None:
+            # A learner's credit starts again from zero with every hello: a shard re-grants its window
+            # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
+            # this one). Keeping the old credit as well counted the window twice and broke the bound
+            # on queued data that async modes rely on.
+            member.counters = old.counters
+        self.members[msg.peer_id] = member
+        self.by_identity[identity] = member
+        if member.role == "learner":
+            self.shards[member.peer_id] = member
+            self.credit += member.credit
+        self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
+        self._send(self.control, identity, self._welcome(msg.peer_id))
+        if msg.role == "actor":
+            self._maybe_resend_params(member, force=True)
+
+    def _check_id_free(self, msg: P.Hello) -> None:
+        conflict = id_conflict(self.members.get(msg.peer_id), msg, self.config.heartbeat_interval_s)
+        if conflict:
+            raise P.ProtocolError(conflict)
+
+    def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
+        self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
+        self.run_id, self.run_spec = run_id, run
+        self.param_cache, self.params_version = FrameCache(), -1
+        self._staleness, self._credit_batch = staleness, credit_batch
+        self.health.start_run(staleness, run_id)
+        for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
+            if shard.run_id != run_id:
+                self._set_credit(shard, 0)
+        for member in self.members.values():  # actors waiting without a run (or on an old one) get it now
+            if member.role == "actor":
+                self._send(self.control, member.identity, self._welcome(member.peer_id))
+
+    def _welcome(self, peer_id: str) -> P.Welcome:
+        c = self.config
+        return P.Welcome(peer_id=peer_id, run_id=self.run_id, run=self.run_spec,
+                         ports={k: v for k, v in self.ports.items() if k != "control"},
+                         heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_liveness=c.heartbeat_liveness,
+                         max_message_bytes=c.max_message_bytes)
+
+    def _maybe_resend_params(self, member: Member, force: bool = False) -> None:
+        """Late joiners and subscribers that missed a PUB get the cached version directly."""
+        if member.role != "actor" or not self.param_cache.messages or member.policy_version >= self.params_version:
+            return
+        now = time.monotonic()
+        if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
+            return
+        # A heartbeat sent just before a new version reached the actor over PUB reports the previous one:
+        # an unforced snapshot waits until the PUB had a heartbeat's time to land (no doubled traffic).
+        if not force and now - self.params_published_at < self.config.heartbeat_interval_s:
+            return
+        member.last_snapshot = now
+        for frames in self.param_cache.messages:  # the whole version, chunk by chunk
+            self._send_frames(self.control, member.identity, frames)
+        self.counters["params_snapshots"] += 1
+
+    # ---------------------------------------------------------------- learner socket
+    def _on_learner(self, identity: bytes, frames: Sequence[Any]) -> None:
+        # Shards' data DEALERs use their peer id as ZeroMQ identity (their control link does not).
+        member = self.members.get(identity.decode("utf-8", "replace"))
+        msg = self._decode(frames)  # a ProtocolError is counted as learner_malformed by _drain
+        if member is None or member.role != "learner":
+            self._send(self.learners, identity, P.Reject(reason="unknown learner: send hello first", rehello=True))
+            return
+        member.last_seen = time.monotonic()
+        if isinstance(msg, P.Credit):
+            if msg.credit <= 0 or msg.credit > 1 << 20:
+                raise P.ProtocolError(f"credit must be in 1..2**20, got {msg.credit}")
+            if member.run_id == self.run_id:  # credit of another run's learner is not for this run's data
+                self._set_credit(member, member.credit + msg.credit)
+            else:
+                self.counters["credit_other_run"] += 1
+        elif isinstance(msg, (P.Parameters, P.ParamChunk)):
+            self._on_params(member, msg, frames)
+        else:
+            raise P.ProtocolError(f"{msg.KIND} is not a learner-socket message")
+
+    def _on_params(self, member: Member, msg: P.Parameters | P.ParamChunk, frames: Sequence[Any]) -> None:
+        """Stream every message of a newer version to the subscribers as it comes; the version becomes
+        the published one (the copy late joiners get) once all of its chunks are here."""
+        outcome = "unknown_run" if msg.run_id != self.run_id else self.param_cache.add(msg, list(frames))
+        if outcome not in ("building", "complete"):
+            self.counters[f"params_{outcome}"] += 1
+            self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of run {msg.run_id!r} version "
+                                                      f"{msg.policy_version} ({outcome}; run {self.run_id!r} is at "
+                                                      f"version {self.params_version})")
+            return
+        self.params.send_multipart(frames, copy=False)
+        self.counters["params_bytes"] += P.message_nbytes(frames)
+        if outcome == "complete":
+            self.params_version = msg.policy_version
+            self.params_published_at = time.monotonic()
+            self.health.published(msg.policy_version, msg.param_hash)
+            member.policy_version = msg.policy_version
+            self.counters["params_published"] += 1
+
+    # ---------------------------------------------------------------- liveness
+    def _send_heartbeats(self) -> None:
+        for member in list(self.members.values()):
+            self._return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
+            self._send(self.control, member.identity, P.Heartbeat(peer_id="broker", policy_version=self.params_version))
+
+    def _purge_expired(self, now: float) -> None:
+        limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
+        for member in list(self.members.values()):
+            if now - member.last_seen > limit:
+                silent = f"silent for {now - member.last_seen:.1f} s"
+                self.log.warning(f"{member.role} {member.peer_id} expired: {silent}")
+                self._remove(member, f"expired: {silent}")
+
+    def _remove(self, member: Member, reason: str) -> None:
+        """The member left (bye) or expired: not a re-hello, which only replaces its session."""
+        self._forget(member)
+        self.counters["expired_or_left"] += 1
+        self.departures.record(member, reason)
+        self.health.forget(member.peer_id)
+        self._log_health()
+
+    def _log_health(self) -> None:
+        log_health_events(self._ratelog, self.health.pop_events())
+
+    def _forget(self, member: Member) -> None:
+        """Drop every index of ``member``; a shard's outstanding credit leaves the total with it."""
+        self.members.pop(member.peer_id, None)
+        self.by_identity.pop(member.identity, None)
+        if self.shards.pop(member.peer_id, None) is not None:
+            self.credit -= member.credit
+
+    def _send(self, sock: zmq.Socket, identity: bytes, msg: P.Message) -> None:
+        self._send_frames(sock, identity, P.encode(msg))
+
+    def _send_frames(self, sock: zmq.Socket, identity: bytes, frames: Sequence[Any]) -> None:
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError:  # peer gone or its queue is full: it will reconnect or re-ask
+            self.counters["control_unroutable"] += 1
+
+    # ---------------------------------------------------------------- status
+    def _sample_rates(self, now: float) -> None:
+        """Throughput over the last heartbeat interval, for `zddrl status`."""
+        self._rate_mark, rates = throughput(self._rate_mark, self.counters, now)
+        self.rates = rates or self.rates
+
+    def status(self) -> dict[str, Any]:
+        return broker_status(self)

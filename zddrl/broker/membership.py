@@ -1,0 +1,196 @@
+"""The broker's view of its members: who is connected, their counters, and how the broker logs.
+
+Kept apart from the routing loop in ``broker.py``: these are plain records and checks with no
+sockets.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from collections import OrderedDict, defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from loguru import logger
+
+from zddrl import protocol as P
+from zddrl.config import MODES, AlgoConfig
+from zddrl.broker.health import HealthWarning
+from zddrl.logs import RateLimitedLog
+
+MAX_STATS_KEYS = 4096
+"""Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
+MAX_STATS_STRING = 256
+"""Longest string value in a stats map: the status body, every member's stats in one message, must stay
+well under the protocol's header limit (MAX_HEADER_BYTES)."""
+STATS_NUMERIC_KEYS = ("sps", "comm_share")
+"""Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
+DEPARTURES_KEPT = 20
+"""Departures (with their reasons) listed in the status body."""
+DEPARTURE_REASON_CHARS = 6000
+"""Longest reason kept: 20 of them must fit in one status message (MAX_HEADER_BYTES) with the rest."""
+
+
+@dataclass
+class Member:
+    """One connected actor host or learner shard, as the broker sees it."""
+
+    peer_id: str
+    role: str
+    identity: bytes
+    host: str = ""
+    pid: int = 0
+    num_envs: int = 0
+    joined: float = field(default_factory=time.time)
+    last_seen: float = field(default_factory=time.monotonic)
+    policy_version: int = -1
+    credit: int = 0
+    """Learners: trajectories the shard can take now."""
+    unacked: int = 0
+    """Actors: trajectories read from it whose credit has not gone back yet."""
+    run_id: str = ""
+    """Learners: the run they train (trajectories go only to shards of the current run)."""
+    last_snapshot: float = 0.0
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def count(self, nbytes: int, env_steps: int | None = None) -> None:
+        """One trajectory of ``nbytes`` forwarded for (or to) this member; actors also count env steps."""
+        counters = self.counters
+        counters["messages"] += 1
+        counters["bytes"] += nbytes
+        if env_steps is not None:
+            counters["env_steps"] += env_steps
+
+    def row(self, now: float) -> dict[str, Any]:
+        return {"role": self.role, "host": self.host, "pid": self.pid, "num_envs": self.num_envs,
+                "policy_version": self.policy_version, "last_seen_s": round(now - self.last_seen, 3),
+                "credit": self.credit, **self.counters, "stats": self.stats}
+
+
+LEFT_ACTORS_KEPT = 1024
+"""Departed actors remembered for the grace of Broker._route_trajectory (bounded: ids come from peers)."""
+
+
+class Departures:
+    """The last DEPARTURES_KEPT members that left (bye, crash report or expiry), newest first.
+
+    Kept for forensics: a crashed actor is gone from ``members`` by the time anyone looks, and its
+    last words (exception and traceback, sent in its bye) would otherwise be only in its own log,
+    on its own host.
+    """
+
+    def __init__(self, grace_s: float = 0.0) -> None:
+        self._rows: deque[dict[str, Any]] = deque(maxlen=DEPARTURES_KEPT)
+        self.grace_s = grace_s
+        """How long an actor's trajectories still count as its own after it left (actor_left_lately)."""
+        self._actors_left: OrderedDict[str, float] = OrderedDict()
+        """Peer id -> monotonic time it left, of the last LEFT_ACTORS_KEPT actors."""
+
+    def record(self, member: Member, reason: str) -> None:
+        if member.role == "actor":
+            self._actors_left[member.peer_id] = time.monotonic()
+            self._actors_left.move_to_end(member.peer_id)
+            if len(self._actors_left) > LEFT_ACTORS_KEPT:
+                self._actors_left.popitem(last=False)
+        if len(reason) > DEPARTURE_REASON_CHARS:  # the status body must stay under MAX_HEADER_BYTES
+            reason = reason[:DEPARTURE_REASON_CHARS] + "\n... (truncated by the broker)"
+        self._rows.appendleft({"member": member.peer_id, "role": member.role, "host": member.host,
+                               "pid": member.pid, "reason": reason, "crashed": reason.startswith(P.CRASH_PREFIX),
+                               "time": time.time(), "at": time.monotonic()})
+
+    def rows(self, now: float) -> list[dict[str, Any]]:
+        return [{**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)}
+                for row in self._rows]
+
+    def actor_left_lately(self, peer_id: str, now: float | None = None) -> bool:
+        """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``grace_s`` ago: what it
+        sent before leaving may still be queued at the broker, and is its own, not a stranger's."""
+        left = self._actors_left.get(peer_id)
+        return left is not None and (time.monotonic() if now is None else now) - left <= self.grace_s
+
+
+def checked_stats(stats: dict) -> dict:
+    """Fix: stats used to be stored as sent; one client sending bytes or nested maps made every
+    `zddrl status --json` fail (not JSON-serialisable), and a string "sps" broke the table.
+    Stats are a flat map of figures: str keys, scalar values, numbers where status expects them."""
+    if len(stats) > MAX_STATS_KEYS:
+        raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
+    for key, value in stats.items():
+        if not isinstance(key, str):
+            raise P.ProtocolError(f"stats: key {key!r} is not a string")
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, "
+                                  f"not {type(value).__name__}")
+        if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
+            raise P.ProtocolError(f"stats: {key!r} must be a number")
+        if isinstance(value, str) and len(value) > MAX_STATS_STRING:
+            raise P.ProtocolError(f"stats: {key!r} is longer than {MAX_STATS_STRING} characters")
+    return stats
+
+
+
+def staleness_of(run: Any) -> int:
+    """Versions of lag the run allows (0 in sync mode); ProtocolError if the spec is unusable."""
+    if not isinstance(run, dict):
+        raise P.ProtocolError("the run spec must be a map")
+    algo = run.get("algo", {})
+    if not isinstance(algo, dict):
+        raise P.ProtocolError("run spec: 'algo' must be a map")
+    mode = algo.get("mode", "sync")
+    if mode not in MODES:
+        raise P.ProtocolError(f"run spec: algo.mode must be one of {MODES}, got {mode!r}")
+    staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
+    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
+        raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
+    return 0 if mode == "sync" else staleness
+
+
+
+def credit_batch_of(run: dict) -> int:
+    """How many of an actor's trajectories the broker reads before it returns their credit: half the run's
+    ``algo.max_in_flight`` (at least 1), as a learner shard returns half its window. An actor that may
+    have 2 in flight (the default) gets its credit back after every burst; one with 16 in flight after 8."""
+    algo = run.get("algo", {}) if isinstance(run, dict) else {}
+    limit = algo.get("max_in_flight", AlgoConfig.max_in_flight) if isinstance(algo, dict) else 1
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise P.ProtocolError(f"run spec: algo.max_in_flight must be an int >= 1, got {limit!r}")
+    return max(1, limit // 2)
+
+
+def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
+    """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
+    sender, version = header["sender"], header["policy_version"]
+    # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
+    if not run_id or header["run_id"] != run_id:
+        return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {sender} "
+                               f"(current run {run_id!r})")
+    # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
+    if version < 0 or version > latest:
+        return "unknown_version", (f"dropped a trajectory from {sender} with version {version} "
+                                   f"never published (latest {latest})")
+    if version < latest - max_staleness:
+        return "stale", f"dropped stale data from {sender}: version {version}, latest {latest}"
+    return "", ""
+
+
+def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
+    """Each onset once (rate-limited per member and check, should a condition flap), each end once."""
+    for raised, w in events:
+        if raised:
+            log.warning(f"health/{w.check}/{w.member}", f"health: {w.member}: {w.check}: {w.message}")
+        else:
+            log.info(f"health-end/{w.check}/{w.member}", f"health: {w.member}: {w.check} cleared")
+
+
+def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
+    """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
+    with the same --actor-id would otherwise take the id from each other at every re-hello, and share
+    seeds. A member silent for a heartbeat interval is taken over: a crashed process coming back."""
+    if old is None or (old.host, old.pid) == (hello.host, hello.pid):
+        return ""
+    silent = time.monotonic() - old.last_seen
+    if silent >= interval_s:
+        return ""
+    return (f"peer id {hello.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago); "
+            "give each actor host its own --actor-id")

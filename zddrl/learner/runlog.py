@@ -1,0 +1,161 @@
+"""The run directory: resolved config, metrics.csv, summary.json and checkpoints.
+
+Layout (names that scripts and CI rely on; docs/run-directory.md documents each column)::
+
+    RUN_DIR/config.toml        the resolved config
+    RUN_DIR/meta.json          versions, git SHA, host, command line, run id, the hosts of the fleet
+    RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
+    RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
+    RUN_DIR/tb/                TensorBoard event files (charts/, losses/, perf/), when tensorboard is installed
+    RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
+    RUN_DIR/checkpoints/final.pt   the last state: model, optimizer, version, statistics, RNG, config
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from zddrl.config import to_toml
+from zddrl.learner.tensorboard import make_tensorboard_writer
+
+METRIC_COLUMNS = (
+    "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
+    "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm", "lr",
+    "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean", "rho_mean", "dropped_late", "dropped_stale",
+    "dropped_invalid", "skipped_steps", "actors", "rollout_len", "round_s", "update_s",
+)
+SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "return_at_target",
+                "total_env_steps", "wall_s", "sps", "return_mean_20", "episodes", "policy_version", "updates",
+                "dropped_late", "dropped_stale", "dropped_invalid", "lag", "mode", "seed", "shards", "shard_trajectories")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+class RunLog:
+    """Writes one run directory. Only the learner (shard 0) owns one.
+
+    ``resume_version``: continue a run whose checkpoint had that policy version; metrics rows written
+    after the checkpoint (work lost with the crash, done again now) are dropped, the rest kept.
+    """
+
+    def __init__(self, run_dir: str | Path, config: dict[str, Any], resume_version: int | None = None) -> None:
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._meta: dict[str, Any] | None = None
+        (self.dir / "config.toml").write_text(to_toml(config))
+        kept = self._rows_up_to(resume_version) if resume_version is not None else []
+        self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        self._csv.writeheader()
+        self._csv.writerows(kept)
+        self._csv_file.flush()
+        # TensorBoard when installed (extra `tensorboard`); a resumed run hides events written after its checkpoint.
+        purge = None if resume_version is None else (int(kept[-1]["env_steps"]) + 1 if kept else 0)
+        self._tb = make_tensorboard_writer(self.dir, purge_step=purge)
+
+    def _rows_up_to(self, version: int) -> list[dict[str, str]]:
+        try:
+            with open(self.dir / "metrics.csv", newline="") as f:
+                rows = list(csv.DictReader(f))
+        except FileNotFoundError:
+            return []
+        return [r for r in rows if r.get("policy_version", "").isdigit() and int(r["policy_version"]) <= version]
+
+    def write(self, row: dict[str, Any]) -> None:
+        self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
+        self._csv_file.flush()
+        if self._tb is not None:
+            self._tb.write(int(row["env_steps"]), row)
+
+    def meta(self, extra: dict[str, Any]) -> None:
+        """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``.
+        Collected once; later calls add to what was written."""
+        if self._meta is None:
+            self._meta = run_metadata()
+        self._meta.update(extra)
+        atomic_write_bytes(self.dir / "meta.json", json.dumps(self._meta, indent=2).encode())
+
+    def summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_bytes(self.dir / "summary.json", json.dumps(summary, indent=2).encode())
+
+    def checkpoint(self, state: dict[str, Any], name: str = "final.pt", keep: int | None = None) -> Path:
+        """Write ``checkpoints/NAME`` atomically (temp file, fsync, rename): a crash mid-write leaves the
+        previous checkpoints intact. With ``keep``, only the newest ``keep`` ckpt-*.pt files stay."""
+        path = self.dir / "checkpoints" / name
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        import torch  # here, not at import: `zddrl train` (no torch) finds checkpoints through this module
+
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if keep:
+            for old in sorted(path.parent.glob("ckpt-*.pt"))[:-keep]:
+                old.unlink(missing_ok=True)
+        return path
+
+    def close(self) -> None:
+        self._csv_file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(value: Any) -> Any:
+    if isinstance(value, float):
+        return "" if math.isnan(value) else f"{value:.6g}"
+    return "" if value is None else value
+
+
+def git_sha() -> str | None:
+    """The commit of the zddrl source tree this process runs, when it is a git checkout."""
+    try:
+        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_metadata() -> dict[str, Any]:
+    import gymnasium
+    import numpy
+    import torch
+    import zmq
+
+    from zddrl import __version__
+
+    return {"zddrl": __version__, "git_sha": git_sha(), "host": socket.gethostname(), "pid": os.getpid(),
+            "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
+            "torch": torch.__version__, "gymnasium": gymnasium.__version__, "numpy": numpy.__version__,
+            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest periodic checkpoint (highest version) of a run; temp files of interrupted writes are ignored."""
+    found = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint without unpickling arbitrary objects (``weights_only=True``)."""
+    import torch
+
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,1 @@
+"""Operating a run: ``zddrl train`` (the local fleet of processes), status, plots and evaluation."""

@@ -1,0 +1,36 @@
+"""`zddrl eval`: deterministic evaluation of a checkpoint on fresh envs."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from zddrl.config import Config
+from zddrl.envs import VecEnv, env_factory
+from zddrl.algos.model import ActorCritic, flatten_params
+from zddrl.actor.policy import NumpyPolicy
+from zddrl.learner.runlog import load_checkpoint
+
+
+def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
+    """Mean and std of the return of ``episodes`` deterministic episodes on one env (its first reset is
+    seeded with ``seed``; later resets continue that env's generator)."""
+    state = load_checkpoint(checkpoint)
+    config = Config.from_dict(state["config"])
+    make = env_factory(config.env.id, config.env.max_episode_steps)
+    vec = VecEnv(make, [seed])
+    model = ActorCritic(vec.spec, config.model)
+    model.load_state_dict(state["model"])
+    flat, layout = flatten_params(model)
+    rms = state.get("obs_rms")
+    policy = NumpyPolicy(flat, layout, config.model.activation, vec.spec.discrete,
+                         None if rms is None else rms["mean"].numpy(), None if rms is None else rms["var"].numpy())
+    rng = np.random.default_rng(seed)
+    try:
+        while len(vec.finished) < episodes:
+            vec.step(policy.act(vec.obs, rng, deterministic=True).actions)
+    finally:
+        vec.close()
+    returns = np.array([r for r, _ in vec.finished[:episodes]])
+    return {"env_id": config.env.id, "episodes": episodes, "mean": float(returns.mean()), "std": float(returns.std()),
+            "policy_version": int(state.get("policy_version", -1))}

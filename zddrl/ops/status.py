@@ -1,0 +1,254 @@
+"""`zddrl status`: ask a broker for its counters and show them as a table, once or live (``--watch``).
+
+The broker's status body (docs/protocol.md, section 9) carries the counters, every member with its
+last stats, the fleet's health warnings and the last departures (with crash reports). The same rows
+feed the plain-text table and the live view: ``rich`` when it is installed and stdout is a terminal,
+otherwise plain text (the screen cleared between frames on a terminal, frames one after another when
+piped to a file).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import zmq
+from loguru import logger
+
+from zddrl import protocol as P
+
+MIN_INTERVAL_S = 0.1
+"""Shortest --watch refresh period: each frame is a status request the broker must answer."""
+REASON_CHARS = 120
+"""Departure reasons are shown up to this many characters of their first line (crash reports carry a
+traceback: `zddrl status --json` has it in full)."""
+
+
+def request_status(connect: str, timeout_s: float, context: zmq.Context | None = None) -> dict[str, Any] | None:
+    """One status request on a fresh DEALER; None if no broker answers within the timeout (or its answer
+    is not a valid status message: the learner asks every round and must not die of a bad answer)."""
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(connect)
+        sock.send_multipart(P.encode(P.StatusRequest(peer_id="status")))
+        if not sock.poll(int(timeout_s * 1000)):
+            return None
+        while True:  # anything else the broker might send first is skipped
+            try:
+                msg = P.decode(sock.recv_multipart())
+            except P.ProtocolError as exc:
+                logger.warning(f"unusable status answer from {connect}: {exc}")
+                return None
+            if isinstance(msg, P.Status):
+                return msg.body
+            if not sock.poll(int(timeout_s * 1000)):
+                return None
+    finally:
+        sock.close(linger=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows shared by the table and the live view (header row first)
+# ------------------------------------------------------------------------------------------------
+
+
+def _table(rows: list[list[str]], indent: str = "") -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _number(value: Any, fmt: str, default: str = "-") -> str:
+    return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def summary_lines(body: dict[str, Any]) -> list[str]:
+    b = body["broker"]
+    dropped = ", ".join(f"{k} {v}" for k, v in b["dropped"].items())
+    lines = [f"broker {b['host']}  run {b['run_id'] or '-'}  version {b['policy_version']}  up {b['uptime_s']:.0f} s",
+             f"trajectories: received {b['received']} = forwarded {b['forwarded']} + dropped "
+             f"{sum(b['dropped'].values())} ({dropped}) + in flight {b['in_flight']}"
+             f"  [{'ok' if b['accounted'] else 'MISMATCH'}]",
+             f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}",
+             f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
+             f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}"]
+    learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
+    learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
+    if learner:
+        ret = learner.get("return_mean_20")
+        lines.append(f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')} "
+                     f"({learner.get('updates_per_s', 0):.1f}/s, {learner.get('samples_per_s', 0):.0f} samples/s, "
+                     f"waiting {100 * learner.get('wait_data_share', 0):.0f}%)  return "
+                     f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
+                     f"stale {learner.get('dropped_stale')} invalid {learner.get('dropped_invalid', 0)}")
+    return lines
+
+
+def member_rows(body: dict[str, Any]) -> list[list[str]]:
+    # The learner reports each actor's lag (its version minus the actor's newest trajectory's).
+    lags = {k[4:]: v for m in body["members"].values() if m["role"] == "learner"
+            for k, v in m.get("stats", {}).items() if k.startswith("lag/")}
+    warned: dict[str, int] = {}
+    for w in body.get("health", []):
+        warned[w["member"]] = warned.get(w["member"], 0) + 1
+    rows = [["member", "role", "host", "envs", "version", "lag", "msgs", "env_steps", "drops", "sps", "comm", "wait",
+             "rss_mb", "warn", "seen_s"]]
+    for peer, m in sorted(body["members"].items()):
+        s = m.get("stats", {})
+        drops = sum(v for k, v in m.items() if k.startswith("dropped_"))
+        envs = m["num_envs"] or s.get("num_envs", 0)  # actors started without --envs use the run's
+        # A learner shard that does not publish (rank > 0) reports its version in its stats.
+        version = m["policy_version"] if m["policy_version"] >= 0 else s.get("policy_version", -1)
+        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(envs), str(version),
+                     str(lags.get(peer, "-")), str(m.get("messages", 0)), str(m.get("env_steps", 0)), str(drops),
+                     f"{s.get('sps', 0):.0f}", f"{100 * s.get('comm_share', 0):.0f}%",
+                     f"{100 * s.get('wait_share', s.get('wait_data_share', 0)):.0f}%",
+                     _number(s.get("rss_mb"), ".0f"), str(warned.get(peer, "-")), f"{m['last_seen_s']:.1f}"])
+    return rows
+
+
+def health_rows(body: dict[str, Any]) -> list[list[str]]:
+    rows = [["member", "check", "for_s", "warning"]]
+    for w in body.get("health", []):
+        rows.append([w["member"], w["check"], f"{w['since_s']:.0f}", w["message"]])
+    return rows
+
+
+def _first_line(text: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+
+
+def departure_rows(body: dict[str, Any]) -> list[list[str]]:
+    rows = [["member", "role", "host", "ago_s", "reason"]]
+    for d in body.get("departures", []):
+        rows.append([d["member"], d["role"], f"{d['host']}:{d['pid']}", f"{d['ago_s']:.0f}", _first_line(d["reason"])])
+    return rows
+
+
+def format_status(body: dict[str, Any]) -> str:
+    parts = ["\n".join(summary_lines(body)), _table(member_rows(body))]
+    health = health_rows(body)
+    # Indented: a line that starts with a peer id is that member's row (scripts grep for them).
+    parts.append(f"health warnings ({len(health) - 1}):\n{_table(health, '  ')}" if len(health) > 1 else "health: ok")
+    departures = departure_rows(body)
+    if len(departures) > 1:
+        parts.append(f"departures (newest first; full reasons with --json):\n{_table(departures, '  ')}")
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# --watch
+# ------------------------------------------------------------------------------------------------
+
+
+class PlainScreen:
+    """Frames as text: the terminal cleared before each one, or appended when stdout is not a terminal."""
+
+    CLEAR = "\x1b[H\x1b[2J"
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.clear = out.isatty()
+
+    def __enter__(self) -> PlainScreen:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.out.write("\n")
+        self.out.flush()
+
+    def show(self, header: str, body: dict[str, Any] | None, problem: str | None) -> None:
+        text = "\n".join([header, *([problem] if problem else []), *([format_status(body)] if body else [])])
+        self.out.write((self.CLEAR if self.clear else "") + text + ("\n" if self.clear else "\n\n"))
+        self.out.flush()
+
+
+class RichScreen:
+    """Frames as rich tables redrawn in place (rich.live.Live)."""
+
+    def __init__(self, out: TextIO) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self.live = Live(console=Console(file=out), auto_refresh=False, vertical_overflow="visible")
+
+    def __enter__(self) -> RichScreen:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.live.__exit__(*exc)
+
+    def show(self, header: str, body: dict[str, Any] | None, problem: str | None) -> None:
+        from rich.console import Group
+        from rich.text import Text
+
+        parts: list[Any] = [Text(header, style="bold")]
+        if problem:
+            parts.append(Text(problem, style="bold red"))
+        if body:
+            parts.append(Text("\n".join(summary_lines(body)), style="dim" if problem else ""))
+            parts.append(_rich_table(member_rows(body), "members", lambda r: "yellow" if r[-2] != "-" else ""))
+            health = health_rows(body)
+            parts.append(_rich_table(health, "health warnings", lambda r: "yellow") if len(health) > 1
+                         else Text("health: ok", style="green"))
+            departures = departure_rows(body)
+            if len(departures) > 1:
+                parts.append(_rich_table(departures, "departures (newest first)",
+                                         lambda r: "red" if r[-1].startswith("crashed") else ""))
+        self.live.update(Group(*parts), refresh=True)
+
+
+def _rich_table(rows: list[list[str]], title: str, style_of: Callable[[list[str]], str]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", header_style="bold")
+    for i, name in enumerate(rows[0]):
+        table.add_column(name, no_wrap=i < len(rows[0]) - 1)  # ids never folded; the last column wraps
+    for row in rows[1:]:
+        table.add_row(*row, style=style_of(row))
+    return table
+
+
+def _screen(out: TextIO, use_rich: bool | None) -> PlainScreen | RichScreen:
+    if use_rich is None:
+        use_rich = out.isatty()
+    if use_rich:
+        try:
+            return RichScreen(out)
+        except ImportError:  # rich is optional (pip install zddrl[watch]); plain text does the job
+            pass
+    return PlainScreen(out)
+
+
+def watch_status(connect: str, interval_s: float, timeout_s: float, *, out: TextIO | None = None,
+                 use_rich: bool | None = None) -> None:
+    """Show the broker's status every ``interval_s`` until Ctrl-C (a clean exit).
+
+    A broker that does not answer within ``timeout_s`` is reported as unreachable, above the last
+    status it gave; the watch keeps asking, so a restarted broker shows up again by itself."""
+    out = out or sys.stdout
+    last: dict[str, Any] | None = None
+    last_at = 0.0
+    try:
+        with _screen(out, use_rich) as screen:
+            while True:
+                try:
+                    body = request_status(connect, timeout_s)
+                except P.ProtocolError as exc:  # something else answers on that port; keep asking
+                    body, why = None, f"not a zddrl broker answer ({exc})"
+                else:
+                    why = f"no answer within {timeout_s:g} s"
+                now = time.monotonic()
+                if body is not None:
+                    last, last_at = body, now
+                problem = None if body is not None else (
+                    f"broker unreachable at {connect}: {why}" +
+                    (f"; last status {now - last_at:.0f} s ago, shown below" if last else ""))
+                header = f"zddrl status {connect}  {time.strftime('%H:%M:%S')}  every {interval_s:g} s  (Ctrl-C quits)"
+                screen.show(header, last, problem)
+                time.sleep(max(interval_s, MIN_INTERVAL_S))
+    except KeyboardInterrupt:
+        pass

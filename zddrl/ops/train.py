@@ -1,0 +1,130 @@
+"""`zddrl train`: broker, N actor processes and the learner on this machine, with one command.
+
+Every role runs as its own process through the same CLI commands used across hosts, on free
+loopback ports. All processes start at once (ZeroMQ connects before the broker binds and retries),
+the learner decides when the run is over (first limit reached), and everything is shut down in
+a ``finally`` (SIGTERM, then SIGKILL after a grace period): no orphans, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from loguru import logger
+
+from zddrl.config import Config, to_toml
+from zddrl.proc import die_with_parent, free_ports, stop_processes
+
+SHUTDOWN_GRACE_S = 5.0
+PROGRESS_EVERY_S = 0.5
+
+
+def default_run_dir(config: Config) -> Path:
+    return Path(config.train.run_dir) / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-s{config.env.seed}"
+
+
+class Fleet:
+    """The processes of one local run; ``stop()`` ends every one of them."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=die_with_parent)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def dead(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
+
+    def stop(self) -> None:
+        stop_processes(self.procs, SHUTDOWN_GRACE_S)
+
+
+def _last_row(metrics: Path) -> dict[str, str] | None:
+    """The header and the last row of metrics.csv, reading only its end (the file grows all run)."""
+    try:
+        with open(metrics, "rb") as f:
+            header = f.readline()
+            f.seek(0, 2)
+            f.seek(max(len(header), f.tell() - 4096))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    if not header or not lines or not lines[-1].strip():
+        return None
+    rows = list(csv.DictReader([header.decode(), lines[-1].decode()]))
+    return rows[0] if rows and rows[0].get("env_steps") else None
+
+
+def _progress(metrics: Path, t0: float) -> str | None:
+    r = _last_row(metrics)
+    if r is None:
+        return None
+    ret = r["return_mean_20"] or "-"
+    return (f"[{time.time() - t0:6.1f} s] steps {int(r['env_steps']):>9,}  sps {float(r['sps']):>7.0f}  "
+            f"return {ret:>7}  version {r['policy_version']}")
+
+
+def run_training(config: Config, run_dir: str | Path | None = None, show_progress: bool = True,
+                 t0: float | None = None, resume: bool = False) -> dict[str, Any]:
+    """Run the whole system locally until the learner stops; return its summary.
+
+    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it.
+    """
+    t0 = time.time() if t0 is None else t0
+    run_dir = Path(run_dir) if run_dir else default_run_dir(config)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.toml"
+    config_path.write_text(to_toml(config.to_dict()))
+    control, traj, learn, params = free_ports(4)
+    connect = f"tcp://127.0.0.1:{control}"
+    fleet = Fleet(log_dir)
+    tty = show_progress and sys.stderr.isatty()
+    try:
+        fleet.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
+                               "--learner-port", str(learn), "--params-port", str(params)])
+        learner = fleet.start("learner", ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir),
+                                          "--t0", repr(t0), *(["--resume"] if resume else [])])
+        slowdowns = config.train.slowdowns
+        for i in range(config.train.actors):
+            slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
+            fleet.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
+        logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
+        next_line = 0.0
+        while learner.poll() is None:
+            dead = fleet.dead()
+            if dead:
+                raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
+            try:
+                learner.wait(timeout=0.05)
+            except subprocess.TimeoutExpired:
+                pass
+            if show_progress and time.monotonic() >= next_line:
+                line = _progress(run_dir / "metrics.csv", t0)
+                if line:
+                    click.echo(("\r" + line) if tty else line, err=True, nl=not tty)
+                next_line = time.monotonic() + (PROGRESS_EVERY_S if tty else 5.0)
+        if tty:
+            click.echo("", err=True)
+    finally:
+        fleet.stop()
+    summary_path = run_dir / "summary.json"
+    if learner.returncode != 0 or not summary_path.exists():
+        raise click.ClickException(f"the learner failed (exit {learner.returncode}); see {log_dir / 'learner.log'}")
+    summary = json.loads(summary_path.read_text())
+    summary["wall_s_command"] = round(time.time() - t0, 3)
+    summary["run_dir"] = str(run_dir)
+    return summary

@@ -1,0 +1,181 @@
+"""What ``zddrl.protocol.decode`` checks of a message's fields beyond their types: the rules of each kind.
+
+Part of the protocol's definition (docs/protocol.md sections 2.4 and 6); zddrl.protocol runs these
+after the generic header checks and re-exports the constants. Each raises ``ProtocolError`` with the
+reason.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from zddrl.protocol.frames import DTYPE_NAMES, DTYPES, MAX_NDIM, Layout, ProtocolError
+
+PARAM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
+"""Parameter transport precision -> the wire dtype of its buffers (bfloat16: the upper 16 bits of each
+IEEE float32, carried as uint16, since the wire has no bfloat16 dtype)."""
+MAX_PARAM_CHUNKS = 1 << 20
+
+
+def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+
+
+def _shape_ok(shape: Any) -> bool:
+    return isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d, 0) for d in shape)
+
+
+def check_welcome(fields: dict[str, Any]) -> None:
+    for name, port in fields["ports"].items():
+        if not _is_int(port, 1, 65535):
+            raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")
+    if fields["heartbeat_interval_s"] <= 0:
+        raise ProtocolError(f"welcome: heartbeat_interval_s must be > 0, got {fields['heartbeat_interval_s']}")
+    if fields["heartbeat_liveness"] < 1:
+        raise ProtocolError(f"welcome: heartbeat_liveness must be >= 1, got {fields['heartbeat_liveness']}")
+    if fields["max_message_bytes"] < 0:
+        raise ProtocolError(f"welcome: max_message_bytes must be >= 0, got {fields['max_message_bytes']}")
+
+
+def check_params(fields: dict[str, Any]) -> None:
+    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, dtype, shape,
+    offset]`` are well formed and fit the whole buffer."""
+    flat = fields["arrays"].get("flat")
+    if flat is not None and flat.ndim != 1:
+        raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")
+    numel = _check_chunking(fields, flat)
+    names: set[str] = set()
+    for i, row in enumerate(fields["layout"]):
+        if not (isinstance(row, list) and len(row) == 4):
+            raise ProtocolError(f"params: layout row {i} must be [name, dtype, shape, offset], got {row!r}")
+        name, dtype_name, shape, offset = row
+        if not isinstance(name, str) or not name or name in names:
+            raise ProtocolError(f"params: layout row {i}: name {name!r} must be a unique non-empty string")
+        names.add(name)
+        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
+            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed")
+        if not _shape_ok(shape):
+            raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
+        if not _is_int(offset, 0):
+            raise ProtocolError(f"params: layout row {name!r}: offset {offset!r} must be a non-negative int")
+        if numel is not None and offset + math.prod(shape) > numel:
+            raise ProtocolError(f"params: layout row {name!r} (offset {offset}, shape {shape}) does not fit "
+                                f"the flat buffer of {numel} elements")
+
+
+def _hash_ok(value: Any) -> bool:
+    return type(value) is str and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
+def _check_chunking(fields: dict[str, Any], flat: np.ndarray | None) -> int | None:
+    """The whole buffer's element count (None if unknown: no flat buffer, no chunk table)."""
+    dtype, hashes, numel, per = (fields["param_dtype"], fields["chunk_hashes"], fields["numel"],
+                                 fields["chunk_numel"])
+    if dtype not in PARAM_DTYPES:
+        raise ProtocolError(f"params: param_dtype {dtype!r} is not one of {sorted(PARAM_DTYPES)}")
+    if flat is not None and flat.dtype != DTYPES[PARAM_DTYPES[dtype]]:
+        raise ProtocolError(f"params: 'flat' must be {PARAM_DTYPES[dtype]} for param_dtype {dtype}, got {flat.dtype}")
+    if numel < 0 or per < 0:
+        raise ProtocolError(f"params: numel ({numel}) and chunk_numel ({per}) must be >= 0")
+    if not hashes:
+        if numel and (flat is None or numel != flat.size):
+            raise ProtocolError(f"params: numel {numel} without chunk_hashes must be the size of 'flat'")
+        return flat.size if flat is not None else None
+    if not 1 <= len(hashes) <= MAX_PARAM_CHUNKS or not all(_hash_ok(h) for h in hashes):
+        raise ProtocolError(f"params: chunk_hashes must be 1..{MAX_PARAM_CHUNKS} hashes of 16 hex digits")
+    if numel < 1 or per < 1 or len(hashes) != -(-numel // per):
+        raise ProtocolError(f"params: {len(hashes)} chunk hashes do not fit numel {numel} in chunks of {per}")
+    if flat is None or flat.size != min(per, numel):
+        raise ProtocolError(f"params: 'flat' must be chunk 0 ({min(per, numel)} elements)")
+    if len(hashes) == 1 and fields["param_hash"] != hashes[0]:
+        raise ProtocolError("params: with one chunk, param_hash must be chunk_hashes[0] (both hash the whole buffer)")
+    return numel
+
+
+def check_chunk(fields: dict[str, Any]) -> None:
+    arrays = fields["arrays"]
+    if set(arrays) != {"data"} or arrays["data"].ndim != 1:
+        raise ProtocolError("params_chunk: must carry exactly one 1-d array, 'data'")
+    if not 1 <= fields["index"] < MAX_PARAM_CHUNKS:
+        raise ProtocolError(f"params_chunk: index {fields['index']} must be in 1..{MAX_PARAM_CHUNKS - 1}")
+    if not _hash_ok(fields["chunk_hash"]):
+        raise ProtocolError("params_chunk: chunk_hash must be 16 hex digits")
+
+
+# --------------------------------------------------------------------------------------------
+# Trajectories (docs/protocol.md section 7)
+# --------------------------------------------------------------------------------------------
+
+_F32, _BOOL, _I64 = DTYPES["float32"], DTYPES["bool"], DTYPES["int64"]
+STEP_ARRAYS = {"logp": _F32, "values": _F32, "rewards": _F32, "terminated": _BOOL, "truncated": _BOOL}
+"""Arrays of shape ``[T, N]`` besides ``obs`` and ``actions``, with their one dtype."""
+TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
+"""Every trajectory carries these."""
+TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
+"""Present together, and only in a rollout where some episode was truncated (``K >= 1``)."""
+_KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS)
+
+
+def check_trajectory_layout(layout: Layout) -> None:
+    """The array rules of a trajectory: which arrays, their dtypes, and shapes that agree on ``T``, ``N``
+    and the observation shape. Depends on the layout alone, so decode runs it once per distinct layout."""
+    arrays = dict(zip(layout.names, zip(layout.dtypes, layout.shapes)))
+    missing = [name for name in TRAJECTORY_ARRAYS if name not in arrays]
+    if missing:
+        raise ProtocolError(f"trajectory: missing arrays {missing}")
+    unknown = sorted(arrays.keys() - _KNOWN)
+    if unknown:
+        raise ProtocolError(f"trajectory: unknown arrays {unknown}")
+    obs_dtype, obs_shape = arrays["obs"]
+    if obs_dtype != _F32 or len(obs_shape) < 2 or 0 in obs_shape[:2]:
+        raise ProtocolError(f"trajectory: 'obs' must be float32 [T, N, *obs_shape] with T, N >= 1, "
+                            f"got {obs_dtype} {list(obs_shape)}")
+    steps, observation = obs_shape[:2], obs_shape[2:]
+
+    def need(name: str, dtype: np.dtype, shape: tuple) -> None:
+        if arrays[name] != (dtype, shape):
+            got_dtype, got_shape = arrays[name]
+            raise ProtocolError(f"trajectory: {name!r} must be {DTYPE_NAMES[dtype]} {list(shape)}, "
+                                f"got {DTYPE_NAMES[got_dtype]} {list(got_shape)}")
+
+    actions_dtype, actions_shape = arrays["actions"]
+    if not (actions_dtype == _I64 and actions_shape == steps
+            or actions_dtype == _F32 and len(actions_shape) == 3 and actions_shape[:2] == steps):
+        raise ProtocolError(f"trajectory: 'actions' must be int64 {list(steps)} or float32 {list(steps)} + [A], "
+                            f"got {DTYPE_NAMES[actions_dtype]} {list(actions_shape)}")
+    for name, dtype in STEP_ARRAYS.items():
+        need(name, dtype, steps)
+    need("next_obs", _F32, steps[1:] + observation)
+    need("next_value", _F32, steps[1:])
+    present = [name for name in TRUNCATION_ARRAYS if name in arrays]
+    if present:
+        if len(present) != len(TRUNCATION_ARRAYS):
+            raise ProtocolError(f"trajectory: {present} without the rest of {list(TRUNCATION_ARRAYS)}")
+        k = arrays["trunc_idx"][1]
+        if len(k) == 1 and k[0] == 0:
+            raise ProtocolError("trajectory: truncation arrays of no truncation (K = 0): leave them out")
+        k = k if len(k) == 1 else (1,)  # a trunc_idx of another rank is refused by need() below
+        need("trunc_idx", _I64, k)
+        need("trunc_obs", _F32, k + observation)
+        need("trunc_value", _F32, k)
+
+
+def _steps_of(arrays: Any) -> int:
+    """``T * N`` of a trajectory's checked arrays: views by name, or ``[name, dtype, shape]`` specs."""
+    if type(arrays) is dict:
+        return arrays["rewards"].size
+    return next(math.prod(shape) for name, _, shape in arrays if name == "rewards")
+
+
+def check_trajectory(fields: dict[str, Any]) -> None:
+    """Per message (the layout was checked by check_trajectory_layout): env_steps and episode figures."""
+    env_steps, returns, lengths = fields["env_steps"], fields["ep_returns"], fields["ep_lengths"]
+    if env_steps != _steps_of(fields["arrays"]):
+        raise ProtocolError(f"trajectory: env_steps {env_steps} must be T * N = {_steps_of(fields['arrays'])}")
+    if len(returns) != len(lengths) or len(lengths) > env_steps:
+        raise ProtocolError(f"trajectory: {len(returns)} episode returns and {len(lengths)} lengths must pair up, "
+                            f"at most one per env step")
+    if lengths and min(lengths) < 1:
+        raise ProtocolError("trajectory: episode lengths must be >= 1")

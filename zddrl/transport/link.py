@@ -1,0 +1,379 @@
+"""The client side of the bus, shared by actor hosts and learner shards.
+
+``BrokerLink`` runs the control conversation in a background thread so that it never sits on the
+stepping or training path: hello/welcome, heartbeats both ways, reconnect with capped exponential
+backoff when the broker goes away, and (for actors) receiving, verifying and keeping the newest
+parameters (latest wins). ZeroMQ sockets are not thread-safe, so the link's sockets live in its
+thread only; data sockets (PUSH for actors, DEALER for learners) belong to the caller's thread and
+are rebuilt whenever ``generation`` changes (a new welcome).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+from loguru import logger
+
+from zddrl import protocol as P
+from zddrl.config import split_endpoint
+from zddrl.transport.params import Assembler
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Until the welcome says otherwise."""
+HEARTBEAT_LIVENESS = 3
+RECONNECT_INITIAL_S = 0.25
+RECONNECT_MAX_S = 8.0
+BYE_LINGER_MS = 500
+"""How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
+CRASH_MESSAGE_CHARS = 1000
+"""Longest exception message sent in a crash report."""
+CRASH_TRACEBACK_CHARS = 4000
+"""Longest traceback sent in a crash report; its end is kept (the innermost frames and the error)."""
+
+
+class Refused(RuntimeError):
+    """The broker refused this client's hello (the message says why); retrying would not help."""
+
+
+class BrokerLink:
+    """Control link to the broker. ``start()``, then ``wait_welcome()``; ``close()`` at the end.
+
+    Usage (actor)::
+
+        link = BrokerLink("tcp://host:5555", P.Hello(role="actor", peer_id="actor-0"), subscribe_params=True)
+        link.start(); welcome = link.wait_welcome(timeout_s=30)
+        params = link.wait_params(newer_than=-1, timeout_s=30)
+    """
+
+    def __init__(self, connect: str, hello: P.Hello, *, subscribe_params: bool = False,
+                 context: zmq.Context | None = None) -> None:
+        self.host, port = split_endpoint(connect)
+        self.connect = connect
+        self.hello = hello
+        self.subscribe_params = subscribe_params
+        self.ctx = context or zmq.Context.instance()
+        self.log = logger.bind(role=hello.role, peer=hello.peer_id)
+        self._cond = threading.Condition()
+        self._stop = threading.Event()
+        self._outbox: queue.SimpleQueue[P.Message] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"link-{hello.peer_id}", daemon=True)
+        self.welcome: P.Welcome | None = None
+        self.refused: str | None = None
+        """Why the broker refused our hello, if it did (the link has stopped)."""
+        self.generation = 0
+        self.sent = 0
+        self.acked = 0
+        self.params: P.Parameters | None = None
+        self.reconnects = 0
+        self.params_rejected = 0
+        self.assembler = Assembler()
+        self.last_broker_beat = 0.0
+        self._sub: zmq.Socket | None = None
+        self._sub_port: int | None = None
+
+    # ---------------------------------------------------------------- caller side
+    def start(self) -> BrokerLink:
+        self._thread.start()
+        return self
+
+    def endpoint(self, port_name: str) -> str:
+        assert self.welcome is not None, "no welcome yet"
+        return f"tcp://{self.host}:{self.welcome.ports[port_name]}"
+
+    def wait_welcome(self, timeout_s: float, need_run: bool = False) -> P.Welcome | None:
+        """Block until a welcome (with a run spec if ``need_run``) arrived, or the timeout."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.welcome is not None and (self.welcome.run is not None or not need_run)
+                                or self._stop.is_set(), timeout_s)
+            return self.welcome
+
+    def wait_params(self, newer_than: int, timeout_s: float) -> P.Parameters | None:
+        """Block until parameters with version > ``newer_than`` of the current run are held."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._newer(newer_than) or self._stop.is_set(), timeout_s)
+            return self.params if self._newer(newer_than) else None
+
+    def note_sent(self, generation: int) -> None:
+        """The caller pushed one trajectory while ``generation`` was current; it is in flight until the
+        broker returns its credit. One pushed just as a new welcome arrived went to the old session,
+        whose count was reset: counting it now would leave a credit that never comes back."""
+        with self._cond:
+            if generation == self.generation:
+                self.sent += 1
+
+    def wait_in_flight_below(self, limit: int, timeout_s: float) -> bool:
+        """Block until fewer than ``limit`` pushed trajectories are unread by the broker (actor-side
+        credit: the broker returns one per trajectory it reads). False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.sent - self.acked < limit or self._stop.is_set(), timeout_s)
+
+    def latest_params(self) -> P.Parameters | None:
+        with self._cond:
+            return self.params
+
+    def _newer(self, version: int) -> bool:
+        return self.params is not None and self.params.policy_version > version
+
+    def send(self, msg: P.Message) -> None:
+        """Queue a control message (stats, bye) for the link thread to send."""
+        self._outbox.put(msg)
+
+    def report_crash(self, exc: BaseException) -> None:
+        """Tell the broker why this process is dying (bye with ``crash_reason(exc)``), then close.
+
+        Best effort: delivered only if the broker is reachable now (the bye gets BYE_LINGER_MS)."""
+        self.close(reason=crash_reason(exc))
+
+    def close(self, reason: str = "") -> None:
+        if self._thread.is_alive():
+            self.send(P.Bye(peer_id=self.hello.peer_id, reason=reason))
+            self._stop.set()
+            self._thread.join(timeout=5)
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    # ---------------------------------------------------------------- link thread
+    def _run(self) -> None:
+        backoff = RECONNECT_INITIAL_S
+        while not self._stop.is_set():
+            control, sub = self._open()
+            try:
+                served = self._serve(control, sub)
+            except Exception:  # a bug in the link must not hang its owner silently
+                self.log.exception("control link failed")
+                served = False
+            finally:
+                # Fix: the control socket was closed with linger 0 even on purpose; linger 0
+                # discards whatever ZeroMQ has not written yet, so the bye that close() had just
+                # queued raced the close and could be lost, leaving the member (and a learner's
+                # credit) at the broker until heartbeat expiry. Closing on purpose now lingers.
+                control.close(linger=BYE_LINGER_MS if self._stop.is_set() else 0)
+                if sub is not None:
+                    sub.close(linger=0)
+            if self._stop.is_set():
+                break
+            backoff = RECONNECT_INITIAL_S if served else min(backoff * 2, RECONNECT_MAX_S)
+            self.reconnects += 1
+            self.log.warning(f"broker at {self.connect} silent; reconnecting in {backoff:.2f} s")
+            self._stop.wait(backoff)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        control = self.ctx.socket(zmq.DEALER)
+        control.setsockopt(zmq.LINGER, 0)
+        control.connect(self.connect)
+        control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
+        return control, None
+
+    @staticmethod
+    def _try_send(sock: zmq.Socket, msg: P.Message) -> bool:
+        """Fix: heartbeats and re-hellos used blocking sends; a DEALER whose queue to a dead broker
+        is full blocks in send, which froze the link thread (and close() with it). Control messages
+        are periodic: when one cannot be queued now, the next one will do."""
+        try:
+            sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _serve(self, control: zmq.Socket, sub: zmq.Socket | None) -> bool:
+        """Talk to the broker until it is silent for too long; True if a welcome was received."""
+        poller = zmq.Poller()
+        poller.register(control, zmq.POLLIN)
+        try:
+            return self._serve_loop(control, sub, poller)
+        finally:
+            # Fix: a SUB opened inside _serve was only closed on the normal paths and leaked when
+            # an exception ended the session; _serve_loop keeps the current one in self._sub.
+            if self._sub is not None:
+                self._sub.close(linger=0)
+                self._sub = None
+
+    def _serve_loop(self, control: zmq.Socket, sub: zmq.Socket | None, poller: zmq.Poller) -> bool:
+        interval, liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+        deadline = time.monotonic() + interval * liveness
+        next_beat = time.monotonic() + interval
+        welcomed = False
+        self._sub = sub
+        while not self._stop.is_set():
+            self._flush_outbox(control)
+            events = dict(poller.poll(min(100, interval * 1000)))
+            if control in events:
+                for msg in self._drain(control):
+                    deadline = time.monotonic() + interval * liveness
+                    if isinstance(msg, P.Welcome):
+                        welcomed = True
+                        interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
+                        deadline = time.monotonic() + interval * liveness
+                        # Fix: the first beat stayed scheduled on the default 1 s interval; a broker
+                        # configured with interval x liveness under 1 s expired a healthy member
+                        # before it ever beat. Beat on the broker's schedule from the welcome on.
+                        next_beat = min(next_beat, time.monotonic() + interval)
+                        # Fix: the SUB was opened on the first welcome only; when a restarted
+                        # broker re-welcomed this same session with another params port, the SUB
+                        # stayed on the old port and broadcasts never arrived again.
+                        if self.subscribe_params and (sub is None or self._sub_port != msg.ports.get("params")):
+                            if sub is not None:
+                                poller.unregister(sub)
+                                sub.close(linger=0)
+                            sub = self._sub = self._subscribe(msg)
+                            poller.register(sub, zmq.POLLIN)
+                        self._on_welcome(msg)
+                    elif isinstance(msg, P.Reject):
+                        self.log.warning(f"broker rejected us: {msg.reason}")
+                        if msg.rehello:
+                            self._try_send(control, self.hello)
+                        elif msg.reason.startswith(P.REFUSED_PREFIX):
+                            self._refuse(msg.reason)
+                            return welcomed
+                    elif isinstance(msg, (P.Parameters, P.ParamChunk)):
+                        self._on_params(msg)
+                    elif isinstance(msg, P.Credit):
+                        self._on_credit(msg)
+                    elif isinstance(msg, P.Heartbeat):
+                        self.last_broker_beat = time.time()
+            if sub is not None and sub in events:
+                for msg in self._drain(sub):
+                    if isinstance(msg, (P.Parameters, P.ParamChunk)):
+                        self._on_params(msg)
+            now = time.monotonic()
+            if now >= next_beat:
+                version = self.params.policy_version if self.params is not None else -1
+                self._try_send(control, P.Heartbeat(peer_id=self.hello.peer_id, policy_version=version))
+                next_beat = now + interval
+            if now > deadline:
+                return welcomed
+        self._flush_outbox(control)
+        return welcomed
+
+    def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
+        sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
+        sub.connect(f"tcp://{self.host}:{welcome.ports['params']}")
+        self._sub_port = welcome.ports["params"]
+        return sub
+
+    def _drain(self, sock: zmq.Socket) -> list[P.Message]:
+        out = []
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return out
+            try:
+                out.append(P.decode(frames))
+            except P.ProtocolError as exc:
+                self.log.warning(f"dropped a malformed message from the broker: {exc}")
+
+    def _flush_outbox(self, control: zmq.Socket) -> None:
+        while True:
+            try:
+                msg = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                control.send_multipart(P.encode(msg), zmq.NOBLOCK)
+            except zmq.Again:
+                return  # the broker is not there; stats are best effort
+
+    def _on_welcome(self, msg: P.Welcome) -> None:
+        with self._cond:
+            # Versions restart with a new run: never compare across runs. Fix: a welcome without
+            # a run (a restarted broker, before the learner said hello again) used to count as a
+            # run change and drop the parameters held, so the same run coming back could hand the
+            # actor an older version than it had. Only a different, named run resets them now.
+            if self.params is not None and msg.run_id and msg.run_id != self.params.run_id:
+                self.params = None
+            self.welcome = msg
+            self.generation += 1
+            self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
+            self._cond.notify_all()
+        self.log.info(f"welcomed by broker: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
+
+    def _refuse(self, reason: str) -> None:
+        """The broker will not have us (bad hello, peer id in use): stop, and let the owner say why."""
+        with self._cond:
+            self.refused = reason
+            self._stop.set()
+            self._cond.notify_all()
+
+    def _on_credit(self, msg: P.Credit) -> None:
+        with self._cond:
+            self.acked = min(self.sent, self.acked + msg.credit)
+            self._cond.notify_all()
+
+    def _on_params(self, msg: P.Parameters | P.ParamChunk) -> None:
+        """Put versions together chunk by chunk (``params.Assembler``: every hash verified) and keep the
+        newest whole one; never go back to an older version, never use a half-arrived one."""
+        if self.welcome is None or msg.run_id != self.welcome.run_id:
+            return
+        if isinstance(msg, P.Parameters) and "flat" not in msg.arrays:
+            self.params_rejected += 1
+            self.log.warning(f"rejected parameters version {msg.policy_version}: no flat buffer")
+            return
+        refused = sum(self.assembler.rejected[r] for r in REFUSED_PARAMS)
+        whole = self.assembler.add(msg)
+        if sum(self.assembler.rejected[r] for r in REFUSED_PARAMS) > refused:
+            self.params_rejected += 1
+            self.log.warning(f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
+                             f"({dict(self.assembler.rejected)} so far)")
+        if whole is None:
+            return
+        msg = whole
+        with self._cond:
+            if self.params is None or msg.policy_version > self.params.policy_version:
+                self.params = msg
+                self._cond.notify_all()
+
+
+PARAMS_RCVHWM = 64
+"""Parameter messages a subscriber queues: whole versions of models up to ~128 MiB in 4 MiB chunks.
+A version that loses a chunk here is not used; the broker sends the actor its newest whole version
+directly when its heartbeats show it behind."""
+REFUSED_PARAMS = ("chunk_hash", "whole_hash", "bad_chunk")
+"""Assembler rejections that mean damaged data (not merely old, repeated or early)."""
+
+
+def crash_reason(exc: BaseException) -> str:
+    """``crashed: <type>: <message>`` then the traceback, both truncated to a few KB.
+
+    Never raises: it runs while the process is already dying, and a broken ``__str__`` must not hide
+    the original exception."""
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = "<unprintable message>"
+    if len(message) > CRASH_MESSAGE_CHARS:
+        message = message[:CRASH_MESSAGE_CHARS] + " ..."
+    try:
+        # Each piece bounded too: the last one repeats the message, which must not crowd out the frames.
+        tb = "".join(p if len(p) <= CRASH_MESSAGE_CHARS else p[:CRASH_MESSAGE_CHARS] + " ...\n"
+                     for p in traceback.format_exception(type(exc), exc, exc.__traceback__))
+    except Exception:  # noqa: BLE001
+        tb = ""
+    if len(tb) > CRASH_TRACEBACK_CHARS:
+        tb = "... (traceback truncated)\n" + tb[-CRASH_TRACEBACK_CHARS:]
+    return f"{P.CRASH_PREFIX}{type(exc).__name__}: {message}\n{tb}".rstrip("\n")
+
+
+def default_peer_id(role: str, index: int | str | None = None) -> str:
+    suffix = f"{index}" if index is not None else f"{os.getpid()}"
+    return f"{role}-{socket.gethostname()}-{suffix}"
+
+
+def hello_fields() -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}

@@ -1,0 +1,240 @@
+"""Parameters in transit: one version cut into bounded, hashed chunks, and put back together.
+
+The learner publishes a version as a ``Parameters`` message (layout, hashes, chunk 0) followed by
+``ParamChunk`` messages (chunks 1..). Receivers (actors; the broker, for the copy it gives late
+joiners) may see the messages of two versions interleaved, a chunk twice, a chunk lost, or a
+corrupted one. ``Assembler`` turns that stream into whole versions: a version comes out only once
+every chunk has arrived and matched its hash and the whole buffer matched the version's hash, so
+an actor can never act with a mix of two versions.
+
+Transport precision (``param_dtype``): float32, float16, or bfloat16 (the upper half of each
+float32, carried as uint16; rounding to nearest even). Receivers always get float32 back.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from zddrl import protocol as P
+
+MAX_PENDING_VERSIONS = 2
+"""Versions an assembler builds at once; a newer one pushes the oldest out (latest wins anyway)."""
+
+
+def to_transport(flat: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 ``[n]`` -> the wire buffer of ``dtype`` (a new array unless float32)."""
+    flat = np.ascontiguousarray(flat, dtype=np.float32)
+    if dtype == "float32":
+        return flat
+    if dtype == "float16":
+        return flat.astype(np.float16)
+    if dtype == "bfloat16":
+        bits = flat.view(np.uint32)
+        rounded = bits >> 16  # in place from here on: one buffer, no temporaries of the model's size
+        rounded &= 1
+        rounded += np.uint32(0x7FFF)
+        rounded += bits  # + 0x7FFF + lowest kept bit: round to nearest, ties to even
+        rounded >>= 16
+        out = rounded.astype(np.uint16)
+        nan = np.isnan(flat)
+        if nan.any():  # a NaN whose payload sits in the low half would round to infinity: keep it NaN
+            out[nan] = (bits[nan] >> 16).astype(np.uint16) | np.uint16(0x40)
+        return out
+    raise ValueError(f"unknown param_dtype {dtype!r}")
+
+
+def from_transport(buf: np.ndarray, dtype: str) -> np.ndarray:
+    """The wire buffer of ``dtype`` -> float32 ``[n]``."""
+    if dtype == "bfloat16":
+        return (buf.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(buf, dtype=np.float32)
+
+
+def split(*, run_id: str, sender: str, version: int, flat: np.ndarray, layout: list,
+          extras: Mapping[str, np.ndarray] | None = None, meta: dict | None = None,
+          chunk_bytes: int = 4 << 20, dtype: str = "float32") -> list[P.Message]:
+    """The messages that publish one version: ``Parameters`` (chunk 0) then a ``ParamChunk`` per
+    further chunk of at most ``chunk_bytes``. ``param_hash`` of the first is the version's hash."""
+    wire = to_transport(flat, dtype)
+    per = max(1, chunk_bytes // wire.itemsize)
+    pieces = [wire[i:i + per] for i in range(0, max(wire.size, 1), per)]
+    if len(pieces) == 1:
+        hashes = [P.param_hash(wire)]
+        whole = hashes[0]
+    else:  # hashlib lets go of the GIL on big buffers: the whole-buffer hash runs beside the chunks'
+        pool = _hash_pool()
+        whole_future = pool.submit(P.param_hash, wire)
+        hashes = list(pool.map(P.param_hash, pieces))
+        whole = whole_future.result()
+    first = P.Parameters(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, layout=layout,
+                         arrays={"flat": pieces[0], **(extras or {})}, meta=meta or {}, param_dtype=dtype,
+                         numel=wire.size, chunk_numel=per, chunk_hashes=hashes)
+    return [first, *(P.ParamChunk(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, index=i,
+                                  chunk_hash=hashes[i], arrays={"data": pieces[i]}) for i in range(1, len(pieces)))]
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads for the publisher's hashing (a learner has cores to spare while it publishes)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="zddrl-hash")
+    return _POOL
+
+
+@dataclass
+class _Build:
+    """A version being put together."""
+
+    head: P.Parameters
+    buffer: np.ndarray
+    missing: set[int]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)
+    whole: Any = field(default_factory=hashlib.sha1)
+    """SHA-1 of the buffer so far, fed chunk by chunk in order as they arrive (usually in order),
+    so that the whole-buffer check at the end costs nothing more than the last chunk's share."""
+    hashed: int = 0
+    """Chunks fed to ``whole``: 0..hashed-1."""
+
+    def feed(self) -> None:
+        per = self.head.chunk_numel or self.buffer.size
+        while self.hashed < self.head.num_chunks and self.hashed not in self.missing:
+            self.whole.update(self.buffer[self.hashed * per:(self.hashed + 1) * per])
+            self.hashed += 1
+
+
+class Assembler:
+    """``add(message) -> Parameters | None``: a whole, verified float32 version when one completes.
+
+    Versions only move forward: once version v came out, nothing of v or older is used again (within
+    a run: a message of another run starts afresh, since versions restart with every run).
+    ``rejected`` counts what was refused, by reason (``chunk_hash``, ``whole_hash``, ``bad_chunk``,
+    ``orphan_chunk``, ``old``).
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_VERSIONS) -> None:
+        self.max_pending = max_pending
+        self.run_id: str | None = None
+        self.done_version = -1
+        self.building: dict[tuple[int, str], _Build] = {}
+        self.rejected: Counter[str] = Counter()
+
+    def add(self, msg: P.Parameters | P.ParamChunk) -> P.Parameters | None:
+        if msg.run_id != self.run_id:  # a new run: versions start again
+            self.run_id, self.done_version = msg.run_id, -1
+            self.building.clear()
+        if msg.policy_version <= self.done_version:
+            self.rejected["old"] += 1
+            return None
+        key = (msg.policy_version, msg.param_hash)
+        if isinstance(msg, P.Parameters):
+            if key not in self.building and not self._start(key, msg):
+                return None
+        else:
+            build = self.building.get(key)
+            if build is None:  # its Parameters message was lost or is yet to come: a later copy completes it
+                self.rejected["orphan_chunk"] += 1
+                return None
+            self._fill(build, msg.index, msg.arrays["data"], msg.chunk_hash)
+        return self._finish(key)
+
+    def _start(self, key: tuple[int, str], head: P.Parameters) -> bool:
+        flat = head.arrays["flat"]
+        hashes = head.chunk_hashes or [head.param_hash]
+        numel = head.numel or flat.size
+        if P.param_hash(flat) != hashes[0]:
+            self.rejected["chunk_hash"] += 1
+            return False
+        while len(self.building) >= self.max_pending:  # the oldest gives way
+            del self.building[min(self.building)]
+        buffer = np.empty(numel, dtype=flat.dtype)
+        buffer[:flat.size] = flat
+        extras = {k: np.array(v) for k, v in head.arrays.items() if k != "flat"}  # own copies: frames get reused
+        self.building[key] = build = _Build(head, buffer, set(range(1, len(hashes))), extras)
+        build.hashed = 1  # chunk 0 was just checked against its own hash: for one chunk, that is the whole
+        if len(hashes) > 1:
+            build.whole.update(flat)
+        return True
+
+    def _fill(self, build: _Build, index: int, data: np.ndarray, chunk_hash: str) -> None:
+        head = build.head
+        if index >= head.num_chunks:
+            self.rejected["bad_chunk"] += 1
+            return
+        if index not in build.missing:
+            return  # a second copy of a chunk already in place (a resend)
+        start = index * head.chunk_numel
+        if data.dtype != build.buffer.dtype or data.size != min(head.chunk_numel, build.buffer.size - start):
+            self.rejected["bad_chunk"] += 1
+            return
+        if chunk_hash != head.chunk_hashes[index] or P.param_hash(data) != chunk_hash:
+            self.rejected["chunk_hash"] += 1
+            return
+        build.buffer[start:start + data.size] = data
+        build.missing.discard(index)
+        build.feed()
+
+    def _finish(self, key: tuple[int, str]) -> P.Parameters | None:
+        build = self.building[key] if key in self.building else None
+        if build is None or build.missing:
+            return None
+        del self.building[key]
+        head = build.head
+        if head.num_chunks > 1 and build.whole.hexdigest()[:16] != head.param_hash:
+            self.rejected["whole_hash"] += 1
+            return None
+        self.done_version = head.policy_version
+        for older in [k for k in self.building if k[0] <= head.policy_version]:
+            del self.building[older]
+        flat = from_transport(build.buffer, head.param_dtype)
+        return P.Parameters(run_id=head.run_id, sender=head.sender, policy_version=head.policy_version,
+                            param_hash=head.param_hash, layout=head.layout, arrays={"flat": flat, **build.extras},
+                            meta=head.meta, param_dtype="float32", numel=flat.size)
+
+
+class FrameCache:
+    """The broker's copy of the newest whole version, kept as the frames of its messages.
+
+    ``add(message, frames)`` says what the message is to the cache: ``"building"`` (part of the
+    version being received), ``"complete"`` (it completed that version, which is now the cached
+    one), or why it is refused: ``"stale"`` (not newer than the cached version), ``"orphan_chunk"``
+    (a chunk of no version being received), ``"duplicate"``. The broker neither decodes the arrays
+    again nor hashes them: the structure is checked here, the content by every receiver.
+    """
+
+    def __init__(self) -> None:
+        self.version = -1
+        self.param_hash = ""
+        self.messages: list[list] = []
+        """Frames of each message of the cached version, in publishing order (what a late joiner gets)."""
+        self._building: tuple[int, str, list[list], set[int]] | None = None
+
+    def add(self, msg: P.Parameters | P.ParamChunk, frames: list) -> str:
+        if msg.policy_version <= self.version:
+            return "stale"
+        if isinstance(msg, P.Parameters):
+            building = self._building
+            if building is not None and (building[0], building[1]) == (msg.policy_version, msg.param_hash):
+                return "duplicate"
+            self._building = (msg.policy_version, msg.param_hash, [frames], set(range(1, msg.num_chunks)))
+        else:
+            building = self._building
+            if building is None or (building[0], building[1]) != (msg.policy_version, msg.param_hash):
+                return "orphan_chunk"
+            if msg.index not in building[3]:
+                return "duplicate"
+            building[2].append(frames)
+            building[3].discard(msg.index)
+        version, param_hash, messages, missing = self._building
+        if missing:
+            return "building"
+        self.version, self.param_hash, self.messages, self._building = version, param_hash, messages, None
+        return "complete"
