@@ -2,9 +2,9 @@
 
 ``python tests/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) runs one shard of a gloo group; without them, one learner on all data.
-Every update has one trajectory from each of four senders (two from sender a in two updates); the
+Every update has one trajectory from each of four actors (two from actor a in two updates); the
 shards split them differently each update, mostly unevenly: the reward scaler's streams move between
-shards, sender a's two trajectories of one update are trained on different shards, and shard 1 has
+shards, peer_id a's two trajectories of one update are trained on different shards, and shard 1 has
 nothing at all in the last update.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ from zddrl.dist.shards import ShardGroup
 SPEC = EnvSpec((4,), True, 2)
 SENDERS = ("a", "b", "c", "d")
 BATCHES = (("a", "b", "c", "d"), ("a", "a2", "b", "c", "d"), ("a", "a2", "b", "c", "d"), ("a", "b", "c", "d"))
-"""Trajectories of each update: one per sender, and in two updates a second one of sender a ("a2")."""
+"""Trajectories of each update: one per peer_id, and in two updates a second one of peer_id a ("a2")."""
 SPLITS = (("a", "b"), ("a", "b"), ("a2", "c", "d"), SENDERS)
-"""Shard 0's trajectories in each update (shard 1 takes the rest): even, uneven both ways with sender a's
+"""Shard 0's trajectories in each update (shard 1 takes the rest): even, uneven both ways with peer_id a's
 two trajectories on different shards, all (shard 1 idle)."""
 UPDATES = len(SPLITS)
 
@@ -37,8 +37,8 @@ def config(mode: str) -> Config:
 
 
 def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
-    sender, second = name[0], name.endswith("2")
-    rng = np.random.default_rng(1000 * update + 10 * second + SENDERS.index(sender))
+    peer_id, second = name[0], name.endswith("2")
+    rng = np.random.default_rng(1000 * update + 10 * second + SENDERS.index(peer_id))
     terminated = rng.random((T, N)) < 0.1
     truncated = (rng.random((T, N)) < 0.05) & ~terminated
     trunc_idx = np.flatnonzero(truncated.reshape(-1))
@@ -51,14 +51,14 @@ def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
     if len(trunc_idx):  # on the wire only when some episode was truncated (docs/protocol.md section 7)
         arrays.update(trunc_idx=trunc_idx, trunc_obs=rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
                       trunc_value=rng.normal(0, 1, len(trunc_idx)).astype(np.float32))
-    return P.Trajectory(run_id="r", sender=sender, seq=2 * update + second, policy_version=max(0, update - 1),
+    return P.Trajectory(run_id="r", peer_id=peer_id, seq=2 * update + second, policy_version=max(0, update - 1),
                         param_hash="",
                         env_steps=T * N, arrays=arrays)
 
 
 def exchanges(group: ShardGroup) -> list:
     """What ``ShardGroup.exchange`` returns for payloads that fit its first all-gather, that do not, and a mix."""
-    small = {"records": [{"sender": "actor-0", "seq": group.rank}], "stop": False}
+    small = {"records": [{"peer_id": "actor-0", "seq": group.rank}], "stop": False}
     big = {"blob": bytes([group.rank]) * (10_000 * (group.rank + 1))}
     return [group.exchange(small), group.exchange(big), group.exchange(small if group.rank else big),
             group.exchange(None)]

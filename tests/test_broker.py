@@ -42,20 +42,20 @@ def run_spec(**algo: Any) -> dict:
     return Config().replace({f"algo.{k}": v for k, v in algo.items()}).to_dict()
 
 
-def trajectory(run_id: str, sender: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
+def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
     """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``."""
     f32 = np.float32
     arrays = {"obs": np.zeros((1, 1, max(nbytes // 4, 1)), f32), "actions": np.zeros((1, 1), np.int64),
               "logp": np.zeros((1, 1), f32), "values": np.zeros((1, 1), f32), "rewards": np.full((1, 1), seq, f32),
               "terminated": np.zeros((1, 1), bool), "truncated": np.zeros((1, 1), bool),
               "next_obs": np.zeros((1, max(nbytes // 4, 1)), f32), "next_value": np.zeros(1, f32)}
-    return P.Trajectory(run_id=run_id, sender=sender, seq=seq, policy_version=version, param_hash="h",
+    return P.Trajectory(run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="h",
                         env_steps=1, arrays=arrays)
 
 
-def parameters(run_id: str, version: int, sender: str = "learner-0") -> P.Parameters:
+def parameters(run_id: str, version: int, peer_id: str = "learner-0") -> P.Parameters:
     flat = np.arange(16, dtype=np.float32) + version
-    return P.Parameters(run_id=run_id, sender=sender, policy_version=version, param_hash=P.param_hash(flat),
+    return P.Parameters(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=P.param_hash(flat),
                         layout=[["w", "float32", [16], 0]], arrays={"flat": flat})
 
 
@@ -71,7 +71,7 @@ class Shard:
         self.received: list[P.Message] = []
 
     def grant(self, n: int) -> None:
-        self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
+        self.sock.send_multipart(P.encode(P.Credit(peer_id=self.peer_id, credit=n)))
 
     def publish(self, version: int, run_id: str | None = None) -> P.Parameters:
         params = parameters(self.run_id if run_id is None else run_id, version, self.peer_id)
@@ -230,7 +230,7 @@ def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: Bro
     for shard in (l0, l1):
         assert shard.recv(0) is None, "more trajectories than were sent"
 
-    got = [(t.sender, t.seq) for s in (l0, l1) for t in s.trajectories()]
+    got = [(t.peer_id, t.seq) for s in (l0, l1) for t in s.trajectories()]
     assert len(got) == len(set(got)) == 2 * n
     assert set(got) == {(a.peer_id, seq) for a in actors for seq in range(n)}
     assert l0.trajectories() and l1.trajectories(), "both shards must get a share"
@@ -258,7 +258,7 @@ def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: Bro
 def test_without_credit_nothing_is_delivered_and_the_sender_blocks(broker: BrokerHandle, bus: Bus) -> None:
     shard = start_run(bus, broker)  # grants no credit
     actor = Pusher(bus, broker, "actor-0", sndhwm=2)
-    cap, sent = 400, 0  # 400 x 256 KiB: far more than the queues between sender and broker hold
+    cap, sent = 400, 0  # 400 x 256 KiB: far more than the queues between peer_id and broker hold
     while sent < cap and actor.send(trajectory("run-a", "actor-0", sent, nbytes=256 << 10), timeout_ms=300):
         sent += 1
     assert 0 < sent < cap, f"the sender never blocked ({sent} messages queued without credit)"
@@ -314,7 +314,7 @@ def test_credit_release_keeps_each_senders_order(broker: BrokerHandle, bus: Bus)
         shard.grant(7)
         collect([shard], min(granted + 7, 60), regrant=False)
     for a in actors:
-        assert [t.seq for t in shard.trajectories() if t.sender == a.peer_id] == list(range(30))
+        assert [t.seq for t in shard.trajectories() if t.peer_id == a.peer_id] == list(range(30))
 
 
 class ControlClient:
@@ -567,7 +567,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
                             "unknown_version": 2, "no_route": 0}
     assert b["forwarded"] == seq and b["accounted"] is True
     assert b["received"] == b["forwarded"] + sum(b["dropped"].values()) + b["in_flight"]
-    actor_row = body["members"]["actor-0"]  # drops with a readable sender are charged to it
+    actor_row = body["members"]["actor-0"]  # drops with a readable peer_id are charged to it
     assert actor_row["dropped_unknown_run"] == 1 and actor_row["dropped_unknown_version"] == 2
     # malformed ones too when their header names it: bad dtype, frame size, missing frame, bad seq
     assert actor_row["dropped_malformed"] == 4
@@ -616,21 +616,21 @@ def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: B
     # A member's stats must be a flat map of figures; nested maps or bytes would break `zddrl status`.
     link = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-0"))
     assert link.wait_welcome(WAIT_S)
-    link.send(P.Stats(sender="actor-0", role="actor", stats={"sps": {"nested": 1}}))
-    link.send(P.Stats(sender="actor-0", role="actor", stats={"blob": b"\x00\x01"}))
-    link.send(P.Stats(sender="actor-0", role="actor", stats={"sps": 12.5, "param_hash": "abc"}))
+    link.send(P.Stats(peer_id="actor-0", role="actor", stats={"sps": {"nested": 1}}))
+    link.send(P.Stats(peer_id="actor-0", role="actor", stats={"blob": b"\x00\x01"}))
+    link.send(P.Stats(peer_id="actor-0", role="actor", stats={"sps": 12.5, "param_hash": "abc"}))
 
     unknown = bus.socket(zmq.DEALER, identity=b"nobody")
     unknown.connect(shard.link.endpoint("learners"))
-    unknown.send_multipart(P.encode(P.Credit(sender="nobody", credit=5)))
+    unknown.send_multipart(P.encode(P.Credit(peer_id="nobody", credit=5)))
     reject = recv_control(unknown)
     assert isinstance(reject, P.Reject) and reject.rehello
 
     bad_learner = [
         [b"junk"],
-        P.encode(P.Credit(sender="learner-0", credit=0)),
-        P.encode(P.Credit(sender="learner-0", credit=-5)),
-        P.encode(P.Credit(sender="learner-0", credit=1 << 30)),
+        P.encode(P.Credit(peer_id="learner-0", credit=0)),
+        P.encode(P.Credit(peer_id="learner-0", credit=-5)),
+        P.encode(P.Credit(peer_id="learner-0", credit=1 << 30)),
         P.encode(P.Hello(role="learner", peer_id="learner-0")),      # control message on the data socket
         [bytes(f) for f in P.encode(parameters("run-a", 1))][:-1],   # params without its array frame
     ]
@@ -837,9 +837,9 @@ def test_monitor_role_is_welcomed(broker: BrokerHandle, bus: Bus) -> None:
 def test_status_cli_table_json_and_dead_broker(broker: BrokerHandle, bus: Bus) -> None:
     learner = start_run(bus, broker)
     actor = Pusher(bus, broker, "actor-0")
-    actor.link.send(P.Stats(sender="actor-0", role="actor", stats={"sps": 1234.0, "comm_share": 0.25}))
+    actor.link.send(P.Stats(peer_id="actor-0", role="actor", stats={"sps": 1234.0, "comm_share": 0.25}))
     learner_stats = {"policy_version": 0, "updates": 0, "return_mean_20": None, "lag/actor-0": 1, "dropped_late": 0}
-    learner.link.send(P.Stats(sender="learner-0", role="learner", stats=learner_stats))
+    learner.link.send(P.Stats(peer_id="learner-0", role="learner", stats=learner_stats))
     wait_for(lambda: status(broker, bus)["members"]["actor-0"]["stats"].get("sps") == 1234.0
              and status(broker, bus)["members"]["learner-0"]["stats"] == learner_stats, WAIT_S, "both stats")
 

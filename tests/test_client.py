@@ -29,7 +29,7 @@ def welcome(run_id: str = "run-a", params_port: int = 1, interval: float = 1.0, 
 def params(run_id: str, version: int, corrupt: bool = False) -> P.Parameters:
     flat = np.arange(8, dtype=np.float32) * (version + 1)
     digest = P.param_hash(flat)
-    return P.Parameters(run_id=run_id, sender="learner-0", policy_version=version,
+    return P.Parameters(run_id=run_id, peer_id="learner-0", policy_version=version,
                         param_hash=("0" * 16 if corrupt else digest), layout=[["w", "float32", [8], 0]],
                         arrays={"flat": flat})
 
@@ -54,7 +54,7 @@ def test_params_with_a_wrong_hash_are_rejected(link: BrokerLink) -> None:
     link._on_welcome(welcome())
     link._on_params(wire(params("run-a", 0, corrupt=True)))
     assert link.latest_params() is None and link.params_rejected == 1
-    no_flat = P.Parameters(run_id="run-a", sender="l", policy_version=1, param_hash="x", layout=[],
+    no_flat = P.Parameters(run_id="run-a", peer_id="l", policy_version=1, param_hash="x", layout=[],
                            arrays={"other": np.zeros(2, np.float32)})
     link._on_params(wire(no_flat))
     assert link.latest_params() is None and link.params_rejected == 2
@@ -231,7 +231,7 @@ def test_stats_are_sent_through_the_link(fake: FakeBroker) -> None:
     link = fake.link()
     identity, _ = fake.recv(kind=P.Hello)
     fake.send(identity, welcome())
-    link.send(P.Stats(sender="actor-0", role="actor", stats={"sps": 10.0}))
+    link.send(P.Stats(peer_id="actor-0", role="actor", stats={"sps": 10.0}))
     _, stats = fake.recv(kind=P.Stats)
     assert stats.stats == {"sps": 10.0}
 

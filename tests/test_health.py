@@ -343,7 +343,7 @@ class TestLearner:
     def publish(self, version: int) -> str:
         flat = np.arange(8, dtype=np.float32) + version
         digest = P.param_hash(flat)
-        self.sock.send_multipart(P.encode(P.Parameters(run_id=self.run_id, sender="learner-0", policy_version=version,
+        self.sock.send_multipart(P.encode(P.Parameters(run_id=self.run_id, peer_id="learner-0", policy_version=version,
                                                        param_hash=digest, layout=[["w", "float32", [8], 0]],
                                                        arrays={"flat": flat})))
         return digest
@@ -365,14 +365,14 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
     hashes = {0: learner.publish(0)}
     wait_for(lambda: clients.status(broker)["broker"]["policy_version"] == 0, WAIT_S, "version 0")
     actor = clients.link(broker, P.Hello(role="actor", peer_id="actor-0", num_envs=2))
-    actor.send(P.Stats(sender="actor-0", role="actor", stats={"policy_version": 0, "param_hash": "0123456789abcdef"}))
+    actor.send(P.Stats(peer_id="actor-0", role="actor", stats={"policy_version": 0, "param_hash": "0123456789abcdef"}))
     body = wait_for(lambda: (b := clients.status(broker)) and health_of(b, "actor-0") and b, WAIT_S, "the warning")
     (w,) = body["health"]
     assert w["check"] == "unknown_params" and "0123456789abcdef" in w["message"] and w["since_s"] >= 0
     text = cli("status", "--connect", broker.connect).stdout
     assert "health warnings (1)" in text and re.search(r"^  actor-0 +unknown_params +\d+ +acts with", text, re.M), text
 
-    actor.send(P.Stats(sender="actor-0", role="actor", stats={"policy_version": 0, "param_hash": hashes[0]}))
+    actor.send(P.Stats(peer_id="actor-0", role="actor", stats={"policy_version": 0, "param_hash": hashes[0]}))
     wait_for(lambda: not clients.status(broker)["health"], WAIT_S, "the warning to clear")
     assert "health: ok" in cli("status", "--connect", broker.connect).stdout
     log = procs.log("broker")
@@ -389,7 +389,7 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
     assert time.monotonic() - behind_since > H.STUCK_AFTER_S - 1.5  # the broker's tick is 1 s
     assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in health_of(body, "actor-0")["stuck_version"]["message"]
     latest = H.STUCK_VERSIONS + 1
-    actor.send(P.Stats(sender="actor-0", role="actor", stats={"policy_version": latest, "param_hash": hashes[latest]}))
+    actor.send(P.Stats(peer_id="actor-0", role="actor", stats={"policy_version": latest, "param_hash": hashes[latest]}))
     wait_for(lambda: not clients.status(broker)["health"], WAIT_S, "the stuck warning to clear")
 
 
@@ -402,7 +402,7 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
     stranger = clients.ctx.socket(zmq.DEALER)  # never said hello
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(broker.connect)
-    bogus = P.Stats(sender="actor-9", role="actor", stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
+    bogus = P.Stats(peer_id="actor-9", role="actor", stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
     for _ in range(H.COMM_SHARE_REPORTS + 1):
         stranger.send_multipart(P.encode(bogus))
     rejects = 0

@@ -19,7 +19,7 @@ from zddrl.algos.ppo import PPOLearner
 SPEC = EnvSpec((4,), True, 2)
 
 
-def trajectory(T: int, N: int, sender: str = "a", seq: int = 0, version: int = 0, logp: float = -0.69,
+def trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0, version: int = 0, logp: float = -0.69,
                trunc_at: tuple[int, int] | None = (1, 0)) -> P.Trajectory:
     rng = np.random.default_rng(seq)
     truncated = np.zeros((T, N), dtype=bool)
@@ -35,7 +35,7 @@ def trajectory(T: int, N: int, sender: str = "a", seq: int = 0, version: int = 0
     if len(trunc_idx):
         arrays.update(trunc_idx=trunc_idx, trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
                       trunc_value=np.zeros(len(trunc_idx), np.float32))
-    return P.Trajectory(run_id="r", sender=sender, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
+    return P.Trajectory(run_id="r", peer_id=peer_id, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
                         arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[10.0], ep_lengths=[10])
 
 

@@ -20,7 +20,7 @@ LAYOUT = [["w", "float32", [1000], 0]]
 
 def version(v: int, n: int = 1000, chunk_bytes: int = 1024, dtype: str = "float32", run: str = "r") -> list:
     flat = np.random.default_rng(v).normal(size=n).astype(np.float32)
-    return split(run_id=run, sender="learner-0", version=v, flat=flat, layout=[["w", "float32", [n], 0]],
+    return split(run_id=run, peer_id="learner-0", version=v, flat=flat, layout=[["w", "float32", [n], 0]],
                  extras={"obs_mean": np.full(3, v, np.float32)}, meta={"rollout_len": v}, chunk_bytes=chunk_bytes,
                  dtype=dtype)
 

@@ -102,7 +102,7 @@ def test_schedule() -> None:
     assert schedule(1.0, "linear", 2.0) == 0.0
 
 
-def _trajectory(T: int, N: int, sender: str = "a", seq: int = 0) -> Trajectory:
+def _trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> Trajectory:
     rng = np.random.default_rng(seq)
     truncated = np.zeros((T, N), dtype=bool)
     truncated[1, 0] = True
@@ -113,7 +113,7 @@ def _trajectory(T: int, N: int, sender: str = "a", seq: int = 0) -> Trajectory:
         "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32),
         "trunc_idx": np.array([1 * N + 0]), "trunc_obs": np.zeros((1, 4), np.float32),
         "trunc_value": np.array([10.0], np.float32)}
-    return Trajectory(run_id="r", sender=sender, seq=seq, policy_version=0, param_hash="", env_steps=T * N,
+    return Trajectory(run_id="r", peer_id=peer_id, seq=seq, policy_version=0, param_hash="", env_steps=T * N,
                       arrays=arrays)
 
 
@@ -161,7 +161,7 @@ def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: s
     np.testing.assert_allclose(results[0], results[2], rtol=1e-4, atol=1e-5)
 
 
-def _split(traj: Trajectory, lo: int, hi: int, sender: str) -> Trajectory:
+def _split(traj: Trajectory, lo: int, hi: int, peer_id: str) -> Trajectory:
     """Env columns lo..hi of ``traj`` as the trajectory one actor with those envs would have sent."""
     x, (T, N) = traj.arrays, traj.arrays["rewards"].shape
     t_idx, n_idx = np.divmod(x["trunc_idx"], N)
@@ -171,5 +171,5 @@ def _split(traj: Trajectory, lo: int, hi: int, sender: str) -> Trajectory:
     if keep.any():  # the truncation arrays travel only when some episode was truncated
         arrays.update(trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo, trunc_obs=x["trunc_obs"][keep],
                       trunc_value=x["trunc_value"][keep])
-    return Trajectory(run_id="r", sender=sender, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo),
+    return Trajectory(run_id="r", peer_id=peer_id, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo),
                       arrays=arrays)

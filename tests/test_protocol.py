@@ -41,7 +41,7 @@ def traj(arrays=None, **kw) -> P.Trajectory:
     """A trajectory: a valid one unless ``arrays`` (or a field) says otherwise."""
     arrays = traj_arrays() if arrays is None else arrays
     steps = arrays["rewards"].size if "rewards" in arrays else 0
-    fields = dict(run_id="r-1", sender="actor-0", seq=3, policy_version=2, param_hash="0123456789abcdef",
+    fields = dict(run_id="r-1", peer_id="actor-0", seq=3, policy_version=2, param_hash="0123456789abcdef",
                   env_steps=steps, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 8})
     return P.Trajectory(**{**fields, **kw})
 
@@ -54,7 +54,7 @@ def carrier(arrays: dict, **kw) -> P.Parameters:
 def params(flat=None, layout=None, **kw) -> P.Parameters:
     flat = np.arange(6, dtype=np.float32) if flat is None else flat
     layout = [["w", "float32", [2, 2], 0], ["b", "float32", [2], 4]] if layout is None else layout
-    fields = dict(run_id="r-1", sender="learner-0", policy_version=1, param_hash=P.param_hash(flat), layout=layout,
+    fields = dict(run_id="r-1", peer_id="learner-0", policy_version=1, param_hash=P.param_hash(flat), layout=layout,
                   arrays={"flat": flat, "obs_mean": np.zeros(3, np.float32)}, meta={"rollout_len": 8})
     return P.Parameters(**{**fields, **kw})
 
@@ -70,11 +70,11 @@ EXAMPLES = [
     P.Reject(reason="unknown peer: send hello first", rehello=True), P.Reject(reason="no"),
     traj(), traj(arrays=traj_arrays(T=3, N=1, obs_shape=(2, 2), discrete=False, K=2), ep_returns=[3.0, 500],
                  ep_lengths=[3, 500]), params(),
-    *split_params(run_id="r-1", sender="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
+    *split_params(run_id="r-1", peer_id="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
                   layout=[["w", "float32", [10], 0]], extras={"obs_mean": np.zeros(2, np.float32)},
                   chunk_bytes=16, dtype="bfloat16"),
-    P.ParamsRequest(peer_id="actor-0", have_version=3), P.Credit(sender="learner-0", credit=16),
-    P.Stats(sender="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
+    P.ParamsRequest(peer_id="actor-0", policy_version=3), P.Credit(peer_id="learner-0", credit=16),
+    P.Stats(peer_id="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
     P.StatusRequest(), P.StatusRequest(peer_id="status"), P.Status(body={"broker": {"dropped": {"stale": 1}}}),
     P.Bye(peer_id="actor-0"), P.Bye(peer_id="actor-0", reason="done"),
 ]
@@ -101,7 +101,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
 def test_round_trip_every_kind(msg: P.Message) -> None:
     frames = msg.encode()
-    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x03"
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x04"
     assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
     assert_same(msg, P.decode(wire(frames)))
     assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
@@ -243,7 +243,7 @@ def test_zero_copy_over_a_real_socket_pair(transport: str) -> None:
 
 # ------------------------------------------------------------------ every validation failure
 
-GOOD = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_version": 0, "param_hash": "",
+GOOD = {"kind": "trajectory", "run_id": "r", "peer_id": "s", "seq": 0, "policy_version": 0, "param_hash": "",
         "env_steps": 0, "arrays": [["a", "float32", [3]]], "info": {}}
 A3 = np.zeros(3, np.float32).tobytes()
 
@@ -276,7 +276,7 @@ BAD = [
     ("bad signature", frames_of(HB, preamble=b"ZDRX\x01"), "bad signature"),
     ("empty preamble", frames_of(HB, preamble=b""), "bad signature"),
     ("wrong version", frames_of(HB, preamble=b"ZDRL\x01"), "unsupported protocol version 1"),
-    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x03\x00"), "unsupported protocol version 3 in a 6-byte"),
+    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x04\x00"), "unsupported protocol version 4 in a 6-byte"),
     ("preamble without version", frames_of(HB, preamble=b"ZDRL"), "unsupported protocol version None"),
     ("oversized header", frames_of(b"\x00" * (P.MAX_HEADER_BYTES + 1)), "exceeds the 1048576-byte limit"),
     ("header not msgpack", frames_of(b"\xc1"), "not valid msgpack"),
@@ -300,7 +300,7 @@ BAD = [
     ("inf float", frames_of({**W, "heartbeat_interval_s": math.inf}), "'heartbeat_interval_s' has the wrong type"),
     ("bool for float", frames_of({**W, "heartbeat_interval_s": True}), "'heartbeat_interval_s' has the wrong type"),
     ("list for map", frames_of({**W, "ports": [1]}), "'ports' has the wrong type (list)"),
-    ("ext type in a map", frames_of({"kind": "stats", "sender": "a", "role": "actor",
+    ("ext type in a map", frames_of({"kind": "stats", "peer_id": "a", "role": "actor",
                                      "stats": {"x": msgpack.ExtType(1, b"")}}), "'stats' has the wrong type"),
     ("bytes nested key", frames_of({"kind": "status", "body": {"a": {b"k": 2}}}), "'body' has the wrong type"),
     ("unknown extra field", frames_of({**HB, "colour": "red"}), "heartbeat: unknown fields ['colour']"),
@@ -343,7 +343,7 @@ def params_frames(layout, flat=np.zeros(4, np.float32)) -> list:
     return wire(params(flat=flat, layout=layout).encode())
 
 
-CHUNKED = split_params(run_id="r-1", sender="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
+CHUNKED = split_params(run_id="r-1", peer_id="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
                        layout=[["w", "float32", [10], 0]], chunk_bytes=16)
 HEAD = dict(msgpack.unpackb(wire(CHUNKED[0].encode())[1]))
 
@@ -367,7 +367,7 @@ BAD += [
     ("numel without chunks", head_frames(chunk_hashes=[], numel=10), "numel 10 without chunk_hashes"),
     ("layout past numel", head_frames(layout=[["w", "float32", [11], 0]]), "does not fit the flat buffer of 10"),
     ("one chunk, two hashes", wire(dataclasses.replace(split_params(
-        run_id="r", sender="l", version=1, flat=np.zeros(4, np.float32), layout=[])[0], param_hash="0" * 16).encode()),
+        run_id="r", peer_id="l", version=1, flat=np.zeros(4, np.float32), layout=[])[0], param_hash="0" * 16).encode()),
      "with one chunk, param_hash must be chunk_hashes[0]"),
     ("chunk index 0", chunk_frames(index=0), "index 0 must be in 1.."),
     ("chunk two arrays", wire(dataclasses.replace(CHUNKED[1], arrays={"data": np.zeros(2, np.float32),
@@ -478,7 +478,7 @@ plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(sorted(P.MESSAGE_TYPES)), st.dictionaries(st.sampled_from(
     ["arrays", "peer_id", "role", "run", "ports", "heartbeat_interval_s", "seq", "layout", "stats", "body", "credit",
-     "policy_version", "info", "meta", "sender", "run_id", "reason", "rehello", "x"]), plain, max_size=6),
+     "policy_version", "info", "meta", "peer_id", "run_id", "reason", "rehello", "x"]), plain, max_size=6),
     st.lists(st.binary(max_size=16), max_size=3))
 def test_hostile_headers_only_raise_protocol_error(kind: str, fields: dict, arrays: list) -> None:
     try:
@@ -657,19 +657,19 @@ def test_validate_trajectory_agrees_on_every_example(msg: P.Message) -> None:
         assert_validate_agrees(frames_as(msg.encode(), kind))
 
 
-def test_claimed_sender_reads_only_what_a_readable_header_names() -> None:
-    """For charging a malformed trajectory (and returning its credit) to an actor: the header's sender if the
+def test_claimed_peer_id_reads_only_what_a_readable_header_names() -> None:
+    """For charging a malformed trajectory (and returning its credit) to an actor: the header's peer_id if the
     preamble and header can be read at all, whatever else is wrong; None otherwise."""
     good = traj_frames()
-    assert P.claimed_sender(good) == "actor-0"
-    assert P.claimed_sender(traj_frames(ep_returns=[math.nan], ep_lengths=[1])) == "actor-0"  # invalid, readable
-    assert P.claimed_sender(good[:2]) == "actor-0"  # array frames missing
+    assert P.claimed_peer_id(good) == "actor-0"
+    assert P.claimed_peer_id(traj_frames(ep_returns=[math.nan], ep_lengths=[1])) == "actor-0"  # invalid, readable
+    assert P.claimed_peer_id(good[:2]) == "actor-0"  # array frames missing
     header = msgpack.unpackb(bytes(good[1]))
-    assert P.claimed_sender([good[0], msgpack.packb({**header, "sender": 7}), *good[2:]]) is None
-    assert P.claimed_sender([good[0], msgpack.packb({k: v for k, v in header.items() if k != "sender"})]) is None
-    assert P.claimed_sender([good[0], b"\xc1not msgpack"]) is None
-    assert P.claimed_sender([b"XXXX\x01", good[1]]) is None
-    assert P.claimed_sender([b"junk"]) is None
+    assert P.claimed_peer_id([good[0], msgpack.packb({**header, "peer_id": 7}), *good[2:]]) is None
+    assert P.claimed_peer_id([good[0], msgpack.packb({k: v for k, v in header.items() if k != "peer_id"})]) is None
+    assert P.claimed_peer_id([good[0], b"\xc1not msgpack"]) is None
+    assert P.claimed_peer_id([b"XXXX\x01", good[1]]) is None
+    assert P.claimed_peer_id([b"junk"]) is None
 
 
 def test_validate_trajectory_limits_and_result() -> None:

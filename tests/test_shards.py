@@ -62,8 +62,8 @@ def test_exchange_carries_small_and_long_payloads_between_shards(tmp_path: Path)
         assert proc.wait(timeout=60) == 0
     got = [str(np.load(out)) for _, out in procs]
     assert got[0] == got[1]  # every shard sees the same
-    small0, small1 = {"records": [{"sender": "actor-0", "seq": 0}], "stop": False}, \
-        {"records": [{"sender": "actor-0", "seq": 1}], "stop": False}
+    small0, small1 = {"records": [{"peer_id": "actor-0", "seq": 0}], "stop": False}, \
+        {"records": [{"peer_id": "actor-0", "seq": 1}], "stop": False}
     big0, big1 = {"blob": b"\x00" * 10_000}, {"blob": b"\x01" * 20_000}
     assert got[0] == repr([[small0, small1], [big0, big1], [big0, small1], [None, None]])
 

@@ -113,7 +113,7 @@ def fleet(broker: BrokerHandle) -> Members:
     members.join("learner", "learner-0", run_id="run-w", run=Config().to_dict())
     for i in range(2):
         link = members.join("actor", f"actor-{i}", num_envs=2)
-        link.send(P.Stats(sender=f"actor-{i}", role="actor", stats={"sps": 1000.0 + i, "comm_share": 0.1}))
+        link.send(P.Stats(peer_id=f"actor-{i}", role="actor", stats={"sps": 1000.0 + i, "comm_share": 0.1}))
     return members
 
 

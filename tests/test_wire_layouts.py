@@ -8,7 +8,7 @@ import pytest
 from zddrl import protocol as P
 from zddrl.protocol import frames as W
 
-HEADER = {"kind": "trajectory", "run_id": "r", "sender": "s", "seq": 0, "policy_version": 0, "param_hash": "",
+HEADER = {"kind": "trajectory", "run_id": "r", "peer_id": "s", "seq": 0, "policy_version": 0, "param_hash": "",
           "env_steps": 2, "info": {}}
 # A trajectory of T = 2 steps of N = 1 env with 3-dim observations: obs first, terminated sixth.
 SPECS = [["obs", "float32", [2, 1, 3]], ["actions", "int64", [2, 1]], ["logp", "float32", [2, 1]],
@@ -119,7 +119,7 @@ def test_caches_are_bounded_in_entries_and_in_size(spec_checks: list) -> None:
     for n in range(W.LAYOUT_CACHE_SIZE + 10):
         with pytest.raises(P.ProtocolError, match="missing arrays"):  # a valid layout, not a trajectory's
             P.decode(message([["obs", "uint8", [n]]], [b"\x00" * n]))
-        P.encode(P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0,
+        P.encode(P.Trajectory(run_id="r", peer_id="s", seq=0, policy_version=0, param_hash="", env_steps=0,
                               arrays={"obs": np.zeros(n, np.uint8)}))
     assert 0 < len(W._DECODED) <= W.LAYOUT_CACHE_SIZE and 0 < len(W._ENCODED) <= W.LAYOUT_CACHE_SIZE
     W._DECODED.clear()
@@ -133,7 +133,7 @@ def test_caches_are_bounded_in_entries_and_in_size(spec_checks: list) -> None:
 
 def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
     arrays = {"obs": np.zeros((2, 3), np.float32), "done": np.array([False, True])}
-    msg = P.Trajectory(run_id="r", sender="s", seq=0, policy_version=0, param_hash="", env_steps=0, arrays=arrays)
+    msg = P.Trajectory(run_id="r", peer_id="s", seq=0, policy_version=0, param_hash="", env_steps=0, arrays=arrays)
     first, second = P.encode(msg), P.encode(msg)
     layout = msgpack.unpackb(first[1])["arrays"]
     specs = [["obs", "float32", [2, 3]], ["done", "bool", [2]]]
@@ -149,7 +149,7 @@ def test_a_cached_encode_layout_never_lets_an_array_skip_its_conversion() -> Non
     """The encode cache is keyed by dtype objects: a big-endian or non-wire array with a cached
     layout's names and shapes misses it and is converted (or refused), never sent as it is."""
     def traj(arrays: dict) -> P.Parameters:  # a params message: its extra arrays may be anything
-        return P.Parameters(run_id="r", sender="s", policy_version=0, param_hash="", layout=[], arrays=arrays)
+        return P.Parameters(run_id="r", peer_id="s", policy_version=0, param_hash="", layout=[], arrays=arrays)
 
     little = {"x": np.arange(4, dtype="<f4").reshape(2, 2)}
     P.encode(traj(little))

@@ -32,7 +32,7 @@ def traj():
         "trunc_obs": np.array([[-1.5, 2.5]], f32),
         "trunc_value": np.array([0.75], f32),
     }
-    return P.Trajectory(run_id=RUN_ID, sender="actor-0", seq=7, policy_version=3, param_hash="0123456789abcdef",
+    return P.Trajectory(run_id=RUN_ID, peer_id="actor-0", seq=7, policy_version=3, param_hash="0123456789abcdef",
                         env_steps=4, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32},
                         ep_returns=[3.0, 500.0], ep_lengths=[3, 500])
 
@@ -43,7 +43,7 @@ def params(chunk_bytes=4 << 20, dtype="float32"):
               ["pi.2.weight", "float32", [2, 1], 3], ["pi.2.bias", "float32", [2], 5],
               ["v.0.weight", "float32", [1, 2], 7], ["v.0.bias", "float32", [1], 9],
               ["v.2.weight", "float32", [1, 1], 10], ["v.2.bias", "float32", [1], 11]]
-    return split(run_id=RUN_ID, sender="learner-0", version=3, flat=flat, layout=layout,
+    return split(run_id=RUN_ID, peer_id="learner-0", version=3, flat=flat, layout=layout,
                  extras={"obs_mean": np.array([0.0, 0.5], np.float32), "obs_var": np.array([1.0, 4.0], np.float32)},
                  meta={"rollout_len": 2}, chunk_bytes=chunk_bytes, dtype=dtype)
 
@@ -65,21 +65,21 @@ EXAMPLES = [
                           heartbeat_interval_s=1.0, heartbeat_liveness=3, max_message_bytes=1 << 28)),
     ("heartbeat", P.Heartbeat(peer_id="actor-0", policy_version=3)),
     ("reject", P.Reject(reason="unknown peer: send hello first", rehello=True)),
-    ("credit", P.Credit(sender="learner-0", credit=16)),
-    ("params_request", P.ParamsRequest(peer_id="actor-0", have_version=2)),
+    ("credit", P.Credit(peer_id="learner-0", credit=16)),
+    ("params_request", P.ParamsRequest(peer_id="actor-0", policy_version=2)),
     ("trajectory", traj()),
     ("params", params()[0]),
     ("params-bf16", params(chunk_bytes=16, dtype="bfloat16")[0]),
     ("params_chunk", params(chunk_bytes=16, dtype="bfloat16")[1]),
     ("trajectory-empty", P.Trajectory(
-        run_id=RUN_ID, sender="actor-1", seq=0, policy_version=0, param_hash="f160f70460b5fe44", env_steps=1,
+        run_id=RUN_ID, peer_id="actor-1", seq=0, policy_version=0, param_hash="f160f70460b5fe44", env_steps=1,
         arrays={"obs": np.zeros((1, 1, 2), np.float32), "actions": np.zeros((1, 1), np.int64),
                 "logp": np.full((1, 1), -0.5, np.float32), "values": np.zeros((1, 1), np.float32),
                 "rewards": np.ones((1, 1), np.float32), "terminated": np.zeros((1, 1), bool),
                 "truncated": np.zeros((1, 1), bool), "next_obs": np.zeros((1, 2), np.float32),
                 "next_value": np.zeros(1, np.float32)},
         info={"actor_id": 1, "num_envs": 1, "total_env_steps": 1})),
-    ("stats", P.Stats(sender="actor-0", role="actor", stats={"env_steps": 36, "sps": 900.0, "comm_share": 0.125})),
+    ("stats", P.Stats(peer_id="actor-0", role="actor", stats={"env_steps": 36, "sps": 900.0, "comm_share": 0.125})),
     ("status_request", P.StatusRequest(peer_id="status")),
     ("status", P.Status(body=STATUS)),
     ("bye", P.Bye(peer_id="actor-0", reason="actor stopping")),

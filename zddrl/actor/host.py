@@ -246,7 +246,7 @@ class ActorHost:
                                           "carry one")
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
-                    link.send(P.Stats(sender=self.peer_id, role="actor",
+                    link.send(P.Stats(peer_id=self.peer_id, role="actor",
                                       stats={**self.timers.stats(), "num_envs": num_envs, "run_id": run_id,
                                              "policy_version": params.policy_version,
                                              "param_hash": params.param_hash, "reconnects": link.reconnects,
@@ -277,7 +277,7 @@ class ActorHost:
               rollout: Collected, env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
         self.timers.env_steps += env_steps
         self.timers.rollouts += 1
-        msg = P.Trajectory(run_id=run_id, sender=self.peer_id, seq=self.seq, policy_version=params.policy_version,
+        msg = P.Trajectory(run_id=run_id, peer_id=self.peer_id, seq=self.seq, policy_version=params.policy_version,
                            param_hash=params.param_hash, env_steps=env_steps, arrays=rollout.arrays,
                            info={"actor_id": self.actor_id, "num_envs": int(rollout.arrays["rewards"].shape[1]),
                                  "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation},

@@ -70,9 +70,9 @@ class RewardScaler:
         self.rms = RunningMeanStd(())
         self.returns: dict[str, np.ndarray] = {}
 
-    def discounted(self, sender: str, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
-        """``[T, N]`` running discounted returns of ``sender``'s streams; the streams move on."""
-        ret = self.returns.get(sender)
+    def discounted(self, peer_id: str, rewards: np.ndarray, done: np.ndarray) -> np.ndarray:
+        """``[T, N]`` running discounted returns of ``peer_id``'s streams; the streams move on."""
+        ret = self.returns.get(peer_id)
         if ret is None or ret.shape[0] != rewards.shape[1]:
             ret = np.zeros(rewards.shape[1])
         seen = np.empty(rewards.shape)
@@ -80,26 +80,26 @@ class RewardScaler:
             ret = ret * self.gamma + rewards[t]
             seen[t] = ret
             ret = np.where(done[t], 0.0, ret)
-        self.returns[sender] = ret
+        self.returns[peer_id] = ret
         return seen
 
     def scale(self, streams: Sequence[tuple[str, int, np.ndarray, np.ndarray]],
               group: ShardGroup | None = None) -> list[np.ndarray]:
-        """``(sender, seq, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32.
+        """``(peer_id, seq, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32.
 
-        Streams advance in (sender, seq) order. With shards, every shard runs every stream of the
+        Streams advance in (peer_id, seq) order. With shards, every shard runs every stream of the
         batch (the rewards of all shards' trajectories travel in one exchange: ``T * N`` floats each),
         so each stream continues from its own previous trajectory wherever that one was trained,
         and every shard ends with the same statistics; each keeps the scaled rewards of its own.
         """
         everything = list(streams)
         if group is not None and group.sharded:
-            parts = group.exchange([[sender, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
-                                    for sender, seq, rewards, done in streams])
-            everything = [(sender, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_))
-                          for part in parts for sender, seq, r, d in part]
+            parts = group.exchange([[peer_id, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
+                                    for peer_id, seq, rewards, done in streams])
+            everything = [(peer_id, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_))
+                          for part in parts for peer_id, seq, r, d in part]
         everything.sort(key=lambda x: (x[0], x[1]))
-        seen = [self.discounted(sender, rewards, done).reshape(-1) for sender, _, rewards, done in everything]
+        seen = [self.discounted(peer_id, rewards, done).reshape(-1) for peer_id, _, rewards, done in everything]
         self.rms.update(np.concatenate(seen) if seen else np.zeros(0))
         std = np.sqrt(self.rms.var + 1e-8)
         return [(rewards / std).astype(np.float32) for _, _, rewards, _ in streams]

@@ -84,7 +84,7 @@ class PPOLearner(LearnerCore):
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
         rewards_of = [t.arrays["rewards"] for t in trajectories]
         if self.reward_scaler is not None:
-            rewards_of = self.reward_scaler.scale([(t.sender, t.seq, t.arrays["rewards"], t.arrays["terminated"]
+            rewards_of = self.reward_scaler.scale([(t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"]
                                                     | t.arrays["truncated"]) for t in trajectories], self.group)
         for traj, rewards in zip(trajectories, rewards_of):
             x = traj.arrays

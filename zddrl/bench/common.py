@@ -65,14 +65,14 @@ def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray
 
 def trajectory(run_id: str, seq: int, arrays: dict[str, np.ndarray]) -> P.Trajectory:
     """A trajectory as an actor sends it; two episodes ended in it (their figures ride in the header)."""
-    return P.Trajectory(run_id=run_id, sender=SENDER_ID, seq=seq, policy_version=0, param_hash="0" * 16,
+    return P.Trajectory(run_id=run_id, peer_id=SENDER_ID, seq=seq, policy_version=0, param_hash="0" * 16,
                         env_steps=T_STEPS * N_ENVS, arrays=arrays, info={"total_env_steps": seq * T_STEPS * N_ENVS},
                         ep_returns=[21.0, 34.0], ep_lengths=[21, 34])
 
 
 def parameters(run_id: str, version: int, flat: np.ndarray) -> P.Parameters:
     """A policy version the way LearnerNode._publish builds one (hash over the flat buffer)."""
-    return P.Parameters(run_id=run_id, sender=LEARNER_ID, policy_version=version, param_hash=P.param_hash(flat),
+    return P.Parameters(run_id=run_id, peer_id=LEARNER_ID, policy_version=version, param_hash=P.param_hash(flat),
                         layout=[["w", "float32", [int(flat.size)], 0]], arrays={"flat": flat},
                         meta={"rollout_len": T_STEPS})
 

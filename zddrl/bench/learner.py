@@ -47,15 +47,15 @@ BIG_MODEL = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
 # --------------------------------------------------------------------------------------------
 
 
-def _synthetic(sender: int, update: int, T: int, N: int) -> P.Trajectory:
-    rng = np.random.default_rng(1000 * update + sender)
+def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
+    rng = np.random.default_rng(1000 * update + actor)
     terminated = rng.random((T, N)) < 0.02
     truncated = np.zeros((T, N), bool)
     arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
               "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
               "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,
               "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32), "next_value": np.zeros(N, np.float32)}
-    return P.Trajectory(run_id="bench", sender=f"actor-{sender}", seq=update, policy_version=update, param_hash="",
+    return P.Trajectory(run_id="bench", peer_id=f"actor-{actor}", seq=update, policy_version=update, param_hash="",
                         env_steps=T * N, arrays=arrays)
 
 
@@ -73,8 +73,8 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
                                "model.hidden": spec["hidden"]})
     core = (ImpalaLearner if spec["mode"] == "impala" else PPOLearner)(config, EnvSpec((4,), True, 2), group)
     T, N = 32, 16
-    senders = spec["batch"] // (T * N)
-    mine = [s for s in range(senders) if s % group.world_size == group.rank]
+    actors = spec["batch"] // (T * N)
+    mine = [s for s in range(actors) if s % group.world_size == group.rank]
     data = [[_synthetic(s, u, T, N) for s in mine] for u in range(spec["updates"] + 1)]
     core.update(data[0])  # warm-up: allocations, first collectives
     comm0, t0 = group.comm_s, time.perf_counter()
@@ -145,7 +145,7 @@ class ChunkPublisher(Publisher):
         from zddrl.transport.params import split
 
         started = time.monotonic()
-        for msg in split(run_id=self.run_id, sender=C.LEARNER_ID, version=self.version, flat=flat,
+        for msg in split(run_id=self.run_id, peer_id=C.LEARNER_ID, version=self.version, flat=flat,
                          layout=layout or [["w", "float32", [flat.size], 0]], chunk_bytes=chunk_bytes, dtype=dtype):
             self.sock.send_multipart(P.encode(msg), copy=False)
         return started

@@ -117,20 +117,20 @@ class CountingLearner:
         if self.link.wait_welcome(30) is None:
             raise click.ClickException(f"no broker at {connect}")
         self.channel = DataChannel(self.ctx, self.link, "bench-learner", self.link.welcome.max_message_bytes)
-        self.channel.send(P.Parameters(run_id=hello.run_id, sender="bench-learner", policy_version=0,
+        self.channel.send(P.Parameters(run_id=hello.run_id, peer_id="bench-learner", policy_version=0,
                                        param_hash=P.param_hash(flat), layout=layout, arrays={"flat": flat}))
 
     def count(self, seconds: float, actors: int, start_timeout_s: float = 60.0) -> float:
         """Env steps/s received over ``seconds``, counted from a warm-up after every actor has sent data."""
-        senders: set[str] = set()
+        peer_ids: set[str] = set()
         deadline = time.monotonic() + start_timeout_s
-        while len(senders) < actors:
+        while len(peer_ids) < actors:
             if time.monotonic() > deadline:
-                raise click.ClickException(f"only {len(senders)} of {actors} actors sent data in {start_timeout_s} s")
+                raise click.ClickException(f"only {len(peer_ids)} of {actors} actors sent data in {start_timeout_s} s")
             msg = self.channel.recv(50)
             if msg is not None:
                 self.channel.ack()
-                senders.add(getattr(msg, "sender", ""))
+                peer_ids.add(getattr(msg, "peer_id", ""))
         begin = time.monotonic() + WARMUP_S
         steps = 0
         while (now := time.monotonic()) < begin + seconds:

@@ -46,7 +46,7 @@ _CREDIT = attrgetter("credit")
 
 @lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
 def _credit_frames(n: int) -> list[Any]:
-    return P.encode(P.Credit(sender="broker", credit=n))
+    return P.encode(P.Credit(peer_id="broker", credit=n))
 
 
 class Broker:
@@ -67,7 +67,7 @@ class Broker:
         self.run_id = ""
         self.run_spec: dict | None = None
         self.param_cache = FrameCache()
-        self.params_version = -1
+        self.policy_version = -1
         self.counters: dict[str, int] = defaultdict(int)
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
@@ -195,8 +195,8 @@ class Broker:
 
     # ---------------------------------------------------------------- trajectories
     def _forward_trajectories(self) -> None:
-        """Forward up to FORWARD_BURST trajectories, then return the credit of each sender that has a
-        batch of it due, in one message per sender (the rest goes back with the next heartbeats)."""
+        """Forward up to FORWARD_BURST trajectories, then return the credit of each actor that has a
+        batch of it due, in one message per actor (the rest goes back with the next heartbeats)."""
         due: dict[str, Member] = {}
         for _ in range(FORWARD_BURST):
             if self.credit <= 0:
@@ -241,21 +241,21 @@ class Broker:
         except P.ProtocolError as exc:
             # Charged to the actor its header names, whose credit comes back all the same: an actor whose
             # messages fail (a client bug) must see its drops in `zddrl status`, not stall on lost credit.
-            actor = self._joined_actor(P.claimed_sender(frames))
+            actor = self._joined_actor(P.claimed_peer_id(frames))
             self._drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
             return actor
-        actor = self._joined_actor(msg["sender"])
+        actor = self._joined_actor(msg["peer_id"])
         if actor is not None:
             actor.last_seen = time.monotonic()
-        elif not self.departures.actor_left_lately(msg["sender"]):
-            # Learners keep per-sender figures, which made-up sender ids would grow without bound. An actor
+        elif not self.departures.actor_left_lately(msg["peer_id"]):
+            # Learners keep per-actor figures, which made-up peer ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
-            self._drop("unknown_sender", None, f"dropped a trajectory from {msg['sender']!r}, which is not an actor "
+            self._drop("unknown_sender", None, f"dropped a trajectory from {msg['peer_id']!r}, which is not an actor "
                                                "that joined with hello")
             return None
         # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
-        reason, why = trajectory_refusal(msg, self.run_id, self.params_version, self._staleness)
+        reason, why = trajectory_refusal(msg, self.run_id, self.policy_version, self._staleness)
         if reason:
             self._drop(reason, actor, why)
             return actor
@@ -280,8 +280,8 @@ class Broker:
                 actor.count(nbytes, msg["env_steps"])
             return actor
 
-    def _joined_actor(self, sender: str | None) -> Member | None:
-        member = self.members.get(sender) if sender is not None else None
+    def _joined_actor(self, peer_id: str | None) -> Member | None:
+        member = self.members.get(peer_id) if peer_id is not None else None
         return member if member is not None and member.role == "actor" else None
 
     def _set_credit(self, shard: Member, credit: int) -> None:
@@ -312,9 +312,9 @@ class Broker:
             member.policy_version = msg.policy_version
             self._maybe_resend_params(member)
         elif isinstance(msg, P.ParamsRequest):
-            member.policy_version = max(member.policy_version, msg.have_version)
+            member.policy_version = max(member.policy_version, msg.policy_version)
             self._maybe_resend_params(member, force=True)
-        elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.sender cannot speak for others
+        elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.peer_id cannot speak for others
             member.stats = checked_stats(msg.stats)
             self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
             self._log_health()
@@ -376,7 +376,7 @@ class Broker:
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
-        self.param_cache, self.params_version = FrameCache(), -1
+        self.param_cache, self.policy_version = FrameCache(), -1
         self._staleness, self._credit_batch = staleness, credit_batch
         self.health.start_run(staleness, run_id)
         for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
@@ -395,7 +395,7 @@ class Broker:
 
     def _maybe_resend_params(self, member: Member, force: bool = False) -> None:
         """Late joiners and subscribers that missed a PUB get the cached version directly."""
-        if member.role != "actor" or not self.param_cache.messages or member.policy_version >= self.params_version:
+        if member.role != "actor" or not self.param_cache.messages or member.policy_version >= self.policy_version:
             return
         now = time.monotonic()
         if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
@@ -438,12 +438,12 @@ class Broker:
             self.counters[f"params_{outcome}"] += 1
             self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of run {msg.run_id!r} version "
                                                       f"{msg.policy_version} ({outcome}; run {self.run_id!r} is at "
-                                                      f"version {self.params_version})")
+                                                      f"version {self.policy_version})")
             return
         self.params.send_multipart(frames, copy=False)
         self.counters["params_bytes"] += P.message_nbytes(frames)
         if outcome == "complete":
-            self.params_version = msg.policy_version
+            self.policy_version = msg.policy_version
             self.params_published_at = time.monotonic()
             self.health.published(msg.policy_version, msg.param_hash)
             member.policy_version = msg.policy_version
@@ -453,7 +453,7 @@ class Broker:
     def _send_heartbeats(self) -> None:
         for member in list(self.members.values()):
             self._return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
-            self._send(self.control, member.identity, P.Heartbeat(peer_id="broker", policy_version=self.params_version))
+            self._send(self.control, member.identity, P.Heartbeat(peer_id="broker", policy_version=self.policy_version))
 
     def _purge_expired(self, now: float) -> None:
         limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness

@@ -160,17 +160,17 @@ def credit_batch_of(run: dict) -> int:
 
 def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
     """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
-    sender, version = header["sender"], header["policy_version"]
+    peer_id, version = header["peer_id"], header["policy_version"]
     # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
     if not run_id or header["run_id"] != run_id:
-        return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {sender} "
+        return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {peer_id} "
                                f"(current run {run_id!r})")
     # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
     if version < 0 or version > latest:
-        return "unknown_version", (f"dropped a trajectory from {sender} with version {version} "
+        return "unknown_version", (f"dropped a trajectory from {peer_id} with version {version} "
                                    f"never published (latest {latest})")
     if version < latest - max_staleness:
-        return "stale", f"dropped stale data from {sender}: version {version}, latest {latest}"
+        return "stale", f"dropped stale data from {peer_id}: version {version}, latest {latest}"
     return "", ""
 
 

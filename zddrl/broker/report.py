@@ -23,7 +23,7 @@ def broker_status(b: Any) -> dict[str, Any]:
     dropped = sum(b.dropped.values())
     return {
         "broker": {"uptime_s": round(now - b.started, 3), "host": socket.gethostname(), "run_id": b.run_id,
-                   "policy_version": b.params_version, "ports": b.ports,
+                   "policy_version": b.policy_version, "ports": b.ports,
                    "received": c["received"], "forwarded": c["forwarded"], "dropped": dict(b.dropped),
                    "in_flight": b.in_flight, "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
                    "accounted": c["received"] == c["forwarded"] + dropped + b.in_flight,

@@ -22,11 +22,11 @@ LAG_WINDOW = 20
 FLEET_QUERY_TIMEOUT_S = 1.0
 
 
-def _tally(drops: dict[str, int], sender: str) -> int:
-    """Count one more drop of ``sender``'s data; its count when this drop is worth a log line (the first,
+def _tally(drops: dict[str, int], peer_id: str) -> int:
+    """Count one more drop of ``peer_id``'s data; its count when this drop is worth a log line (the first,
     then every 100th), else 0."""
-    drops[sender] += 1
-    n = drops[sender]
+    drops[peer_id] += 1
+    n = drops[peer_id]
     return n if n == 1 or n % 100 == 0 else 0
 
 
@@ -34,9 +34,9 @@ class RunLedger:
     """Counting and records of a learner node (see the module docstring)."""
 
     def _drop_stale(self, r: dict[str, Any], staleness: int) -> None:
-        n = _tally(self.progress.dropped_stale, r["sender"])
+        n = _tally(self.progress.dropped_stale, r["peer_id"])
         if n:
-            self.log.warning(f"dropped stale data from {r['sender']}: version {r['version']} is {staleness} "
+            self.log.warning(f"dropped stale data from {r['peer_id']}: version {r['version']} is {staleness} "
                              f"behind {self.version} (max_staleness {self.algo.max_staleness}; {n} so far)")
 
     def _watch_lag(self) -> None:
@@ -53,31 +53,31 @@ class RunLedger:
     def _account(self, r: dict[str, Any]) -> None:
         """Every received trajectory, on any shard, counts toward env steps and episode returns, accepted
         or not (main shard; ``r`` is its record)."""
-        self.lag[r["sender"]] = self.version - r["version"]
-        self.progress.count_steps(r["sender"], r["total_env_steps"], r["env_steps"], r["incarnation"])
+        self.lag[r["peer_id"]] = self.version - r["version"]
+        self.progress.count_steps(r["peer_id"], r["total_env_steps"], r["env_steps"], r["incarnation"])
         expected = self.hashes.get(r["version"])
         if expected is not None and r["param_hash"] != expected:
-            self.log.error(f"actor {r['sender']} acts with parameters {r['param_hash']} that were never published "
+            self.log.error(f"actor {r['peer_id']} acts with parameters {r['param_hash']} that were never published "
                            f"for version {r['version']} (published {expected})")
         self.progress.add_episodes(r["ep_returns"])
-        if self.algo.mode == "sync" and r["sender"] not in self.fleet:  # joined after the last look
+        if self.algo.mode == "sync" and r["peer_id"] not in self.fleet:  # joined after the last look
             self._refresh_fleet()
 
     def _drop_late(self, r: dict[str, Any]) -> None:
-        if r["sender"] in self.stragglers and self.version - r["version"] <= 1:
+        if r["peer_id"] in self.stragglers and self.version - r["version"] <= 1:
             # It missed the round by less than one update: wait for it again (up to the straggler
             # timeout) rather than leave it out for the rest of the run.
-            self.stragglers.discard(r["sender"])
-            self.log.info(f"{r['sender']} is only one version late: back in the quota")
-        n = _tally(self.progress.dropped_late, r["sender"])
+            self.stragglers.discard(r["peer_id"])
+            self.log.info(f"{r['peer_id']} is only one version late: back in the quota")
+        n = _tally(self.progress.dropped_late, r["peer_id"])
         if n:
-            self.log.warning(f"dropped late data from {r['sender']}: version {r['version']}, round "
+            self.log.warning(f"dropped late data from {r['peer_id']}: version {r['version']}, round "
                              f"{self.version} ({n} so far from this actor)")
 
     def _drop_invalid(self, r: dict[str, Any]) -> None:
-        n = _tally(self.progress.dropped_invalid, r["sender"])
+        n = _tally(self.progress.dropped_invalid, r["peer_id"])
         if n:
-            self.log.warning(f"dropped a trajectory from {r['sender']} (seq {r['seq']}) that this run cannot train "
+            self.log.warning(f"dropped a trajectory from {r['peer_id']} (seq {r['seq']}) that this run cannot train "
                              f"on: {r['invalid']} ({n} so far from this actor)")
 
     def total_env_steps(self) -> int:

@@ -13,7 +13,7 @@ and its actor counts as reported; a round with no usable rollout at all publishe
 unchanged, so that actors (which wait for a newer version) sample again.
 
 Shards (``zddrl learner --gpus``): every shard takes its own share of the stream from the broker.
-After each poll the shards exchange a record of every trajectory they received (sender, version,
+After each poll the shards exchange a record of every trajectory they received (peer_id, version,
 steps, episode returns), so all of them count the same global batch and close a round or a batch
 at the same poll; time-based decisions (straggler timeout, run limits) come from the main shard
 (rank 0) in that same exchange. Then each shard trains on its own trajectories with gradients
@@ -218,7 +218,7 @@ class LearnerNode(RunLedger):
         msg, fresh = self._receive()
         why = self._mismatch(msg) if fresh else ""  # kept ones were checked when they came
         if why:
-            records.append({"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "invalid": why,
+            records.append({"peer_id": msg.peer_id, "seq": msg.seq, "version": msg.policy_version, "invalid": why,
                             "fresh": False})
         elif msg is not None:
             taken = use(msg)
@@ -229,7 +229,7 @@ class LearnerNode(RunLedger):
                                      "control": control if self.main else None})
         control = dict(parts[0]["control"])
         control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
-        everything = sorted((r for p in parts for r in p["records"]), key=lambda r: (r["sender"], r["seq"]))
+        everything = sorted((r for p in parts for r in p["records"]), key=lambda r: (r["peer_id"], r["seq"]))
         if self.main:
             for i, part in enumerate(parts):
                 self.shard_trajectories[i] += sum(r["fresh"] for r in part["records"])
@@ -262,13 +262,13 @@ class LearnerNode(RunLedger):
             records, invalid, control = self._poll(stop, control, lambda m: m.policy_version == self.version)
             # An actor whose rollout of this version the run cannot use has answered all the same: waiting
             # for it would end the round by the straggler rule at best, and never if no rollout was usable.
-            unusable.update(r["sender"] for r in invalid if r["version"] == self.version)
+            unusable.update(r["peer_id"] for r in invalid if r["version"] == self.version)
             if "expected" in control:
                 self.expected = set(control["expected"])
             for r in records:
                 if r["used"]:
                     steps += r["env_steps"]
-                    reported.add(r["sender"])
+                    reported.add(r["peer_id"])
                     if self.main:
                         self.report_times.append(time.monotonic() - started)
                 elif self.main:
@@ -314,7 +314,7 @@ class LearnerNode(RunLedger):
         if not isinstance(msg, P.Trajectory):
             return None
         if msg.run_id != self.run_id:  # another run's data (a broker serving two runs): never trained on
-            self.log.warning(f"ignored a trajectory of run {msg.run_id!r} from {msg.sender}")
+            self.log.warning(f"ignored a trajectory of run {msg.run_id!r} from {msg.peer_id}")
             return None
         return msg
 
@@ -331,7 +331,7 @@ class LearnerNode(RunLedger):
         """One update on ``batch`` (this shard's part) after ``round_s`` s of collecting; the version moves
         on. Returns the figures and the seconds the update took."""
         t0 = time.monotonic()
-        batch.sort(key=lambda t: (t.sender, t.seq))  # arrival order must not change what is learned
+        batch.sort(key=lambda t: (t.peer_id, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(batch, staleness=staleness)
         self.progress.updates += 1
         self.version += 1
@@ -357,7 +357,7 @@ class LearnerNode(RunLedger):
             for r in records:
                 if r["used"]:
                     steps += r["env_steps"]
-                    used.append((r["sender"], self.version - r["version"], r["env_steps"]))
+                    used.append((r["peer_id"], self.version - r["version"], r["env_steps"]))
                 elif self.main:
                     self._drop_stale(r, self.version - r["version"])
             if control["stop"]:
@@ -373,7 +373,7 @@ class LearnerNode(RunLedger):
             figures.update(staleness_mean=float(staleness.mean()), staleness_max=int(staleness.max()),
                            staleness_hist=" ".join(f"{v}:{n}" for v, n in enumerate(hist) if n))
             self._watch_lag()
-            self._log_update(figures, round_s, update_s, len({sender for sender, _, _ in used}))
+            self._log_update(figures, round_s, update_s, len({peer_id for peer_id, _, _ in used}))
         return False
 
     def _report(self, link: BrokerLink) -> None:
@@ -390,10 +390,10 @@ class LearnerNode(RunLedger):
                  "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
                  "policy_version": self.version}
         if not self.main:  # the run's figures are the main shard's to report
-            link.send(P.Stats(sender=self.peer_id, role="learner", stats=shard))
+            link.send(P.Stats(peer_id=self.peer_id, role="learner", stats=shard))
             return
         row = {k: v for k, v in self.last_row.items() if k in REPORTED_FIGURES and isinstance(v, (int, float, str))}
-        link.send(P.Stats(sender=self.peer_id, role="learner", stats={
+        link.send(P.Stats(peer_id=self.peer_id, role="learner", stats={
             **row, **shard, "updates": self.progress.updates, "env_steps": self.total_env_steps(),
             "return_mean_20": None if math.isnan(ret) else ret,
             **{f"lag/{actor}": lag for actor, lag in self.lag.items()},
@@ -439,7 +439,7 @@ class LearnerNode(RunLedger):
         if not self.main:
             return
         lc = self.config.learner
-        self.published = split_params(run_id=self.run_id, sender=self.peer_id, version=self.version, flat=flat,
+        self.published = split_params(run_id=self.run_id, peer_id=self.peer_id, version=self.version, flat=flat,
                                       layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
                                       chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
         self.hashes[self.version] = self.published[0].param_hash  # what actors acting with it report
@@ -451,7 +451,7 @@ def _record(msg: P.Trajectory, fresh: bool, used: bool) -> dict[str, Any]:
     """What the other shards need to know of a received trajectory: enough to count it (steps,
     episodes, staleness, the parameter-hash check), not its arrays."""
     total = msg.info.get("total_env_steps")
-    return {"sender": msg.sender, "seq": msg.seq, "version": msg.policy_version, "env_steps": msg.env_steps,
+    return {"peer_id": msg.peer_id, "seq": msg.seq, "version": msg.policy_version, "env_steps": msg.env_steps,
             "total_env_steps": total if isinstance(total, int) else None, "param_hash": msg.param_hash,
             "incarnation": msg.info.get("incarnation") if isinstance(msg.info.get("incarnation"), str) else None,
             "ep_returns": msg.ep_returns, "fresh": fresh, "used": used}

@@ -37,7 +37,7 @@ class Progress:
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target``, ``env_steps_to_target`` and ``return_at_target`` once the target return was reached."""
 
-    def count_steps(self, sender: str, reported_total: Any, env_steps: int, incarnation: Any = None) -> None:
+    def count_steps(self, peer_id: str, reported_total: Any, env_steps: int, incarnation: Any = None) -> None:
         """Count an actor's steps from the cumulative totals it reports, in any arrival order.
 
         The steps of one actor process (``incarnation``) are its highest total minus its lowest
@@ -47,17 +47,17 @@ class Progress:
         Without an incarnation, a total lower than the highest seen is taken as a restart.
         """
         if not isinstance(reported_total, int):  # a client that does not report totals: add up
-            self.actor_steps[sender] = self.actor_steps.get(sender, 0) + env_steps
+            self.actor_steps[peer_id] = self.actor_steps.get(peer_id, 0) + env_steps
             return
-        stream = self.actor_streams.get(sender)
+        stream = self.actor_streams.get(peer_id)
         restarted = stream is not None and (stream[0] != incarnation if incarnation is not None
                                             else reported_total < stream[2])
         if stream is None or restarted:
-            carried = self.actor_steps.get(sender, 0)
-            stream = self.actor_streams[sender] = [incarnation, reported_total - env_steps, reported_total, carried]
+            carried = self.actor_steps.get(peer_id, 0)
+            stream = self.actor_streams[peer_id] = [incarnation, reported_total - env_steps, reported_total, carried]
         stream[1] = min(stream[1], reported_total - env_steps)
         stream[2] = max(stream[2], reported_total)
-        self.actor_steps[sender] = stream[3] + stream[2] - stream[1]
+        self.actor_steps[peer_id] = stream[3] + stream[2] - stream[1]
 
     def add_episodes(self, returns: np.ndarray) -> None:
         for r in returns:

@@ -118,7 +118,7 @@ class Trajectory(Message):
     KIND: ClassVar[str] = "trajectory"
     HAS_ARRAYS: ClassVar[bool] = True
     run_id: str
-    sender: str
+    peer_id: str
     seq: int
     policy_version: int
     param_hash: str
@@ -148,7 +148,7 @@ class Parameters(Message):
     KIND: ClassVar[str] = "params"
     HAS_ARRAYS: ClassVar[bool] = True
     run_id: str
-    sender: str
+    peer_id: str
     policy_version: int
     param_hash: str
     layout: list
@@ -172,7 +172,7 @@ class ParamChunk(Message):
     KIND: ClassVar[str] = "params_chunk"
     HAS_ARRAYS: ClassVar[bool] = True
     run_id: str
-    sender: str
+    peer_id: str
     policy_version: int
     param_hash: str
     index: int
@@ -182,11 +182,11 @@ class ParamChunk(Message):
 
 @dataclass(frozen=True)
 class ParamsRequest(Message):
-    """Actor -> broker control: send me the cached parameters if they are newer than ``have_version``."""
+    """Actor -> broker control: send me the cached parameters if they are newer than ``policy_version``."""
 
     KIND: ClassVar[str] = "params_request"
     peer_id: str
-    have_version: int = -1
+    policy_version: int = -1
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class Credit(Message):
     """Learner shard -> broker learner socket: I can take ``credit`` more trajectories."""
 
     KIND: ClassVar[str] = "credit"
-    sender: str
+    peer_id: str
     credit: int
 
 
@@ -203,7 +203,7 @@ class Stats(Message):
     """Any client -> broker control: a flat map of figures for ``zddrl status``."""
 
     KIND: ClassVar[str] = "stats"
-    sender: str
+    peer_id: str
     role: str
     stats: dict
 
@@ -410,18 +410,18 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
     return {"kind": Trajectory.KIND, **_read(frames, max_message_bytes, False, Trajectory)[1]}
 
 
-def claimed_sender(frames: Sequence[Any]) -> str | None:
-    """The ``sender`` a message's header names, if its preamble and header can be read at all; else None.
+def claimed_peer_id(frames: Sequence[Any]) -> str | None:
+    """The ``peer_id`` a message's header names, if its preamble and header can be read at all; else None.
 
     For accounting only, once a message has failed its checks: the broker still returns the credit of a
     malformed trajectory to the actor it names (that actor would otherwise stall with the credit lost).
     Nothing else of such a header is used or trusted.
     """
     try:
-        sender = _unpack_header(frames).get("sender")
+        peer_id = _unpack_header(frames).get("peer_id")
     except ProtocolError:
         return None
-    return sender if type(sender) is str else None
+    return peer_id if type(peer_id) is str else None
 
 
 _CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory}

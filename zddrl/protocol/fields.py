@@ -125,7 +125,7 @@ def builder(cls: type) -> Callable[[dict[str, Any]], Any]:
 def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule: Callable[..., None] | None,
                 check: Callable[[dict[str, Any]], None] | None) -> Callable[..., dict[str, Any] | None]:
     """A straight-line reader of a message class's header (``table``: its field_table) for the usual
-    message: every field present, each of the exact type its sender writes, nothing else in the header.
+    message: every field present, each of the exact type its peer_id writes, nothing else in the header.
 
     ``reader(header, frames, max_message_bytes, views)`` returns the fields (``arrays`` read by
     ``read_arrays`` with the kind's layout ``rule``, then the kind's ``check`` run; both raise as the

@@ -19,7 +19,7 @@ import numpy as np
 from zmq import Frame as ZmqFrame
 
 SIGNATURE = b"ZDRL"
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
 
 MAX_HEADER_BYTES = 1 << 20

@@ -51,7 +51,7 @@ class DataChannel:
 
     def grant(self, n: int) -> None:
         self.outstanding += n
-        self.sock.send_multipart(P.encode(P.Credit(sender=self.peer_id, credit=n)))
+        self.sock.send_multipart(P.encode(P.Credit(peer_id=self.peer_id, credit=n)))
 
     def regrant(self, generation: int) -> None:
         """After a new welcome on the same learners port: the broker's credit for us restarted at zero."""

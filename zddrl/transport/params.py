@@ -56,7 +56,7 @@ def from_transport(buf: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(buf, dtype=np.float32)
 
 
-def split(*, run_id: str, sender: str, version: int, flat: np.ndarray, layout: list,
+def split(*, run_id: str, peer_id: str, version: int, flat: np.ndarray, layout: list,
           extras: Mapping[str, np.ndarray] | None = None, meta: dict | None = None,
           chunk_bytes: int = 4 << 20, dtype: str = "float32") -> list[P.Message]:
     """The messages that publish one version: ``Parameters`` (chunk 0) then a ``ParamChunk`` per
@@ -72,10 +72,10 @@ def split(*, run_id: str, sender: str, version: int, flat: np.ndarray, layout: l
         whole_future = pool.submit(P.param_hash, wire)
         hashes = list(pool.map(P.param_hash, pieces))
         whole = whole_future.result()
-    first = P.Parameters(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, layout=layout,
+    first = P.Parameters(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=whole, layout=layout,
                          arrays={"flat": pieces[0], **(extras or {})}, meta=meta or {}, param_dtype=dtype,
                          numel=wire.size, chunk_numel=per, chunk_hashes=hashes)
-    return [first, *(P.ParamChunk(run_id=run_id, sender=sender, policy_version=version, param_hash=whole, index=i,
+    return [first, *(P.ParamChunk(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=whole, index=i,
                                   chunk_hash=hashes[i], arrays={"data": pieces[i]}) for i in range(1, len(pieces)))]
 
 
@@ -123,15 +123,15 @@ class Assembler:
     def __init__(self, max_pending: int = MAX_PENDING_VERSIONS) -> None:
         self.max_pending = max_pending
         self.run_id: str | None = None
-        self.done_version = -1
+        self.policy_version = -1
         self.building: dict[tuple[int, str], _Build] = {}
         self.rejected: Counter[str] = Counter()
 
     def add(self, msg: P.Parameters | P.ParamChunk) -> P.Parameters | None:
         if msg.run_id != self.run_id:  # a new run: versions start again
-            self.run_id, self.done_version = msg.run_id, -1
+            self.run_id, self.policy_version = msg.run_id, -1
             self.building.clear()
-        if msg.policy_version <= self.done_version:
+        if msg.policy_version <= self.policy_version:
             self.rejected["old"] += 1
             return None
         key = (msg.policy_version, msg.param_hash)
@@ -191,11 +191,11 @@ class Assembler:
         if head.num_chunks > 1 and build.whole.hexdigest()[:16] != head.param_hash:
             self.rejected["whole_hash"] += 1
             return None
-        self.done_version = head.policy_version
+        self.policy_version = head.policy_version
         for older in [k for k in self.building if k[0] <= head.policy_version]:
             del self.building[older]
         flat = from_transport(build.buffer, head.param_dtype)
-        return P.Parameters(run_id=head.run_id, sender=head.sender, policy_version=head.policy_version,
+        return P.Parameters(run_id=head.run_id, peer_id=head.peer_id, policy_version=head.policy_version,
                             param_hash=head.param_hash, layout=head.layout, arrays={"flat": flat, **build.extras},
                             meta=head.meta, param_dtype="float32", numel=flat.size)
 
