@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import threading
-from types import SimpleNamespace
-from pathlib import Path
+import time
 
 import numpy as np
 import pytest
@@ -13,10 +12,19 @@ from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.algos.impala import ImpalaLearner, stack_time_major
-from zddrl.learner.node import LearnerNode
+from loguru import logger
+
+from fakes import FakeChannel, FakeLink
+from zddrl.algos.rollout import mismatch
+from zddrl.dist.shards import ShardGroup
+from zddrl.learner.ledger import HASHES_KEPT, LAG_WINDOW, Ledger
+from zddrl.learner.node import publish_due
+from zddrl.learner.poll import ShardPoller
+from zddrl.learner.rounds import AsyncStream
 from zddrl.algos.ppo import PPOLearner
 
 SPEC = EnvSpec((4,), True, 2)
+
 
 
 def trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0, version: int = 0, logp: float = -0.69,
@@ -75,80 +83,68 @@ def test_impala_update_reports_vtrace_figures() -> None:
         assert np.isfinite(figures[key]), key
 
 
-class FakeChannel:
-    """Feeds prepared trajectories to the learner's streaming loop; records what it publishes."""
-
-    def __init__(self, messages: list[P.Trajectory]) -> None:
-        self.messages = list(messages)
-        self.sent: list[P.Message] = []
-        self.granted = 0
-        self.generation = 0
-
-    def recv(self, timeout_ms: int) -> P.Message | None:
-        return self.messages.pop(0) if self.messages else None
-
-    def ack(self) -> None:
-        self.granted += 1
-
-    def send(self, msg: P.Message) -> None:
-        self.sent.append(msg)
+def stream(config: Config, messages: list[P.Trajectory]) -> tuple[AsyncStream, Ledger, FakeChannel]:
+    """The async collector of a single learner, fed ``messages`` through a fake data channel."""
+    channel, ledger = FakeChannel(messages), Ledger(config, logger, time.time())
+    T = config.env.rollout_len if config.algo.mode == "impala" else None
+    poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(),
+                         lambda m: mismatch(m.arrays, SPEC, T), logger)
+    return AsyncStream(poller, config.algo, ledger), ledger, channel
 
 
 @pytest.mark.parametrize("mode", ["async", "impala"])
-def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str, tmp_path: Path) -> None:
+def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str) -> None:
     config = Config().replace({"algo.mode": mode, "algo.batch_size": 64, "algo.max_staleness": 2,
-                               "algo.publish_every": 2, "train.max_steps": 10_000, "env.rollout_len": 8})
-    node = LearnerNode("tcp://127.0.0.1:9", config, tmp_path / "run")
-    node.run_id = "r"  # the run the test trajectories belong to
-    node.version = 5
+                               "train.max_steps": 10_000, "env.rollout_len": 8})
     wrong_obs = trajectory(8, 4, "wrong-obs", 0, version=5)
     wrong_obs.arrays["obs"] = np.zeros((8, 4, 3), np.float32)  # CartPole observations have 4 numbers
     other_length = [trajectory(16, 4, "other-length", 0, version=5)] if mode == "impala" else []
     msgs = [trajectory(8, 4, "fresh", 0, version=5), wrong_obs, trajectory(8, 4, "old", 1, version=2),
             trajectory(8, 4, "future", 3, version=7), *other_length, trajectory(8, 4, "ok", 2, version=3)]
-    channel = node.channel = FakeChannel(msgs)
-    node.link = SimpleNamespace(generation=0)
-    assert node._stream(threading.Event()) is False
-    assert node.progress.dropped_stale == {"old": 1, "future": 1}
+    collector, ledger, channel = stream(config, msgs)
+    got = collector.collect(threading.Event(), version=5)
+    assert not got.stopped and sorted(t.peer_id for t in got.batch) == ["fresh", "ok"]
+    assert ledger.progress.dropped_stale == {"old": 1, "future": 1}
     # Data this run cannot train on is counted per actor and never trained on; IMPALA stacks rollouts
     # time-major, so there a rollout of another length cannot join the batch (PPO takes any length).
-    assert node.progress.dropped_invalid == {"wrong-obs": 1, **{"other-length": 1 for _ in other_length}}
-    assert node.progress.updates == 1 and node.version == 6
-    assert channel.granted == len(msgs) and channel.sent == []  # publish_every = 2: nothing published yet
-    assert node.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
-    second = node.channel = FakeChannel([trajectory(8, 4, "fresh", 4, version=6),
-                                         trajectory(8, 4, "fresh", 5, version=6)])
-    node._stream(threading.Event())
-    assert node.version == 7 and [m.policy_version for m in second.sent] == [7]  # every 2nd update
-    node.runlog.close()
-    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
-    header = rows[0].split(",")
-    first = dict(zip(header, rows[1].split(",")))
-    assert first["staleness_hist"] == "0:32 2:32" and first["staleness_max"] == "2"
-    assert first["dropped_stale"] == "2" and first["dropped_invalid"] == str(sum(node.progress.dropped_invalid.values()))
+    assert ledger.progress.dropped_invalid == {"wrong-obs": 1, **{"other-length": 1 for _ in other_length}}
+    assert channel.granted == len(msgs)
+    assert ledger.lag == {"fresh": 0, "old": 3, "ok": 2, "future": -2}
+    assert got.figures == {"staleness_mean": 1.0, "staleness_max": 2, "staleness_hist": "0:32 2:32"}
+    assert got.staleness == 1.0 and got.actors == 2
+    row = ledger.row({"batch_steps": 64, **got.figures}, policy_version=6)
+    assert row["staleness_hist"] == "0:32 2:32" and row["dropped_stale"] == 2
+    assert row["dropped_invalid"] == sum(ledger.progress.dropped_invalid.values())
 
 
-def test_growing_median_lag_raises_a_warning(tmp_path: Path) -> None:
-    from loguru import logger
+def test_async_modes_publish_every_k_updates_and_sync_every_round() -> None:
+    assert [publish_due("async", u, 2) for u in range(1, 6)] == [False, True, False, True, False]
+    assert all(publish_due("sync", u, 5) for u in range(1, 6))
 
-    from zddrl.learner.ledger import LAG_WINDOW
 
-    node = LearnerNode("tcp://127.0.0.1:9", Config().replace({"algo.mode": "impala"}), tmp_path / "run")
+def test_growing_median_lag_raises_a_warning() -> None:
+    ledger = Ledger(Config().replace({"algo.mode": "impala"}), logger, time.time())
     lines: list[str] = []
     sink = logger.add(lines.append, level="WARNING", format="{message}")
     try:
         for lag in range(LAG_WINDOW - 1):  # steady lag: no warning
-            node.lag = {"a": 1, "b": 1}
-            node._watch_lag()
+            ledger.lag = {"a": 1, "b": 1}
+            ledger.watch_lag()
         assert lines == []
-        node.lag_medians.clear()
+        ledger.lag_medians.clear()
         for lag in range(LAG_WINDOW):  # the actors fall one version further behind at every update
-            node.lag = {"a": lag, "b": lag, "c": 0}
-            node._watch_lag()
+            ledger.lag = {"a": lag, "b": lag, "c": 0}
+            ledger.watch_lag()
     finally:
         logger.remove(sink)
-        node.runlog.close()
     assert any("median actor lag keeps growing" in line for line in lines)
+
+
+def test_the_ledger_remembers_a_bounded_number_of_published_hashes() -> None:
+    ledger = Ledger(Config(), logger, time.time())
+    for version in range(HASHES_KEPT * 4):  # a long run publishes millions of versions
+        ledger.published(version, f"{version:016x}")
+    assert len(ledger.hashes) == HASHES_KEPT and min(ledger.hashes) == HASHES_KEPT * 3
 
 
 def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:

@@ -53,28 +53,13 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
 
 
 def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
-    """A run directory is continued only with --resume and with the same env and model; a new run never
-    writes into a directory that holds another run's checkpoints."""
-    from zddrl.learner.runlog import latest_checkpoint
+    """``learner.checkpoints.check_run_dir`` as a usage error."""
+    from zddrl.learner.checkpoints import check_run_dir
 
-    if run_dir is None:
-        if resume:
-            raise click.UsageError("--resume needs the run directory to continue")
-        return
-    checkpoint = latest_checkpoint(run_dir)
-    if not resume:
-        if checkpoint is not None:
-            raise click.UsageError(f"{run_dir} holds the checkpoints of another run: continue it with --resume, "
-                                   "or choose another --run-dir")
-        return
-    if checkpoint is None:
-        raise click.UsageError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
-    saved = run_dir / "config.toml"
-    if saved.exists():
-        before = load_config(saved)
-        for section in ("env", "model"):
-            if getattr(before, section) != getattr(config, section):
-                raise click.UsageError(f"--resume: [{section}] differs from the run's {saved}; resume with it")
+    try:
+        check_run_dir(config, run_dir, resume)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 set_option = click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",

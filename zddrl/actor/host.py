@@ -87,7 +87,7 @@ class ActorTimers:
                 "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0)}
 
 
-class Rollout:
+class RolloutBuffer:
     """Preallocated time-major buffers for one rollout of ``T`` steps of ``N`` envs."""
 
     def __init__(self, T: int, vec: VecEnv) -> None:
@@ -119,7 +119,7 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
             slowdown: float = 1.0) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
-    buf = Rollout(T, vec)
+    buf = RolloutBuffer(T, vec)
     trunc_idx, trunc_obs = [], []
     vec.finished.clear()
     for t in range(T):

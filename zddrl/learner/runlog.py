@@ -85,7 +85,7 @@ class RunLog:
 
     def meta(self, extra: dict[str, Any]) -> None:
         """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``.
-        Collected once; later calls add to what was written."""
+        CollectedBatch once; later calls add to what was written."""
         if self._meta is None:
             self._meta = run_metadata()
         self._meta.update(extra)

@@ -1,0 +1,114 @@
+"""Sync rounds against a fake link and data channel: when a round closes, who becomes a straggler and
+when it is back, how rollouts are sized from the fleet, and how straggler events are logged."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from loguru import logger
+
+from fakes import FakeChannel, FakeLink
+from zddrl import protocol as P
+from zddrl.config import Config
+from zddrl.dist.shards import ShardGroup
+from zddrl.learner.fleet import Fleet
+from zddrl.learner.ledger import Ledger
+from zddrl.learner.poll import ShardPoller
+from zddrl.learner.rounds import SyncRounds
+
+
+def rollout(peer: str, seq: int, version: int, T: int = 4, N: int = 1) -> P.Trajectory:
+    arrays = {"obs": np.zeros((T, N, 4), np.float32), "actions": np.zeros((T, N), np.int64),
+              "logp": np.full((T, N), -0.69, np.float32), "values": np.zeros((T, N), np.float32),
+              "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool),
+              "truncated": np.zeros((T, N), bool), "next_obs": np.zeros((N, 4), np.float32),
+              "next_value": np.zeros(N, np.float32)}
+    return P.Trajectory(run_id="r", peer_id=peer, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
+                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[], ep_lengths=[])
+
+
+class Rig:
+    """SyncRounds of a single (main) learner over a FakeLink whose fleet is ``actors``."""
+
+    def __init__(self, actors: dict[str, int], batch_size: int = 10**6, **algo) -> None:
+        self.config = Config().replace({"algo.batch_size": batch_size, **{f"algo.{k}": v for k, v in algo.items()}})
+        self.link, self.channel = FakeLink(actors), FakeChannel()
+        self.lines: list[str] = []
+        self.sink = logger.add(self.lines.append, level="INFO", format="{message}")
+        self.ledger = Ledger(self.config, logger, time.time())
+        self.fleet = Fleet(1, batch_size, 8, logger)
+        poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), lambda m: "", logger)
+        self.rounds = SyncRounds(poller, self.config.algo, logger, self.fleet, self.ledger,
+                                 lambda: self.fleet.refresh(self.link.fleet()))
+
+    def round(self, version: int, *messages: P.Trajectory):
+        self.channel.messages.extend(messages)
+        return self.rounds.collect(threading.Event(), version)
+
+    def close(self) -> None:
+        logger.remove(self.sink)
+
+
+@pytest.fixture
+def rig():
+    made: list[Rig] = []
+    yield lambda *a, **k: made.append(Rig(*a, **k)) or made[-1]
+    for r in made:
+        r.close()
+
+
+def test_a_round_closes_once_every_actor_reported_and_late_data_is_dropped(rig) -> None:
+    r = rig({"a": 1, "b": 1})
+    got = r.round(3, rollout("a", 0, 3), rollout("b", 0, 2), rollout("b", 1, 3), rollout("a", 1, 3))
+    assert sorted(t.peer_id for t in got.batch) == ["a", "b"] and got.actors == 2 and not got.stopped
+    assert r.ledger.progress.dropped_late == {"b": 1}
+    assert [(m.peer_id, m.seq) for m in r.channel.messages] == [("a", 1)]  # the rest waits for the next poll
+    assert r.fleet.stragglers == set()
+
+
+def test_a_silent_actor_becomes_a_straggler_then_returns_to_the_quota(rig) -> None:
+    r = rig({"a": 1, "b": 1}, min_round_timeout_s=0.05)
+    r.rounds.report_times.extend([0.001] * 3)  # a known median: the straggler timeout is its floor, 50 ms
+    got = r.round(3, rollout("a", 0, 3))
+    assert [t.peer_id for t in got.batch] == ["a"]
+    assert r.fleet.stragglers == {"b"} and r.fleet.expected() == {"a"}
+    # b's rollout of version 3 arrives during round 4: one version late, so dropped but back in the quota.
+    got = r.round(4, rollout("b", 0, 3), rollout("a", 1, 4))
+    assert [t.peer_id for t in got.batch] == ["a"] and r.ledger.progress.dropped_late == {"b": 1}
+    got = r.round(5, rollout("a", 2, 5), rollout("b", 1, 5))
+    assert sorted(t.peer_id for t in got.batch) == ["a", "b"] and r.fleet.stragglers == set()
+    straggler_lines = [line for line in r.lines if "stragglers since the last such line" in line]
+    assert len(straggler_lines) == 1 and "b x1" in straggler_lines[0]  # aggregated: not one line per round
+
+
+def test_rollouts_are_sized_so_that_the_fleet_makes_one_batch(rig) -> None:
+    r = rig({"a": 4, "b": 4}, batch_size=64)
+    r.fleet.refresh(r.link.fleet())
+    assert r.fleet.rollout_len == 8  # 64 steps over 8 envs
+    r.link.set_actors({"a": 4, "b": 4, "c": 8})  # an actor joins: the next rollouts are shorter
+    assert r.fleet.refresh(r.link.fleet()) and r.fleet.rollout_len == 4  # 64 steps over 16 envs
+    got = r.round(0, rollout("a", 0, 0, T=4, N=4), rollout("b", 0, 0, T=4, N=4), rollout("c", 0, 0, T=4, N=8))
+    assert got.actors == 3 and r.fleet.stragglers == set() and r.fleet.rollout_len == 4
+    r.link.set_actors({"a": 4, "b": 4})  # c leaves
+    r.fleet.refresh(r.link.fleet())
+    assert r.fleet.rollout_len == 8
+
+
+def test_an_actor_that_joins_when_the_batch_is_already_full_is_a_straggler_until_it_keeps_up(rig) -> None:
+    r = rig({"a": 4, "b": 4}, batch_size=64)
+    r.fleet.refresh(r.link.fleet())
+    r.link.set_actors({"a": 4, "b": 4, "c": 8})
+    got = r.round(0, rollout("a", 0, 0, T=8, N=4), rollout("b", 0, 0, T=8, N=4))  # full before c reports
+    assert got.actors == 2 and r.fleet.stragglers == {"c"} and r.fleet.rollout_len == 8  # 64 over a's and b's envs
+    r.round(1, rollout("c", 0, 0, T=8, N=8), rollout("a", 1, 1, T=8, N=4), rollout("b", 1, 1, T=8, N=4))
+    assert r.fleet.stragglers == set() and r.fleet.rollout_len == 4  # c came within one version: back
+
+
+def test_a_joining_actor_is_waited_for_in_the_round_it_joins(rig) -> None:
+    r = rig({"a": 1})
+    r.fleet.refresh(r.link.fleet())
+    r.link.set_actors({"a": 1, "b": 1})
+    got = r.round(0, rollout("a", 0, 0), None, rollout("b", 0, 0))
+    assert sorted(t.peer_id for t in got.batch) == ["a", "b"]

@@ -1,0 +1,99 @@
+"""The sync learner's view of its actors: who is connected, who is a straggler, how long rollouts are.
+
+The broker tells the learner which actors have joined, and how many envs each steps, in ``fleet``
+messages on the learner's own link (``BrokerLink.fleet()``). A sync round waits for every connected
+actor that is not a straggler; an actor that missed a round it was waited for is one (its data is dropped
+as late) until it reports in time or is less than one version late again. The per-env rollout length of the next round is
+``ceil(batch_size / envs of the actors in the quota)``, so that one rollout from each makes one batch and
+the batch stays fixed when actors join or leave.
+
+Straggler events are logged aggregated, once per ``STRAGGLER_LOG_EVERY_S``: on a busy host an actor
+can miss every other round, and one line per event buries everything else in the log.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from typing import Any
+
+STRAGGLER_LOG_EVERY_S = 10.0
+
+
+class Fleet:
+    """``refresh(snapshot)`` with each new fleet message; ``expected()`` during a round; ``round_closed(...)``
+    after it; ``back_in_quota(peer_id)`` when a straggler's data is less than one version late."""
+
+    def __init__(self, default_envs: int, batch_size: int, rollout_len: int, log: Any, sizes_rollouts: bool = True) -> None:
+        self.default_envs = default_envs
+        self.batch_size = batch_size
+        self.rollout_len = rollout_len
+        """Per-env steps of the next round's rollouts (published with the parameters)."""
+        self.sizes_rollouts = sizes_rollouts
+        """Sync mode sizes rollouts from the fleet; the async modes keep ``env.rollout_len``."""
+        self.actors: dict[str, int] = {}
+        """Connected actors and their env counts, as the broker last reported them."""
+        self.seq = -1
+        """The sequence number of the fleet message ``actors`` comes from (-1: none yet)."""
+        self.hosts: set[str] = set()
+        """Every host an actor of this run was seen on (for meta.json)."""
+        self.stragglers: set[str] = set()
+        self._log = log
+        self._missed: Counter[str] = Counter()
+        self._returned: Counter[str] = Counter()
+        self._timeouts = 0
+        self._next_log = 0.0  # the first event is logged at once, later ones per interval
+
+    def refresh(self, snapshot: tuple[int, dict[str, dict]] | None) -> bool:
+        """Take the newest fleet message's ``(seq, actors)``; True when it is newer than what we had."""
+        if snapshot is None or snapshot[0] == self.seq:
+            return False
+        self.seq, actors = snapshot
+        self.actors = {peer: int(a.get("num_envs") or self.default_envs) for peer, a in actors.items()}
+        self.hosts.update(str(a["host"]) for a in actors.values() if a.get("host"))
+        self.stragglers &= self.actors.keys()
+        self._size_rollouts()
+        return True
+
+    def expected(self) -> set[str]:
+        """The actors a round waits for."""
+        return self.actors.keys() - self.stragglers
+
+    def round_closed(self, expected: set[str], reported: set[str], by_timeout: bool) -> None:
+        """Actors the round waited for (``expected``) that did not report become stragglers; stragglers that
+        reported in time, or came back within one version (``back_in_quota``), are not any more.
+        ``by_timeout``: the round was closed by the straggler rule."""
+        missed = expected - reported
+        self.stragglers = ((self.stragglers - reported) | missed) & self.actors.keys()
+        self._missed.update(missed)
+        self._timeouts += by_timeout
+        self._size_rollouts()
+        self._maybe_log()
+
+    def back_in_quota(self, peer_id: str) -> None:
+        if peer_id in self.stragglers:
+            self.stragglers.discard(peer_id)
+            self._returned[peer_id] += 1
+
+    def _size_rollouts(self) -> None:
+        envs = sum(n for peer, n in self.actors.items() if peer not in self.stragglers)
+        if envs and self.sizes_rollouts:
+            self.rollout_len = max(1, math.ceil(self.batch_size / envs))
+
+    def _maybe_log(self, final: bool = False) -> None:
+        """One line for the stragglers seen since the last one, at most once per STRAGGLER_LOG_EVERY_S (the first
+        at once); ``final``: whatever is left, at the end of the run."""
+        now = time.monotonic()
+        if not self._missed or (now < self._next_log and not final):
+            return
+        self._next_log = now + STRAGGLER_LOG_EVERY_S
+        missed = ", ".join(f"{peer} x{n}" for peer, n in sorted(self._missed.items()))
+        self._log.warning(f"stragglers since the last such line (rounds missed; their data is dropped as late "
+                          f"until they keep up): {missed}; {self._timeouts} round(s) closed by the straggler "
+                          f"timeout, {sum(self._returned.values())} return(s) to the quota")
+        self._missed.clear()
+        self._returned.clear()
+        self._timeouts = 0
+
+    def flush_log(self) -> None:
+        self._maybe_log(final=True)

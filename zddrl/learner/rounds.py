@@ -1,0 +1,165 @@
+"""How a learner collects a batch: a sync round (distributed PPO) or a batch of the async stream.
+
+Sync: a round collects trajectories of the current version v until the batch is full
+(``algo.batch_size`` env steps summed over actors), every expected actor has reported, or the round has
+taken more than ``straggler_factor`` times the median time actors take to report; late data for a closed
+version is dropped and counted, never trained on. An actor whose rollout of version v the run cannot use
+has answered all the same (waiting for it would end the round by the straggler rule at best, and never if
+no rollout was usable).
+
+Async and IMPALA: take data as it arrives, drop what is more than ``max_staleness`` versions old, until a
+batch is full. Actors never wait.
+
+Both return a ``CollectedBatch`` (this shard's part of the batch and what the update's row needs), or one with
+``stopped`` set when the run is over. Counting (``Ledger``) and the fleet are the main shard's alone.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+
+from zddrl import protocol as P
+from zddrl.config import AlgoConfig
+from zddrl.learner.fleet import Fleet
+from zddrl.learner.ledger import Ledger
+from zddrl.learner.poll import Polled, ShardPoller
+
+FIRST_ROUNDS_TIMEOUT_S = 10.0
+"""Straggler timeout until three rounds give a median to scale."""
+MEDIAN_WINDOW = 50
+"""Recent actor report times the straggler timeout takes its median over."""
+
+
+class CollectedBatch(NamedTuple):
+    batch: list[P.Trajectory]
+    """This shard's part of the batch (arrival order; the update sorts it)."""
+    round_s: float
+    actors: int
+    """Actors whose data is in the batch."""
+    staleness: float = 0.0
+    """Mean staleness of the global batch's env steps, in versions (0 in sync mode by construction)."""
+    figures: dict[str, Any] | None = None
+    """Staleness figures for the update's metrics row (async modes)."""
+    stopped: bool = False
+
+
+def _account(ledger: Ledger | None, polled: Polled, version: int) -> None:
+    """Main shard: every received trajectory counts (steps, episodes), used or not; unusable ones are dropped."""
+    if ledger is None:
+        return
+    for shard, records in enumerate(polled.by_shard):
+        ledger.received(shard, records)
+    for r in polled.invalid:
+        ledger.drop_invalid(r)
+    for r in polled.records:
+        if r.fresh:
+            ledger.account(r, version)
+
+
+class SyncRounds:
+    """``collect(stop, version)`` runs one round. ``fleet`` and ``ledger`` are the main shard's (None on the
+    others); ``refresh_fleet()`` reads the broker's newest fleet message into ``fleet``."""
+
+    def __init__(self, poller: ShardPoller, algo: AlgoConfig, log: Any, fleet: Fleet | None = None,
+                 ledger: Ledger | None = None, refresh_fleet: Callable[[], bool] = lambda: False) -> None:
+        self.poller, self.algo, self.log = poller, algo, log
+        self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
+        self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
+        """Seconds from a round's start to each actor's in-time report, over recent rounds (main shard)."""
+
+    def timeout_s(self) -> float:
+        """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
+        if len(self.report_times) < 3:
+            return FIRST_ROUNDS_TIMEOUT_S
+        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.report_times))
+
+    def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
+        started = time.monotonic()
+        batch: list[P.Trajectory] = []
+        steps, reported, unusable = 0, set(), set()
+        expected: set[str] = set()
+        announced: set[str] | None = None
+        timeout = self.timeout_s()
+        fleet = self.fleet
+        by_timeout = False
+        while True:
+            control: dict[str, Any] = {}
+            if fleet is not None:
+                if self.refresh_fleet() or announced is None:  # the round's start, or an actor joined or left
+                    expected = fleet.expected()
+                control = {"stop": self.ledger.finished(), "late": time.monotonic() - started > timeout}
+                if expected != announced:
+                    control["expected"] = sorted(expected)
+                    announced = expected
+            polled = self.poller.poll(stop, control, lambda m: m.policy_version == version, batch)
+            _account(self.ledger, polled, version)
+            control = polled.control
+            unusable.update(r.peer_id for r in polled.invalid if r.version == version)
+            if "expected" in control:
+                expected = set(control["expected"])
+            for r in polled.records:
+                if r.used:
+                    steps += r.env_steps
+                    reported.add(r.peer_id)
+                    if fleet is not None:
+                        self.report_times.append(time.monotonic() - started)
+                elif self.ledger is not None:
+                    if fleet is not None and version - r.version <= 1:
+                        fleet.back_in_quota(r.peer_id)  # missed the round by less than one update: wait for it again
+                    self.ledger.drop_late(r, version)
+            if control["stop"]:
+                self.poller.keep(batch)
+                return CollectedBatch(batch, time.monotonic() - started, len(reported), stopped=True)
+            if steps >= self.algo.batch_size:
+                break
+            if (steps or unusable) and expected and reported | unusable >= expected:
+                break  # in sync mode each actor sends one rollout per version: nothing more will come
+            if steps and control["late"]:
+                by_timeout = True
+                break
+        round_s = time.monotonic() - started
+        if fleet is not None:
+            if not steps:
+                self.log.warning(f"round {version}: no rollout could be used ({sorted(unusable)}); version "
+                                 f"{version + 1} keeps the weights so that the actors sample again")
+            fleet.round_closed(expected, reported | unusable, by_timeout)
+        return CollectedBatch(batch, round_s, len(reported))
+
+
+class AsyncStream:
+    """``collect(stop, version)`` takes one batch of the stream (async PPO, IMPALA)."""
+
+    def __init__(self, poller: ShardPoller, algo: AlgoConfig, ledger: Ledger | None = None) -> None:
+        self.poller, self.algo, self.ledger = poller, algo, ledger
+
+    def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
+        started = time.monotonic()
+        batch: list[P.Trajectory] = []
+        used: list[tuple[str, int, int]] = []
+        steps = 0
+        max_staleness = self.algo.max_staleness
+        while steps < self.algo.batch_size:
+            control = {"stop": self.ledger.finished()} if self.ledger is not None else {}
+            polled = self.poller.poll(stop, control, lambda m: 0 <= version - m.policy_version <= max_staleness,
+                                      batch)
+            _account(self.ledger, polled, version)
+            for r in polled.records:
+                if r.used:
+                    steps += r.env_steps
+                    used.append((r.peer_id, version - r.version, r.env_steps))
+                elif self.ledger is not None:
+                    self.ledger.drop_stale(r, version)
+            if polled.control["stop"]:
+                self.poller.keep(batch)
+                return CollectedBatch(batch, time.monotonic() - started, 0, stopped=True)
+        staleness = np.repeat([s for _, s, _ in used], [n for _, _, n in used])
+        hist = np.bincount(staleness)
+        figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
+                   "staleness_hist": " ".join(f"{v}:{n}" for v, n in enumerate(hist) if n)}
+        return CollectedBatch(batch, time.monotonic() - started, len({peer for peer, _, _ in used}),
+                         figures["staleness_mean"], figures)
