@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import click
 import msgpack
-import msgpack_numpy
 import zmq
 
 from zddrl import protocol as P
@@ -82,6 +81,11 @@ class _Codec:
 
 def _codecs() -> dict[str, tuple[_Codec, Callable[[P.Trajectory], Any]]]:
     """name -> (codec, what it encodes of a message)."""
+    try:  # the reference codec only: the wire never uses it, so zddrl does not depend on it
+        import msgpack_numpy
+    except ImportError:
+        raise click.ClickException("the codec bench times msgpack-numpy for reference: "
+                                   "pip install 'zddrl[bench]'") from None
     highest = pickle.HIGHEST_PROTOCOL
     return {
         "zddrl": (_Codec(P.encode, P.decode, _received), lambda m: m),
