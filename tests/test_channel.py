@@ -14,7 +14,7 @@ import zmq
 from zddrl import protocol as P
 from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
 
-from test_protocol import traj, traj_arrays
+from samples import traj, traj_arrays
 
 
 class FakeBroker:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import BrokerHandle, Bus, wait_for
-from test_broker import WAIT_S, counters, recv_control, start_run
+from broker_clients import WAIT_S, counters, recv_control, start_run
 from zddrl import protocol as P
 from zddrl.transport.params import Assembler, FrameCache, from_transport, split, to_transport
 

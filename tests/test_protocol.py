@@ -13,37 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from samples import traj, traj_arrays
 from zddrl import protocol as P
 from zddrl.transport.params import split as split_params
 
 RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
-
-
-def traj_arrays(T: int = 2, N: int = 2, obs_shape: tuple = (3,), discrete: bool = True, K: int = 0,
-                seed: int = 0) -> dict[str, np.ndarray]:
-    """A valid trajectory's arrays (docs/protocol.md section 7); ``K`` truncations if K > 0."""
-    rng = np.random.default_rng(seed)
-    f32 = np.float32
-    arrays = {"obs": rng.standard_normal((T, N, *obs_shape)).astype(f32),
-              "actions": rng.integers(0, 2, (T, N), dtype=np.int64) if discrete
-              else rng.standard_normal((T, N, 2)).astype(f32),
-              "logp": rng.standard_normal((T, N)).astype(f32), "values": rng.standard_normal((T, N)).astype(f32),
-              "rewards": np.ones((T, N), f32), "terminated": rng.random((T, N)) < 0.2,
-              "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, *obs_shape)).astype(f32),
-              "next_value": rng.standard_normal(N).astype(f32)}
-    if K:
-        arrays.update(trunc_idx=np.arange(K, dtype=np.int64), trunc_obs=rng.standard_normal((K, *obs_shape)).astype(f32),
-                      trunc_value=rng.standard_normal(K).astype(f32))
-    return arrays
-
-
-def traj(arrays=None, **kw) -> P.Trajectory:
-    """A trajectory: a valid one unless ``arrays`` (or a field) says otherwise."""
-    arrays = traj_arrays() if arrays is None else arrays
-    steps = arrays["rewards"].size if "rewards" in arrays else 0
-    fields = dict(run_id="r-1", sender="actor-0", seq=3, policy_version=2, param_hash="0123456789abcdef",
-                  env_steps=steps, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 8})
-    return P.Trajectory(**{**fields, **kw})
 
 
 def carrier(arrays: dict, **kw) -> P.Parameters:
