@@ -13,7 +13,7 @@ import pytest
 
 from zddrl.ops.plot import PlotError, load_run, plot_runs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
 NEEDS_MPL = "matplotlib is not installed (pip install 'zddrl[plot]')"
 

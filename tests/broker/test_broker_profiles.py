@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "brokers" / "local.toml"
 CLUSTER = ROOT / "brokers" / "cluster.toml"
 FIELDS = {f.name for f in dataclasses.fields(BrokerConfig)}

@@ -92,7 +92,7 @@ def test_unknown_env_and_unsupported_spaces_are_clear_errors() -> None:
     with pytest.raises(EnvError, match="cannot be imported"):
         env_factory("no_such_module:make")
     with pytest.raises(EnvError, match="not supported"):
-        probe_spec("tests.test_actor:dict_obs_env")
+        probe_spec("tests.actor.test_actor:dict_obs_env")
 
 
 def dict_obs_env() -> gym.Env:

@@ -4,7 +4,7 @@ Units: ``HealthMonitor`` fed by hand (each check fires on a provoked case and cl
 figures, crash reports. End to end: a real broker judging what real ``BrokerLink`` clients report,
 and a real actor process that crashes (its env raises) while a real learner trains.
 
-This module is also the env factory of the end-to-end crash test (``tests.test_health:exploding_cartpole``,
+This module is also the env factory of the end-to-end crash test (``tests.broker.test_health:exploding_cartpole``,
 imported by the learner and actor processes), so it imports nothing heavy at module level.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, Bro
 from zddrl.broker.health import HealthMonitor
 from zddrl.ops.status import request_status
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 10.0
 EXPLODE_ENV = "ZDDRL_TEST_EXPLODE_AFTER"
 """Env var read by exploding_cartpole: env steps after which it raises (unset: never)."""
@@ -428,7 +428,7 @@ def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     procs.start("learner", "learner", "--connect", broker.connect, str(ROOT / "examples" / "cartpole_ppo.toml"),
                 "--run-dir", str(tmp_path / "run"), "--mode", "async", "--set", "env.rollout_len=8",
-                "--set", "env.id=tests.test_health:exploding_cartpole")
+                "--set", "env.id=tests.broker.test_health:exploding_cartpole")
     procs.start("actor-1", "actor", "--connect", broker.connect, "--actor-id", "1", "--envs", "2")
     monkeypatch.setenv(EXPLODE_ENV, "20")
     crashing = procs.start("actor-0", "actor", "--connect", broker.connect, "--actor-id", "0", "--envs", "2")
