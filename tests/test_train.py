@@ -16,6 +16,8 @@ import pytest
 from conftest import BrokerHandle, Procs, wait_for
 from zddrl.learner.runlog import METRIC_COLUMNS, SUMMARY_KEYS
 
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
+
 ROOT = Path(__file__).resolve().parent.parent
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
 

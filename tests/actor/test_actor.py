@@ -103,6 +103,7 @@ def dict_obs_env() -> gym.Env:
     return DictObs()
 
 
+@pytest.mark.slow
 def test_actor_and_broker_processes_do_not_import_torch() -> None:
     """Actor hosts and the broker start in a fraction of a second and stay small without torch."""
     import subprocess

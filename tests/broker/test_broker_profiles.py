@@ -55,6 +55,7 @@ def test_profiles_spell_out_and_comment_every_setting(profile: Path) -> None:
             assert lines[i - 1].lstrip().startswith("#"), f"{profile.name}: {line.split('=')[0].strip()} has no comment"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", [LOCAL, CLUSTER], ids=["local", "cluster"])
 def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: Path) -> None:
     c, t, l, p = free_ports(4)
@@ -86,6 +87,7 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
     assert procs.stop(proc) == 0, "SIGTERM is a clean shutdown"
 
 
+@pytest.mark.slow
 def test_a_random_port_bind_overrides_the_profiles_fixed_one(procs: Procs, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = procs.start("broker", "broker", "--profile", str(LOCAL), "--bind", "tcp://127.0.0.1:*",
@@ -113,6 +115,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD_PROFILES))
 def test_a_bad_profile_is_a_clear_cli_error(case: str, tmp_path: Path) -> None:
     text, names = BAD_PROFILES[case]
@@ -127,11 +130,13 @@ def test_a_bad_profile_is_a_clear_cli_error(case: str, tmp_path: Path) -> None:
     assert names in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_profile_is_a_clear_cli_error(tmp_path: Path) -> None:
     out = run_cli("broker", "--profile", str(tmp_path / "nope.toml"))
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_non_numeric_bind_port_names_the_setting(tmp_path: Path) -> None:
     profile = tmp_path / "port.toml"
     profile.write_text("[broker]\nbind = \"tcp://127.0.0.1:fivefive\"\n")

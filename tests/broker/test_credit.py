@@ -23,6 +23,7 @@ from zddrl import protocol as P
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_without_credit_nothing_is_delivered_and_the_sender_blocks(broker: BrokerHandle, bus: Bus) -> None:
     shard = start_run(bus, broker)  # grants no credit
     actor = Pusher(bus, broker, "actor-0", sndhwm=2)
@@ -43,6 +44,7 @@ def test_without_credit_nothing_is_delivered_and_the_sender_blocks(broker: Broke
     assert b["received"] == b["forwarded"] == sent + 1 and b["accounted"]
 
 
+@pytest.mark.slow
 def test_what_an_actor_sent_before_its_bye_is_still_forwarded(broker: BrokerHandle, bus: Bus) -> None:
     """Trajectories queued at the broker when their actor leaves are its last rollouts, not a stranger's."""
     shard = start_run(bus, broker)  # no credit yet: the broker leaves them queued
@@ -72,6 +74,7 @@ def test_departed_actors_are_remembered_for_a_while_and_in_bounded_number() -> N
     assert not departures.actor_left_lately("shard", now)  # only actors send trajectories
 
 
+@pytest.mark.slow
 def test_credit_release_keeps_each_senders_order(broker: BrokerHandle, bus: Bus) -> None:
     shard = start_run(bus, broker)
     actors = [Pusher(bus, broker, f"actor-{i}") for i in range(2)]
@@ -122,6 +125,7 @@ class ControlClient:
         return self.credits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_in_flight,batch", [(2, 1), (8, 4)])
 def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Procs, tmp_path: Path, bus: Bus,
                                                                       max_in_flight: int, batch: int) -> None:
@@ -144,6 +148,7 @@ def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Proc
         assert len(credits) < sent
 
 
+@pytest.mark.slow
 def test_an_actor_gets_the_credit_of_its_malformed_trajectories_back(procs: Procs, tmp_path: Path,
                                                                      bus: Bus) -> None:
     """A malformed trajectory still used one of its sender's credits: without it back, an actor allowed 2 in

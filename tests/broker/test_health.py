@@ -358,6 +358,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs: Any, clients: Clients) -> None:
     from conftest import wait_for
 
@@ -393,6 +394,7 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
     wait_for(lambda: not clients.status(broker)["health"], WAIT_S, "the stuck warning to clear")
 
 
+@pytest.mark.slow
 def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> None:
     from conftest import wait_for
 
@@ -420,6 +422,7 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any, clients: Clients,
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import wait_for

@@ -26,6 +26,8 @@ from conftest import BrokerHandle, Bus, Procs, wait_for
 
 from zddrl import protocol as P
 
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
+
 
 @pytest.fixture
 def fast_broker(procs: Procs, tmp_path: Path) -> ProfiledBroker:

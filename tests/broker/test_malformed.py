@@ -11,6 +11,7 @@ from typing import Any
 
 import msgpack
 import zmq
+import pytest
 from broker_clients import (
     WAIT_S,
     Pusher,
@@ -26,6 +27,8 @@ from broker_clients import (
 from conftest import BrokerHandle, Bus, Procs, wait_for
 
 from zddrl import protocol as P
+
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 
 # ------------------------------------------------------------------------------------------------
 # 5. Malformed input is dropped, counted by reason, logged rate-limited; the broker keeps serving

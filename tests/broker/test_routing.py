@@ -10,6 +10,7 @@ import json
 import time
 
 import zmq
+import pytest
 from broker_clients import (
     WAIT_S,
     Pusher,
@@ -26,6 +27,8 @@ from broker_clients import (
 from conftest import BrokerHandle, Bus, wait_for
 
 from zddrl import protocol as P
+
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 
 # ------------------------------------------------------------------------------------------------
 # 1. Routing: every trajectory exactly once, shared by two shards, accounted in `zddrl status`

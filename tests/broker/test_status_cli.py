@@ -16,6 +16,8 @@ from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.proc import free_ports
 
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
+
 # ------------------------------------------------------------------------------------------------
 # 9. `zddrl status`
 # ------------------------------------------------------------------------------------------------

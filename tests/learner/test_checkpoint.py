@@ -53,6 +53,7 @@ def test_checkpoints_are_atomic_pruned_and_loaded_safely(tmp_path: Path, monkeyp
     log.close()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_reaches_the_target_with_monotonic_counters(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),

@@ -141,6 +141,7 @@ def members(broker: BrokerHandle) -> Iterator[Members]:
         m.close()
 
 
+@pytest.mark.slow
 def test_status_shows_every_live_member_and_drops_expired_ones(fast_broker: BrokerHandle) -> None:
     members = fleet(fast_broker)
     try:
@@ -180,6 +181,7 @@ def watch_cmd(connect: str) -> list[str]:
             "--timeout", "0.5"]
 
 
+@pytest.mark.slow
 def test_watch_piped_prints_frames_survives_a_dead_broker_and_quits_on_sigint(
         broker: BrokerHandle, members: Members, tmp_path: Path) -> None:
     log = tmp_path / "watch.out"
@@ -220,6 +222,7 @@ def read_pty(fd: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.mark.slow
 def test_watch_on_a_terminal_draws_rich_tables_and_quits_on_ctrl_c(broker: BrokerHandle, members: Members) -> None:
     pytest.importorskip("rich")
     master, slave = pty.openpty()
@@ -248,6 +251,7 @@ def test_watch_on_a_terminal_draws_rich_tables_and_quits_on_ctrl_c(broker: Broke
         os.close(master)
 
 
+@pytest.mark.slow
 def test_status_json_has_the_new_keys(broker: BrokerHandle, members: Members) -> None:
     out = subprocess.run([sys.executable, "-m", "zddrl", "status", "--connect", broker.connect, "--json"],
                          capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
