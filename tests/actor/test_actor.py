@@ -41,7 +41,12 @@ def test_distinct_actors_and_envs_get_distinct_initial_states() -> None:
     a, b = _rollout(1, 0, T=1).arrays, _rollout(1, 1, T=1).arrays
     firsts = np.concatenate([a["obs"][0], b["obs"][0]])
     assert len({tuple(row) for row in firsts.round(6)}) == 6
-    assert not np.array_equal(a["actions"], b["actions"]) or not np.array_equal(a["obs"], b["obs"])
+    # each is the initial state of its own documented seed stream: env i of actor k reset with seed 1 + k * 1000 + i
+    for actor_id, arrays in ((0, a), (1, b)):
+        for i, seed in enumerate(env_seeds(1, actor_id, 3)):
+            env = gym.make("CartPole-v1")
+            np.testing.assert_array_equal(arrays["obs"][0][i], env.reset(seed=seed)[0].astype(np.float32))
+            env.close()
 
 
 def test_trajectory_arrays_are_time_major_and_truncation_is_recorded() -> None:
