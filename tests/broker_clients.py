@@ -146,10 +146,10 @@ class ProfiledBroker(BrokerHandle):
 
     def start(self) -> ProfiledBroker:
         self.ready.unlink(missing_ok=True)
-        c, t, l, p = self.ports
+        _, traj_port, learner_port, params_port = self.ports
         self.proc = self.procs.start("broker", "broker", "--profile", str(self.profile), "--bind", self.connect,
-                                     "--trajectory-port", str(t), "--learner-port", str(l), "--params-port", str(p),
-                                     "--ready-file", str(self.ready))
+                                     "--trajectory-port", str(traj_port), "--learner-port", str(learner_port),
+                                     "--params-port", str(params_port), "--ready-file", str(self.ready))
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self

@@ -19,7 +19,8 @@ def traj_arrays(T: int = 2, N: int = 2, obs_shape: tuple = (3,), discrete: bool 
               "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, *obs_shape)).astype(f32),
               "next_value": rng.standard_normal(N).astype(f32)}
     if K:
-        arrays.update(trunc_idx=np.arange(K, dtype=np.int64), trunc_obs=rng.standard_normal((K, *obs_shape)).astype(f32),
+        arrays.update(trunc_idx=np.arange(K, dtype=np.int64),
+                      trunc_obs=rng.standard_normal((K, *obs_shape)).astype(f32),
                       trunc_value=rng.standard_normal(K).astype(f32))
     return arrays
 

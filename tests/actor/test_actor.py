@@ -8,10 +8,10 @@ import torch
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, collect, encode_rollout, env_seeds
+from zddrl.actor.policy import NumpyPolicy
+from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvError, VecEnv, env_factory, probe_spec
-from zddrl.algos.model import ActorCritic, flatten_params
-from zddrl.actor.policy import NumpyPolicy
 
 
 def _policy(env_id: str = "CartPole-v1") -> NumpyPolicy:
@@ -114,8 +114,8 @@ def test_actor_and_broker_processes_do_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, zddrl.actor.host, zddrl.broker.broker, zddrl.cli, zddrl.ops.status, zddrl.ops.train, zddrl.learner.runlog; "
-            "print('torch' in sys.modules)")
+    code = ("import sys, zddrl.actor.host, zddrl.broker.broker, zddrl.cli, zddrl.ops.status, zddrl.ops.train, "
+            "zddrl.learner.runlog; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 

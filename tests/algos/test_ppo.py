@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from samples import cartpole_trajectory
+from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
+from zddrl.algos.optim import Adam
+from zddrl.algos.ppo import PPOLearner, ppo_loss
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.algos.optim import Adam
-from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
-from zddrl.algos.ppo import PPOLearner, ppo_loss
 from zddrl.protocol import Trajectory
 
 

@@ -58,14 +58,14 @@ def test_profiles_spell_out_and_comment_every_setting(profile: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("profile", [LOCAL, CLUSTER], ids=["local", "cluster"])
 def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: Path) -> None:
-    c, t, l, p = free_ports(4)
+    c, t, lp, p = free_ports(4)
     ready = tmp_path / "ready.json"
     proc = procs.start("broker", "broker", "--profile", str(profile), "--bind", f"tcp://127.0.0.1:{c}",
-                       "--trajectory-port", str(t), "--learner-port", str(l), "--params-port", str(p),
+                       "--trajectory-port", str(t), "--learner-port", str(lp), "--params-port", str(p),
                        "--ready-file", str(ready))
     wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
-    assert json.loads(ready.read_text()) == {"control": c, "trajectories": t, "learners": l, "params": p}
+    assert json.loads(ready.read_text()) == {"control": c, "trajectories": t, "learners": lp, "params": p}
 
     # The settings the flags did not name come from the profile: the welcome carries them.
     expected = load_broker_config(profile)
@@ -80,7 +80,7 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
     finally:
         ctx.destroy(linger=0)
     assert isinstance(welcome, P.Welcome)
-    assert welcome.ports == {"trajectories": t, "learners": l, "params": p}
+    assert welcome.ports == {"trajectories": t, "learners": lp, "params": p}
     assert welcome.heartbeat_interval_s == expected.heartbeat_interval_s
     assert welcome.heartbeat_liveness == expected.heartbeat_liveness
     assert welcome.max_message_bytes == expected.max_message_bytes

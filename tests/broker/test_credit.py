@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from broker_clients import WAIT_S, ProfiledBroker, Pusher, collect, counters, start_run, status, trajectory
 from conftest import BrokerHandle, Bus, Procs, wait_for
-
 from zddrl import protocol as P
 
 # ------------------------------------------------------------------------------------------------

@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -25,12 +26,12 @@ import pytest
 import zmq
 
 from conftest import Bus
-from zddrl.broker import health as H
 from zddrl import protocol as P
 from zddrl.actor.host import ActorTimers, first_obs_hash
-from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
+from zddrl.broker import health as H
 from zddrl.broker.health import HealthMonitor
 from zddrl.ops.status import request_status
+from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 10.0
@@ -388,7 +389,8 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
     body = wait_for(lambda: (b := clients.status(broker)) and "stuck_version" in health_of(b, "actor-0") and b,
                     H.STUCK_AFTER_S + 20, "the stuck_version warning")
     assert time.monotonic() - behind_since > H.STUCK_AFTER_S - 1.5  # the broker's tick is 1 s
-    assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in health_of(body, "actor-0")["stuck_version"]["message"]
+    stuck = health_of(body, "actor-0")["stuck_version"]
+    assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in stuck["message"]
     latest = H.STUCK_VERSIONS + 1
     actor.send(P.Stats(sender="actor-0", role="actor", stats={"policy_version": latest, "param_hash": hashes[latest]}))
     wait_for(lambda: not clients.status(broker)["health"], WAIT_S, "the stuck warning to clear")
@@ -404,7 +406,8 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
     stranger = clients.ctx.socket(zmq.DEALER)  # never said hello
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(broker.connect)
-    bogus = P.Stats(sender="actor-9", role="actor", stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
+    bogus = P.Stats(sender="actor-9", role="actor",
+                    stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
     for _ in range(H.COMM_SHARE_REPORTS + 1):
         stranger.send_multipart(P.encode(bogus))
     rejects = 0
@@ -428,7 +431,8 @@ def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any
     from conftest import wait_for
 
     # Learner and actors import this module as the run's env factory (and it imports conftest).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH",
+                       os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     procs.start("learner", "learner", "--connect", broker.connect, str(ROOT / "examples" / "cartpole_ppo.toml"),
                 "--run-dir", str(tmp_path / "run"), "--mode", "async", "--set", "env.rollout_len=8",
                 "--set", "env.id=tests.broker.test_health:exploding_cartpole")

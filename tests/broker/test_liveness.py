@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from broker_clients import (
     WAIT_S,
     ProfiledBroker,
@@ -23,7 +24,6 @@ from broker_clients import (
     trajectory,
 )
 from conftest import BrokerHandle, Bus, Procs, wait_for
-
 from zddrl import protocol as P
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes

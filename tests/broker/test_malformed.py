@@ -10,8 +10,9 @@ import json
 from typing import Any
 
 import msgpack
-import zmq
 import pytest
+import zmq
+
 from broker_clients import (
     WAIT_S,
     Pusher,
@@ -25,7 +26,6 @@ from broker_clients import (
     trajectory,
 )
 from conftest import BrokerHandle, Bus, Procs, wait_for
-
 from zddrl import protocol as P
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
@@ -70,7 +70,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     actor = Pusher(bus, broker, "actor-0")
     bad = bad_trajectories("run-a")
     seq = 0
-    for reason, messages in bad.items():
+    for messages in bad.values():
         for frames in messages:
             assert actor.send(trajectory("run-a", "actor-0", seq))
             assert actor.send(frames)

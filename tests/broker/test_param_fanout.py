@@ -6,11 +6,11 @@ and process.
 """
 from __future__ import annotations
 
-import zmq
 import pytest
+import zmq
+
 from broker_clients import WAIT_S, counters, recv_control, start_run, status
 from conftest import BrokerHandle, Bus, wait_for
-
 from zddrl import protocol as P
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import time
 
-import zmq
 import pytest
+import zmq
+
 from broker_clients import (
     WAIT_S,
     Pusher,
@@ -25,7 +26,6 @@ from broker_clients import (
     trajectory,
 )
 from conftest import BrokerHandle, Bus, wait_for
-
 from zddrl import protocol as P
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes

@@ -7,9 +7,9 @@ and process.
 from __future__ import annotations
 
 import pytest
+
 from broker_clients import WAIT_S, Pusher, Shard, collect, counters, run_spec, start_run, status, trajectory
 from conftest import BrokerHandle, Bus, wait_for
-
 from zddrl import protocol as P
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes

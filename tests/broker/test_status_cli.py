@@ -10,9 +10,9 @@ import json
 import time
 
 import pytest
+
 from broker_clients import WAIT_S, Pusher, cli, start_run, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
-
 from zddrl import protocol as P
 from zddrl.proc import free_ports
 

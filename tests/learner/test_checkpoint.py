@@ -14,9 +14,9 @@ import torch
 from conftest import wait_for
 from samples import cartpole_trajectory
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning, zddrl
+from zddrl.algos.ppo import PPOLearner
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.algos.ppo import PPOLearner
 from zddrl.learner.runlog import RunLog, latest_checkpoint, load_checkpoint
 
 

@@ -158,7 +158,7 @@ def test_params_round_trip_property(rows: list, extra: dict, big_endian: bool) -
     decoded = P.decode(wire(msg.encode()))
     assert_same(msg, decoded)
     assert P.param_hash(decoded.arrays["flat"]) == msg.param_hash == P.param_hash(flat.astype("<f4").tobytes())
-    for name, _, shape, off in decoded.layout:
+    for _, _, shape, off in decoded.layout:
         np.testing.assert_array_equal(decoded.arrays["flat"][off:off + math.prod(shape)].reshape(shape),
                                       flat[off:off + math.prod(shape)].reshape(shape))
 
@@ -313,7 +313,10 @@ BAD = [
 ]
 
 
-def params_frames(layout, flat=np.zeros(4, np.float32)) -> list:
+ZEROS = np.zeros(4, np.float32)
+
+
+def params_frames(layout, flat=ZEROS) -> list:
     return wire(params(flat=flat, layout=layout).encode())
 
 
@@ -327,7 +330,7 @@ def head_frames(**changes) -> list:
     return [frames[0], msgpack.packb({**HEAD, **changes}), *frames[2:]]
 
 
-def chunk_frames(data=np.zeros(4, np.float32), **changes) -> list:
+def chunk_frames(data=ZEROS, **changes) -> list:
     msg = dataclasses.replace(CHUNKED[1], arrays={"data": data}, **changes)
     return wire(msg.encode())
 
@@ -396,8 +399,10 @@ BAD += [
      "'trunc_obs' must be float32 [1, 3]"),
     ("trajectory trunc_idx float", traj_frames(K=1, trunc_idx=np.zeros(1, F32)), "'trunc_idx' must be int64 [1]"),
     ("trajectory trunc_idx 0-d", traj_frames(K=1, trunc_idx=np.array(0, np.int64), trunc_obs=np.zeros(3, F32),
-                                             trunc_value=np.array(0.0, F32)), "'trunc_idx' must be int64 [1], got int64 []"),
-    ("trajectory trunc_idx 2-d", traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)), "'trunc_idx' must be int64 [1]"),
+                                             trunc_value=np.array(0.0, F32)),
+     "'trunc_idx' must be int64 [1], got int64 []"),
+    ("trajectory trunc_idx 2-d", traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)),
+     "'trunc_idx' must be int64 [1]"),
     ("trajectory env_steps not T * N", traj_frames(env_steps=5), "env_steps 5 must be T * N = 4"),
     ("trajectory episodes unpaired", traj_frames(ep_returns=[1.0], ep_lengths=[]), "must pair up"),
     ("trajectory more episodes than steps", traj_frames(ep_returns=[1.0] * 5, ep_lengths=[1] * 5), "must pair up"),

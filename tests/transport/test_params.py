@@ -10,8 +10,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import BrokerHandle, Bus, wait_for
 from broker_clients import WAIT_S, counters, recv_control, start_run
+from conftest import BrokerHandle, Bus, wait_for
 from zddrl import protocol as P
 from zddrl.transport.params import Assembler, FrameCache, from_transport, split, to_transport
 
