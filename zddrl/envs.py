@@ -6,8 +6,8 @@ Discrete observation/action spaces are supported; anything else is a clear error
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import gymnasium as gym
 import numpy as np

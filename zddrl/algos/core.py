@@ -6,18 +6,18 @@ Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trac
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from loguru import logger
 
-from zddrl.config import Config
-from zddrl.envs import EnvSpec
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.algos.optim import Adam
+from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
+from zddrl.envs import EnvSpec
 
 
 class RunningMeanStd:

@@ -10,7 +10,8 @@ discounts (0 after termination); a truncated step is bootstrapped from V(final o
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch

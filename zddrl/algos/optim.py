@@ -6,7 +6,8 @@ update below is the same arithmetic (tests compare it with torch's, step by step
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

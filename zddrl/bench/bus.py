@@ -33,11 +33,11 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.transport.channel import WINDOW_BYTES
-from zddrl.ops.status import request_status
-from zddrl.proc import free_ports
 from zddrl.bench import common as C
 from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
+from zddrl.ops.status import request_status
+from zddrl.proc import free_ports
+from zddrl.transport.channel import WINDOW_BYTES
 
 PATHS = ("direct", "proxy", "broker")
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"

@@ -31,7 +31,8 @@ import json
 import pickle
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 import msgpack

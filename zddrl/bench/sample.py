@@ -27,11 +27,11 @@ import zmq
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
-from zddrl.transport.link import BrokerLink, hello_fields
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory, probe_spec
-from zddrl.transport.channel import DataChannel
 from zddrl.proc import free_ports
+from zddrl.transport.channel import DataChannel
+from zddrl.transport.link import BrokerLink, hello_fields
 
 WARMUP_S = 1.0
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -43,7 +44,7 @@ class ShardGroup:
         self._dist = None
 
     @classmethod
-    def from_env(cls, plan: DevicePlan, timeout_s: float) -> "ShardGroup":
+    def from_env(cls, plan: DevicePlan, timeout_s: float) -> ShardGroup:
         """Join the group that the environment describes (torchrun's variables), or a group of one."""
         if not launched_as_shard():
             return cls(device=plan.devices[0])
