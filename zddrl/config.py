@@ -303,7 +303,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")

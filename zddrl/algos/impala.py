@@ -116,7 +116,7 @@ class ImpalaLearner(LearnerCore):
               cols: torch.Tensor) -> tuple[dict[str, float], float | None]:
         """One optimizer step on the env columns ``cols``: this shard's figures, summed over its samples
         (none if it has no columns this step), and the global gradient norm (None: no step taken)."""
-        if tm is None or len(cols) == 0:
+        if tm is None or obs is None or len(cols) == 0:  # obs is None exactly when tm is
             return {}, self.step_optimizer(None, 0)
         a = self.algo
         T, b = obs.shape[0], len(cols)

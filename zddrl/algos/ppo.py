@@ -184,7 +184,8 @@ class PPOLearner(LearnerCore):
         adv = batch.advantages[idx]
         if adv_stat is not None:
             adv = (adv - adv_stat[0]) / (adv_stat[1] + 1e-8)
-        loss, figures = None, {}
+        loss: torch.Tensor | None = None
+        figures: dict[str, float] = {}
         if len(idx):
             logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
             weights = None if a.mode == "sync" else batch.weights[idx]

@@ -57,7 +57,7 @@ def _as_fields(msg: P.Trajectory) -> dict[str, Any]:
 
 def _received(frames_of: list[list[Any]]) -> list[list[Any]]:
     """Each message's frames as a receiving socket delivers them (zmq.Frame, zero-copy)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
         tx.bind("inproc://zddrl-bench-codec")

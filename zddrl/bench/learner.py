@@ -38,7 +38,7 @@ from zddrl.proc import free_ports
 
 BROADCAST_REPS = 9
 BROADCAST_TIMEOUT_S = 60.0
-BIG_MODEL = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
+BIG_MODEL: dict[str, Any] = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
 """An ActorCritic of ~10.4M parameters (two 2240-wide MLPs on 64-dim observations)."""
 
 
@@ -51,6 +51,7 @@ def _synthetic(sender: int, update: int, T: int, N: int) -> P.Trajectory:
     rng = np.random.default_rng(1000 * update + sender)
     terminated = rng.random((T, N)) < 0.02
     truncated = np.zeros((T, N), bool)
+    arrays: dict[str, np.ndarray]
     arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
               "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
               "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,

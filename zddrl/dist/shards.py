@@ -41,7 +41,7 @@ class ShardGroup:
         self.device = torch.device(device)
         self.comm_s = 0.0
         """Seconds spent in collectives (for the all-reduce share of step time)."""
-        self._dist = None
+        self._dist: Any = None  # torch.distributed, once a group of more than one shard is up
 
     @classmethod
     def from_env(cls, plan: DevicePlan, timeout_s: float) -> ShardGroup:
@@ -96,7 +96,7 @@ class ShardGroup:
         self.comm_s += time.perf_counter() - t0
         return tensor
 
-    def sum(self, *values: float) -> list[float]:
+    def sum(self, *values: float | torch.Tensor) -> list[float]:
         """Element-wise float64 sums of ``values`` over the shards (one small all-reduce)."""
         floats = [float(v) for v in values]
         if self._dist is None:
