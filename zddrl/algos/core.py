@@ -151,7 +151,7 @@ class LearnerCore:
         self.skipped_steps = 0
         """Optimizer steps not taken because the gradient was not finite."""
 
-    def update(self, trajectories) -> dict[str, float]:  # pragma: no cover - interface
+    def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def params(self) -> tuple[np.ndarray, list, dict[str, np.ndarray]]:
