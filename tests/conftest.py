@@ -1,4 +1,9 @@
-"""Shared test fixtures: real zddrl processes on 127.0.0.1, free ports, bounded waits, always cleaned up."""
+"""Shared test fixtures: real zddrl processes on 127.0.0.1, free ports, bounded waits, always cleaned up.
+
+pytest's default (prepend) import mode puts tests/ on sys.path for this root conftest, and each test file's
+own folder for that file: test modules import the helpers here by plain name (``conftest``, ``samples``,
+``broker_clients``, ``test_train``), and test file basenames must stay unique across the folders.
+"""
 from __future__ import annotations
 
 import json
@@ -7,16 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import zmq
 
 from zddrl import protocol as P
-from zddrl.transport.link import BrokerLink
-
 from zddrl.proc import free_ports
+from zddrl.transport.link import BrokerLink
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
@@ -85,9 +90,10 @@ class BrokerHandle:
 
     def start(self) -> BrokerHandle:
         self.ready.unlink(missing_ok=True)
-        c, t, l, p = self.ports
-        self.proc = self.procs.start("broker", "broker", "--bind", self.connect, "--trajectory-port", str(t),
-                                     "--learner-port", str(l), "--params-port", str(p), "--ready-file", str(self.ready))
+        _, traj_port, learner_port, params_port = self.ports
+        self.proc = self.procs.start("broker", "broker", "--bind", self.connect, "--trajectory-port", str(traj_port),
+                                     "--learner-port", str(learner_port), "--params-port", str(params_port),
+                                     "--ready-file", str(self.ready))
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self

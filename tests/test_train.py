@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +17,8 @@ import pytest
 from conftest import BrokerHandle, Procs, wait_for
 from zddrl.learner.fleet import STRAGGLER_LOG_EVERY_S
 from zddrl.learner.runlog import METRIC_COLUMNS, SUMMARY_KEYS
+
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 
 ROOT = Path(__file__).resolve().parent.parent
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")

@@ -216,7 +216,8 @@ def parse_gpus(gpus: str) -> tuple[str, tuple[int, ...]]:
 @dataclass(frozen=True)
 class LearnerConfig:
     gpus: str = "auto"
-    """Learner shards: ``auto`` (one, on GPU 0 if any, else the CPU), GPU indices ``0,1`` (one shard each), or ``cpu:N``."""
+    """Learner shards: ``auto`` (one, on GPU 0 if any, else the CPU), GPU indices ``0,1`` (one shard each), or
+    ``cpu:N``."""
     collective_timeout_s: float = 120.0
     """A collective (all-reduce, exchange) that waits longer than this fails the shard group instead of hanging."""
     param_chunk_bytes: int = 4 << 20
@@ -302,7 +303,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[name] = _build(hint, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
@@ -382,7 +383,8 @@ class BrokerConfig:
     trajectory_hwm: int = 16
     """Trajectory messages queued per connection before senders block (backpressure)."""
     params_hwm: int = 32
-    """Parameter messages queued per subscriber (a version is one per ``learner.param_chunk_bytes``); older ones are superseded anyway."""
+    """Parameter messages queued per subscriber (a version is one per ``learner.param_chunk_bytes``); older ones
+    are superseded anyway."""
     max_message_bytes: int = 1 << 28
     """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
     heartbeat_interval_s: float = 1.0

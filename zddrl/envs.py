@@ -6,8 +6,9 @@ Discrete observation/action spaces are supported; anything else is a clear error
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -44,7 +45,7 @@ def env_factory(env_id: str, max_episode_steps: int = 0) -> Callable[[], gym.Env
         gym.spec(env_id)
     except gym.error.Error as exc:
         raise EnvError(f"unknown gymnasium env id {env_id!r}: {exc}") from None
-    kwargs = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
+    kwargs: dict[str, Any] = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
     return lambda: gym.make(env_id, **kwargs)
 
 

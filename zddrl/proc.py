@@ -7,7 +7,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 from loguru import logger
 

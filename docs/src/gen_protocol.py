@@ -2,7 +2,7 @@
 
 Run from the repository root after changing a message format:
     python docs/src/gen_protocol.py fill docs/src/protocol.md.in > docs/protocol.md
-tests/test_protocol_docs.py fails until the examples match the code again.
+tests/protocol/test_protocol_docs.py fails until the examples match the code again.
 """
 import json, sys
 from pathlib import Path

@@ -21,12 +21,12 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.transport.link import BrokerLink, Refused, hello_fields
+from zddrl.actor.policy import NumpyPolicy
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory
 from zddrl.logs import RateLimitedLog
-from zddrl.actor.policy import NumpyPolicy
 from zddrl.proc import rss_mb
+from zddrl.transport.link import BrokerLink, Refused, hello_fields
 
 WELCOME_TIMEOUT_S = 3600.0
 """An actor may be started long before any learner; it waits (heartbeating) for a run."""

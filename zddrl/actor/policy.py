@@ -12,7 +12,6 @@ import numpy as np
 
 from zddrl.algos.flat import normalize_obs, unflatten
 
-
 _ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
 
 

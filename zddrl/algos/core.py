@@ -6,18 +6,18 @@ Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trac
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from loguru import logger
 
-from zddrl.config import Config
-from zddrl.envs import EnvSpec
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.algos.optim import Adam
+from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
+from zddrl.envs import EnvSpec
 
 
 class RunningMeanStd:
@@ -151,7 +151,7 @@ class LearnerCore:
         self.skipped_steps = 0
         """Optimizer steps not taken because the gradient was not finite."""
 
-    def update(self, trajectories) -> dict[str, float]:  # pragma: no cover - interface
+    def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def params(self) -> tuple[np.ndarray, list, dict[str, np.ndarray]]:

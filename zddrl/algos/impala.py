@@ -10,7 +10,8 @@ discounts (0 after termination); a truncated step is bootstrapped from V(final o
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ class ImpalaLearner(LearnerCore):
               cols: torch.Tensor) -> tuple[dict[str, float], float | None]:
         """One optimizer step on the env columns ``cols``: this shard's figures, summed over its samples
         (none if it has no columns this step), and the global gradient norm (None: no step taken)."""
-        if tm is None or len(cols) == 0:
+        if tm is None or obs is None or len(cols) == 0:  # obs is None exactly when tm is
             return {}, self.step_optimizer(None, 0)
         a = self.algo
         T, b = obs.shape[0], len(cols)

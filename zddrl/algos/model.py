@@ -12,10 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from zddrl.algos.flat import unflatten
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
-from zddrl.algos.flat import unflatten
-
 
 
 class Tanh(nn.Module):

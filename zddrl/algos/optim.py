@@ -6,7 +6,8 @@ update below is the same arithmetic (tests compare it with torch's, step by step
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -17,7 +18,7 @@ class Adam:
     def __init__(self, params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self.param_groups = [{"lr": lr, "betas": betas, "eps": eps}]
+        self.param_groups: list[dict[str, Any]] = [{"lr": lr, "betas": betas, "eps": eps}]
         self.steps = 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
@@ -31,8 +32,12 @@ class Adam:
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         self.steps += 1
-        params = [p for p in self.params if p.grad is not None]
-        grads = [p.grad for p in params]
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        for p in self.params:
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
         index = {id(p): i for i, p in enumerate(self.params)}
         m = [self.exp_avg[index[id(p)]] for p in params]
         v = [self.exp_avg_sq[index[id(p)]] for p in params]

@@ -16,7 +16,8 @@ pi_prox = mu, w = 1 and this is PPO again.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,7 +25,6 @@ import torch
 from zddrl.algos.core import LearnerCore, explained_variance, schedule
 from zddrl.algos.returns import gae, truncated_importance_weights
 from zddrl.algos.rollout import Rollout, truncations
-
 
 LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
 """What ``ppo_loss`` reports; averaged over the samples of every shard."""
@@ -162,7 +162,8 @@ class PPOLearner(LearnerCore):
                 "explained_variance": explained_variance(batch.values, batch.returns, self.group),
                 "batch_steps": total, "is_weight_mean": pooled[-1] / max(total, 1)}
 
-    def _advantage_stats(self, advantages: torch.Tensor, slices: list[torch.Tensor]) -> list[tuple[float, float] | None]:
+    def _advantage_stats(self, advantages: torch.Tensor,
+                         slices: list[torch.Tensor]) -> list[tuple[float, float] | None]:
         """(mean, unbiased std) of the advantages of each minibatch, pooled over the shards (float64 sums,
         one all-reduce for all of them); None for a minibatch of fewer than 2 samples in all."""
         adv = advantages.double()
@@ -183,7 +184,8 @@ class PPOLearner(LearnerCore):
         adv = batch.advantages[idx]
         if adv_stat is not None:
             adv = (adv - adv_stat[0]) / (adv_stat[1] + 1e-8)
-        loss, figures = None, {}
+        loss: torch.Tensor | None = None
+        figures: dict[str, float] = {}
         if len(idx):
             logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
             weights = None if a.mode == "sync" else batch.weights[idx]

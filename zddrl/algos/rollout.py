@@ -9,12 +9,12 @@ before a trajectory goes anywhere near a batch. ``truncations`` reads the option
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
 from zddrl.envs import EnvSpec
-
 
 
 class Rollout(Protocol):

@@ -33,11 +33,11 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.transport.channel import WINDOW_BYTES
-from zddrl.ops.status import request_status
-from zddrl.proc import free_ports
 from zddrl.bench import common as C
 from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
+from zddrl.ops.status import request_status
+from zddrl.proc import free_ports
+from zddrl.transport.channel import WINDOW_BYTES
 
 PATHS = ("direct", "proxy", "broker")
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
@@ -214,6 +214,7 @@ def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: li
 
     rows = []
     for size in payloads:
+        row: dict[str, Any]
         row = {"payload_bytes": size, "broker_over_proxy": ratio("broker", "proxy", size),
                "broker_over_direct": ratio("broker", "direct", size),
                "proxy_over_direct": ratio("proxy", "direct", size)}
@@ -239,7 +240,7 @@ class Publisher:
         self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()
         if self.link.wait_welcome(30) is None:
             raise RuntimeError(f"no broker answered at {control}")
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
         self.sock.connect(_ep(learner_port))

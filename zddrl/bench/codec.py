@@ -31,11 +31,11 @@ import json
 import pickle
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 import msgpack
-import msgpack_numpy
 import zmq
 
 from zddrl import protocol as P
@@ -57,7 +57,7 @@ def _as_fields(msg: P.Trajectory) -> dict[str, Any]:
 
 def _received(frames_of: list[list[Any]]) -> list[list[Any]]:
     """Each message's frames as a receiving socket delivers them (zmq.Frame, zero-copy)."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     tx, rx = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     try:
         tx.bind("inproc://zddrl-bench-codec")
@@ -82,6 +82,11 @@ class _Codec:
 
 def _codecs() -> dict[str, tuple[_Codec, Callable[[P.Trajectory], Any]]]:
     """name -> (codec, what it encodes of a message)."""
+    try:  # the reference codec only: the wire never uses it, so zddrl does not depend on it
+        import msgpack_numpy
+    except ImportError:
+        raise click.ClickException("the codec bench times msgpack-numpy for reference: "
+                                   "pip install 'zddrl[bench]'") from None
     highest = pickle.HIGHEST_PROTOCOL
     return {
         "zddrl": (_Codec(P.encode, P.decode, _received), lambda m: m),

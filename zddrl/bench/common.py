@@ -13,7 +13,8 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -259,6 +260,8 @@ def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, co
         return
     from zddrl.transport.channel import DataChannel
 
+    if control is None:
+        raise ValueError("the broker path needs the broker's control endpoint")
     # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
     link = _link(control, make_hello("learner", LEARNER_ID, run_id))
     try:

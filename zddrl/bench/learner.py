@@ -31,14 +31,14 @@ import numpy as np
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
-from zddrl.proc import free_ports
 from zddrl.bench import common as C
 from zddrl.bench.bus import Publisher
+from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
+from zddrl.proc import free_ports
 
 BROADCAST_REPS = 9
 BROADCAST_TIMEOUT_S = 60.0
-BIG_MODEL = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
+BIG_MODEL: dict[str, Any] = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4}
 """An ActorCritic of ~10.4M parameters (two 2240-wide MLPs on 64-dim observations)."""
 
 
@@ -51,6 +51,7 @@ def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
     rng = np.random.default_rng(1000 * update + actor)
     terminated = rng.random((T, N)) < 0.02
     truncated = np.zeros((T, N), bool)
+    arrays: dict[str, np.ndarray]
     arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
               "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
               "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,
@@ -61,11 +62,11 @@ def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
 
 def shard_main(spec: dict[str, Any], out: str) -> None:
     """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures."""
-    from zddrl.config import Config
-    from zddrl.envs import EnvSpec
     from zddrl.algos.impala import ImpalaLearner
     from zddrl.algos.ppo import PPOLearner
+    from zddrl.config import Config
     from zddrl.dist.shards import ShardGroup
+    from zddrl.envs import EnvSpec
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
     config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
@@ -125,9 +126,9 @@ def run_throughput(devices: tuple[str, ...], threads: int, hidden: list[int], ba
 def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
     """The flat buffer, layout and state dict of a real ActorCritic (~10M parameters with the default
     2240x2240 on 64-dim observations)."""
+    from zddrl.algos.model import ActorCritic, flatten_params
     from zddrl.config import ModelConfig
     from zddrl.envs import EnvSpec
-    from zddrl.algos.model import ActorCritic, flatten_params
 
     model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]),
                         ModelConfig(hidden=tuple(hidden)))

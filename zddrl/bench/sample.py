@@ -27,11 +27,11 @@ import zmq
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
-from zddrl.transport.link import BrokerLink, hello_fields
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory, probe_spec
-from zddrl.transport.channel import DataChannel
 from zddrl.proc import free_ports
+from zddrl.transport.channel import DataChannel
+from zddrl.transport.link import BrokerLink, hello_fields
 
 WARMUP_S = 1.0
 
@@ -74,8 +74,11 @@ def _gym_torch_loop(env_id: str, envs: int, actor_id: int, seconds: float, out: 
 
     torch.set_num_threads(1)
     vec = gym.vector.SyncVectorEnv([env_factory(env_id)] * envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    obs, _ = vec.reset(seed=env_seeds(1, actor_id, envs))
-    n_in, n_out = vec.single_observation_space.shape[0], vec.single_action_space.n
+    seeds: list[int | None] = list(env_seeds(1, actor_id, envs))  # reset() takes list[int | None]
+    obs, _ = vec.reset(seed=seeds)
+    # gymnasium types spaces loosely (shape may be None, a Space has no n): here a Box and a Discrete
+    n_in = vec.single_observation_space.shape[0]  # type: ignore[index]
+    n_out = vec.single_action_space.n  # type: ignore[attr-defined]
     net = torch.nn.Sequential(torch.nn.Linear(n_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
                               torch.nn.Linear(64, n_out))
     steps, start = 0, time.monotonic()
@@ -110,13 +113,14 @@ class CountingLearner:
     """A learner shard that publishes version 0 and then only consumes, decodes and counts."""
 
     def __init__(self, connect: str, config: Config, flat: np.ndarray, layout: list) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         hello = P.Hello(role="learner", peer_id="bench-learner", run_id=f"bench-{time.time_ns()}",
                         run=config.to_dict(), **hello_fields())
         self.link = BrokerLink(connect, hello, context=self.ctx).start()
-        if self.link.wait_welcome(30) is None:
+        welcome = self.link.wait_welcome(30)
+        if welcome is None:
             raise click.ClickException(f"no broker at {connect}")
-        self.channel = DataChannel(self.ctx, self.link, "bench-learner", self.link.welcome.max_message_bytes)
+        self.channel = DataChannel(self.ctx, self.link, "bench-learner", welcome.max_message_bytes)
         self.channel.send(P.Parameters(run_id=hello.run_id, peer_id="bench-learner", policy_version=0,
                                        param_hash=P.param_hash(flat), layout=layout, arrays={"flat": flat}))
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgpack
 import torch
@@ -40,10 +41,10 @@ class ShardGroup:
         self.device = torch.device(device)
         self.comm_s = 0.0
         """Seconds spent in collectives (for the all-reduce share of step time)."""
-        self._dist = None
+        self._dist: Any = None  # torch.distributed, once a group of more than one shard is up
 
     @classmethod
-    def from_env(cls, plan: DevicePlan, timeout_s: float) -> "ShardGroup":
+    def from_env(cls, plan: DevicePlan, timeout_s: float) -> ShardGroup:
         """Join the group that the environment describes (torchrun's variables), or a group of one."""
         if not launched_as_shard():
             return cls(device=plan.devices[0])
@@ -95,7 +96,7 @@ class ShardGroup:
         self.comm_s += time.perf_counter() - t0
         return tensor
 
-    def sum(self, *values: float) -> list[float]:
+    def sum(self, *values: float | torch.Tensor) -> list[float]:
         """Element-wise float64 sums of ``values`` over the shards (one small all-reduce)."""
         floats = [float(v) for v in values]
         if self._dist is None:

@@ -3,9 +3,9 @@
 The broker tells the learner which actors have joined, and how many envs each steps, in ``fleet``
 messages on the learner's own link (``BrokerLink.fleet()``). A sync round waits for every connected
 actor that is not a straggler; an actor that missed a round it was waited for is one (its data is dropped
-as late) until it reports in time or is less than one version late again. The per-env rollout length of the next round is
-``ceil(batch_size / envs of the actors in the quota)``, so that one rollout from each makes one batch and
-the batch stays fixed when actors join or leave.
+as late) until it reports in time or is less than one version late again. The per-env rollout length of
+the next round is ``ceil(batch_size / envs of the actors in the quota)``, so that one rollout from each
+makes one batch and the batch stays fixed when actors join or leave.
 
 Straggler events are logged aggregated, once per ``STRAGGLER_LOG_EVERY_S``: on a busy host an actor
 can miss every other round, and one line per event buries everything else in the log.
@@ -24,7 +24,8 @@ class Fleet:
     """``refresh(snapshot)`` with each new fleet message; ``expected()`` during a round; ``round_closed(...)``
     after it; ``back_in_quota(peer_id)`` when a straggler's data is less than one version late."""
 
-    def __init__(self, default_envs: int, batch_size: int, rollout_len: int, log: Any, sizes_rollouts: bool = True) -> None:
+    def __init__(self, default_envs: int, batch_size: int, rollout_len: int, log: Any,
+                 sizes_rollouts: bool = True) -> None:
         self.default_envs = default_envs
         self.batch_size = batch_size
         self.rollout_len = rollout_len

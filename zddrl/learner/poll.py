@@ -9,7 +9,8 @@ the main shard as ``control`` in that same exchange.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from zddrl import protocol as P
 from zddrl.dist.shards import ShardGroup

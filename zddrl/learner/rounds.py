@@ -19,7 +19,8 @@ import statistics
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 

@@ -35,7 +35,8 @@ METRIC_COLUMNS = (
 )
 SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "return_at_target",
                 "total_env_steps", "wall_s", "sps", "return_mean_20", "episodes", "policy_version", "updates",
-                "dropped_late", "dropped_stale", "dropped_invalid", "lag", "mode", "seed", "shards", "shard_trajectories")
+                "dropped_late", "dropped_stale", "dropped_invalid", "lag", "mode", "seed", "shards",
+                "shard_trajectories")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

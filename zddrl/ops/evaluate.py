@@ -5,10 +5,10 @@ from typing import Any
 
 import numpy as np
 
+from zddrl.actor.policy import NumpyPolicy
+from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory
-from zddrl.algos.model import ActorCritic, flatten_params
-from zddrl.actor.policy import NumpyPolicy
 from zddrl.learner.runlog import load_checkpoint
 
 

@@ -18,7 +18,7 @@ import click
 try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    import tomli as tomllib  # type: ignore[no-redef]
 
 COLUMNS = ("wall_s", "env_steps", "sps", "return_mean_20", "staleness_mean", "staleness_max")
 REQUIRED = ("wall_s", "env_steps")

@@ -5,8 +5,8 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.transport.link import BrokerLink
 from zddrl.transport.io import NOBLOCK, recv_frames
+from zddrl.transport.link import BrokerLink
 
 CREDIT_WINDOW = 64
 """Most trajectories a shard lets the broker send ahead of what it has consumed (sync mode; async modes

@@ -5,7 +5,8 @@ group options) around them that costs ~0.2 us per frame, and a trajectory is 16 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import zmq
 

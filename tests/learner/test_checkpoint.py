@@ -12,24 +12,24 @@ import pytest
 import torch
 
 from conftest import wait_for
-from test_ppo import _trajectory
+from samples import cartpole_trajectory
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning, zddrl
+from zddrl.algos.ppo import PPOLearner
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.algos.ppo import PPOLearner
 from zddrl.learner.runlog import RunLog, latest_checkpoint, load_checkpoint
 
 
 def test_learner_state_round_trip_continues_identically() -> None:
     config = Config().replace({"algo.normalize_obs": True, "algo.normalize_reward": True})
     a = PPOLearner(config, EnvSpec((4,), True, 2))
-    a.update([_trajectory(8, 4)])
+    a.update([cartpole_trajectory(8, 4)])
     state = a.state()
     b = PPOLearner(config.replace({"env.seed": 99}), EnvSpec((4,), True, 2))  # different init and RNG
     b.load_state(state)
-    b.update([_trajectory(8, 4, seq=1)])
+    b.update([cartpole_trajectory(8, 4, seq=1)])
     torch.set_rng_state(state["torch_rng"])  # both cores share this process's global RNG
-    a.update([_trajectory(8, 4, seq=1)])
+    a.update([cartpole_trajectory(8, 4, seq=1)])
     np.testing.assert_array_equal(a.params()[0], b.params()[0])  # weights, Adam moments, RNG, statistics
 
 
@@ -53,6 +53,7 @@ def test_checkpoints_are_atomic_pruned_and_loaded_safely(tmp_path: Path, monkeyp
     log.close()
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_reaches_the_target_with_monotonic_counters(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),

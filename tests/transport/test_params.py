@@ -10,8 +10,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker_clients import WAIT_S, counters, recv_control, start_run
 from conftest import BrokerHandle, Bus, wait_for
-from test_broker import WAIT_S, counters, recv_control, start_run
 from zddrl import protocol as P
 from zddrl.transport.params import Assembler, FrameCache, from_transport, split, to_transport
 
@@ -117,6 +117,7 @@ def test_frame_cache_keeps_the_newest_whole_version() -> None:
     assert cache.add(v1[0], ["late"]) == "stale"
 
 
+@pytest.mark.slow
 def test_broker_streams_chunks_and_gives_late_joiners_the_whole_version(broker: BrokerHandle, bus: Bus) -> None:
     learner = start_run(bus, broker)
     msgs = version(4, n=50_000, chunk_bytes=64 << 10, dtype="bfloat16", run="run-a")
@@ -137,6 +138,7 @@ def test_broker_streams_chunks_and_gives_late_joiners_the_whole_version(broker: 
     assert [(type(k), k.policy_version) for k in kinds] == [(P.Parameters, 4), (P.ParamChunk, 4)]
 
 
+@pytest.mark.slow
 def test_train_learns_with_bfloat16_parameters_in_chunks(tmp_path) -> None:
     """The whole system with the CartPole model (~9k parameters) sent as 5 bfloat16 chunks of 4 KiB."""
     from test_train import train

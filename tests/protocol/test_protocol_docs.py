@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from zddrl import protocol as P
-from zddrl.transport.params import Assembler
 from zddrl.broker.broker import DROP_REASONS
+from zddrl.transport.params import Assembler
 
-DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "protocol.md"
+DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 DOC = DOC_PATH.read_text(encoding="utf-8")
 BLOCK = re.compile(r"^```(frames|json) ([\w-]+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 REQUIRED = {"hello", "welcome", "heartbeat", "credit", "trajectory", "params"}

@@ -21,7 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "brokers" / "local.toml"
 CLUSTER = ROOT / "brokers" / "cluster.toml"
 FIELDS = {f.name for f in dataclasses.fields(BrokerConfig)}
@@ -55,16 +55,17 @@ def test_profiles_spell_out_and_comment_every_setting(profile: Path) -> None:
             assert lines[i - 1].lstrip().startswith("#"), f"{profile.name}: {line.split('=')[0].strip()} has no comment"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", [LOCAL, CLUSTER], ids=["local", "cluster"])
 def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: Path) -> None:
-    c, t, l, p = free_ports(4)
+    c, t, lp, p = free_ports(4)
     ready = tmp_path / "ready.json"
     proc = procs.start("broker", "broker", "--profile", str(profile), "--bind", f"tcp://127.0.0.1:{c}",
-                       "--trajectory-port", str(t), "--learner-port", str(l), "--params-port", str(p),
+                       "--trajectory-port", str(t), "--learner-port", str(lp), "--params-port", str(p),
                        "--ready-file", str(ready))
     wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
-    assert json.loads(ready.read_text()) == {"control": c, "trajectories": t, "learners": l, "params": p}
+    assert json.loads(ready.read_text()) == {"control": c, "trajectories": t, "learners": lp, "params": p}
 
     # The settings the flags did not name come from the profile: the welcome carries them.
     expected = load_broker_config(profile)
@@ -79,13 +80,14 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
     finally:
         ctx.destroy(linger=0)
     assert isinstance(welcome, P.Welcome)
-    assert welcome.ports == {"trajectories": t, "learners": l, "params": p}
+    assert welcome.ports == {"trajectories": t, "learners": lp, "params": p}
     assert welcome.heartbeat_interval_s == expected.heartbeat_interval_s
     assert welcome.heartbeat_liveness == expected.heartbeat_liveness
     assert welcome.max_message_bytes == expected.max_message_bytes
     assert procs.stop(proc) == 0, "SIGTERM is a clean shutdown"
 
 
+@pytest.mark.slow
 def test_a_random_port_bind_overrides_the_profiles_fixed_one(procs: Procs, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = procs.start("broker", "broker", "--profile", str(LOCAL), "--bind", "tcp://127.0.0.1:*",
@@ -113,6 +115,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD_PROFILES))
 def test_a_bad_profile_is_a_clear_cli_error(case: str, tmp_path: Path) -> None:
     text, names = BAD_PROFILES[case]
@@ -127,11 +130,13 @@ def test_a_bad_profile_is_a_clear_cli_error(case: str, tmp_path: Path) -> None:
     assert names in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_missing_profile_is_a_clear_cli_error(tmp_path: Path) -> None:
     out = run_cli("broker", "--profile", str(tmp_path / "nope.toml"))
     assert out.returncode == 2 and "does not exist" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_non_numeric_bind_port_names_the_setting(tmp_path: Path) -> None:
     profile = tmp_path / "port.toml"
     profile.write_text("[broker]\nbind = \"tcp://127.0.0.1:fivefive\"\n")

@@ -48,7 +48,7 @@ def decode_both(frames: list, limit: int = P.DEFAULT_MAX_MESSAGE_BYTES) -> P.Tra
 
 
 def test_a_known_layout_is_checked_once(spec_checks: list) -> None:
-    for seq in range(3):
+    for _ in range(3):
         msg = decode_both(message())
         assert msg.arrays["obs"].shape == (2, 1, 3) and msg.arrays["terminated"].tolist() == [[False], [True]]
     assert len(spec_checks) == 1

@@ -13,7 +13,7 @@ import pytest
 
 from zddrl.ops.plot import PlotError, load_run, plot_runs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
 NEEDS_MPL = "matplotlib is not installed (pip install 'zddrl[plot]')"
 
@@ -41,6 +41,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_load_run_reads_a_real_run_with_empty_return_cells(run_dir: Path) -> None:
     run = load_run(run_dir)
     steps, ret = run.series["env_steps"], run.series["return_mean_20"]
@@ -51,6 +52,7 @@ def test_load_run_reads_a_real_run_with_empty_return_cells(run_dir: Path) -> Non
     assert run.target == 475.0 and run.env_id == "CartPole-v1"
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png_from_a_real_run(run_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason=NEEDS_MPL)
     out = tmp_path / "out.png"
@@ -62,6 +64,7 @@ def test_plot_writes_a_png_from_a_real_run(run_dir: Path, tmp_path: Path) -> Non
     assert out.stat().st_size > 30_000  # four panels of axes, curves and text, not a blank canvas
 
 
+@pytest.mark.slow
 def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason=NEEDS_MPL)
     other = tmp_path / "async-run"
@@ -81,6 +84,7 @@ def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     assert load_run(twin).label() == "cartpole_ppo, sync, seed 1" and load_run(twin).target is None
 
 
+@pytest.mark.slow
 def test_plot_of_a_dir_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
     empty = tmp_path / "not-a-run"
     empty.mkdir()
@@ -102,6 +106,7 @@ def test_plot_of_an_empty_or_foreign_metrics_file_is_a_clear_error(tmp_path: Pat
         plot_runs([tmp_path], tmp_path / "out.png")
 
 
+@pytest.mark.slow
 def test_plot_without_matplotlib_says_how_to_install_it(run_dir: Path, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):

@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from zddrl.algos.returns import (gae, truncated_importance_weights, vtrace,
-                           vtrace_discounts_and_rewards)
+from zddrl.algos.returns import gae, truncated_importance_weights, vtrace, vtrace_discounts_and_rewards
 
 NAN = float("nan")
 

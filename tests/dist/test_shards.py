@@ -33,6 +33,7 @@ def test_device_plans() -> None:
             plan_devices(bad, cuda_count=1)
 
 
+@pytest.mark.slow
 def test_a_bad_gpus_value_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--gpus", "cpu:x", "--run-dir",
                            str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -52,6 +53,7 @@ def test_shard_environments_are_torchruns() -> None:
 
 
 # ---------------------------------------------------------------- equivalence
+@pytest.mark.slow
 def test_exchange_carries_small_and_long_payloads_between_shards(tmp_path: Path) -> None:
     """Small payloads ride the first all-gather; a long one (on any shard) takes a second one, on all."""
     procs = []
@@ -86,6 +88,7 @@ def _run_workers(mode: str, tmp_path: Path, world: int) -> list[dict[str, np.nda
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async", "impala"])
 def test_two_shards_with_half_batches_learn_what_one_learner_learns(mode: str, tmp_path: Path) -> None:
     """Same data, 4 updates x 3 epochs with observation and reward normalisation: 2 gloo shards, each
@@ -108,6 +111,7 @@ def _run_initial(mode: str) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the real thing
+@pytest.mark.slow
 def test_train_with_two_cpu_shards_learns_cartpole(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     summary = train(run_dir, "--gpus", "cpu:2", "--until-return", "300")
@@ -120,6 +124,7 @@ def test_train_with_two_cpu_shards_learns_cartpole(tmp_path: Path) -> None:
     assert not processes_mentioning(str(run_dir))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["async", "impala"])
 def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -133,6 +138,7 @@ def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> N
     assert all(n > 0 for n in summary["shard_trajectories"])
 
 
+@pytest.mark.slow
 def test_a_dead_shard_takes_the_group_down_with_a_clear_error(procs: Procs, broker: BrokerHandle,
                                                              tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -159,6 +165,7 @@ def _is_shard(pid: int, rank: str, marker: str) -> bool:
     return marker.encode() in cmd and f"RANK={rank}".encode() in env
 
 
+@pytest.mark.slow
 def test_a_hung_shard_fails_the_group_within_the_collective_timeout(procs: Procs, broker: BrokerHandle,
                                                                    tmp_path: Path) -> None:
     """A shard that stops answering (SIGSTOP: alive, silent) is a failure after learner.collective_timeout_s."""
@@ -197,6 +204,7 @@ def _own_address() -> str | None:
     return None if address.startswith("127.") else address
 
 
+@pytest.mark.slow
 def test_two_nodes_meet_through_the_multi_node_rendezvous(procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
     """Two `zddrl learner --nnodes 2` commands, one per "node" (here both on this host, through its own
     address), form one group of two shards: node 0 runs the run, node 1's shard trains in step."""

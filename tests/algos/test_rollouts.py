@@ -6,13 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from samples import traj, traj_arrays
 from zddrl import protocol as P
-from zddrl.config import Config
-from zddrl.envs import EnvSpec
 from zddrl.algos.ppo import PPOLearner
 from zddrl.algos.rollout import mismatch, truncations
-
-from test_protocol import traj, traj_arrays
+from zddrl.config import Config
+from zddrl.envs import EnvSpec
 
 CARTPOLE = EnvSpec((3,), True, 2)  # traj_arrays' observations have 3 numbers, its actions are 0/1
 BOX = EnvSpec((3,), False, 2, action_low=(-1.0, -1.0), action_high=(1.0, 1.0))

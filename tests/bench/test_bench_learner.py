@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
+
 TINY = ["--json", "--shards", "1,2", "--hidden", "16,16", "--batch", "1024", "--updates", "1", "--epochs", "1",
         "--minibatches", "2", "--subscribers", "1,2", "--dtypes", "float32,bfloat16", "--broadcast-hidden", "256,256",
         "--chunk-bytes", "65536"]

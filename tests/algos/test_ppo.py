@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 
+from samples import cartpole_trajectory
+from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
+from zddrl.algos.optim import Adam
+from zddrl.algos.ppo import PPOLearner, ppo_loss
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.algos.optim import Adam
-from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
-from zddrl.algos.ppo import PPOLearner, ppo_loss
 from zddrl.protocol import Trajectory
 
 
@@ -102,24 +103,9 @@ def test_schedule() -> None:
     assert schedule(1.0, "linear", 2.0) == 0.0
 
 
-def _trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> Trajectory:
-    rng = np.random.default_rng(seq)
-    truncated = np.zeros((T, N), dtype=bool)
-    truncated[1, 0] = True
-    arrays = {
-        "obs": rng.standard_normal((T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
-        "logp": np.full((T, N), -0.69, np.float32), "values": np.zeros((T, N), np.float32),
-        "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool), "truncated": truncated,
-        "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32),
-        "trunc_idx": np.array([1 * N + 0]), "trunc_obs": np.zeros((1, 4), np.float32),
-        "trunc_value": np.array([10.0], np.float32)}
-    return Trajectory(run_id="r", peer_id=peer_id, seq=seq, policy_version=0, param_hash="", env_steps=T * N,
-                      arrays=arrays)
-
-
 def test_make_batch_uses_truncation_values_and_flattens_time_major() -> None:
     core = PPOLearner(Config().replace({"algo.gamma": 0.5, "algo.gae_lambda": 1.0}), EnvSpec((4,), True, 2))
-    batch = core.make_batch([_trajectory(3, 2), _trajectory(2, 1, "b", 1)])
+    batch = core.make_batch([cartpole_trajectory(3, 2), cartpole_trajectory(2, 1, "b", 1)])
     assert batch.obs.shape == (8, 4) and batch.returns.shape == (8,)
     # env 0 of the first trajectory, rows t=0,1 (flat 0 and 2): truncated after t=1 with V(final) = 10
     # R_1 = 1 + 0.5 * 10 = 6; R_0 = 1 + 0.5 * 6 = 4
@@ -130,7 +116,7 @@ def test_make_batch_uses_truncation_values_and_flattens_time_major() -> None:
 def test_update_reports_figures_and_moves_parameters() -> None:
     core = PPOLearner(Config(), EnvSpec((4,), True, 2))
     before, _, _ = core.params()
-    figures = core.update([_trajectory(16, 4)])
+    figures = core.update([cartpole_trajectory(16, 4)])
     after, _, _ = core.params()
     assert not np.array_equal(before, after)
     for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "grad_norm", "lr"):
@@ -144,7 +130,7 @@ def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: s
     from zddrl.algos.impala import ImpalaLearner
 
     T, N = 16, 8
-    whole = _trajectory(T, N)
+    whole = cartpole_trajectory(T, N)
     for key in ("rewards", "terminated"):
         whole.arrays[key][:] = np.random.default_rng(1).random((T, N)) < 0.3 if key == "terminated" else \
             np.random.default_rng(2).standard_normal((T, N))

@@ -1,6 +1,6 @@
 """One learner shard for the equivalence tests: trains on its share of fixed data, saves its parameters.
 
-``python tests/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
+``python tests/dist/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) runs one shard of a gloo group; without them, one learner on all data.
 Every update has one trajectory from each of four actors (two from actor a in two updates); the
 shards split them differently each update, mostly unevenly: the reward scaler's streams move between

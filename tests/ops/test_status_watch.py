@@ -19,17 +19,18 @@ import subprocess
 import sys
 import termios
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import zmq
 
 from conftest import BrokerHandle, Procs, wait_for
 from zddrl import protocol as P
-from zddrl.transport.link import BrokerLink
 from zddrl.config import Config
 from zddrl.ops.status import PlainScreen, format_status, request_status
+from zddrl.transport.link import BrokerLink
 
 WAIT_S = 10.0
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -52,8 +53,8 @@ def test_format_status_lists_health_warnings_and_departures() -> None:
         health=[{"member": "actor-0", "check": "comm_share", "message": "spends 50% of its time", "since_s": 4.0}],
         departures=[{"member": "actor-7", "role": "actor", "host": "node7", "pid": 7, "reason": crash,
                      "crashed": True, "time": 0.0, "ago_s": 3.0},
-                    {"member": "actor-8", "role": "actor", "host": "node8", "pid": 8, "reason": "expired: silent for 3.1 s",
-                     "crashed": False, "time": 0.0, "ago_s": 9.0}]))
+                    {"member": "actor-8", "role": "actor", "host": "node8", "pid": 8,
+                     "reason": "expired: silent for 3.1 s", "crashed": False, "time": 0.0, "ago_s": 9.0}]))
     rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.startswith("actor-")}
     assert set(rows) == {"actor-0", "actor-1"}, "only members' rows start at the margin"
     assert rows["actor-0"][-3:] == ["123", "1", "0.2"], "rss_mb, warnings, seen"
@@ -123,9 +124,10 @@ def fast_broker(procs: Procs, tmp_path: Path) -> BrokerHandle:
     handle = BrokerHandle(procs, tmp_path)
     profile = tmp_path / "broker.toml"
     profile.write_text("[broker]\nheartbeat_interval_s = 0.2\nheartbeat_liveness = 3\n")
-    _, t, l, p = handle.ports
+    _, traj_port, learner_port, params_port = handle.ports
     handle.proc = procs.start("broker", "broker", "--profile", str(profile), "--bind", handle.connect,
-                              "--trajectory-port", str(t), "--learner-port", str(l), "--params-port", str(p),
+                              "--trajectory-port", str(traj_port), "--learner-port", str(learner_port),
+                              "--params-port", str(params_port),
                               "--ready-file", str(handle.ready))
     wait_for(lambda: handle.ready.exists() or handle.proc.poll() is not None, 20, "the broker to bind")
     assert handle.proc.poll() is None, procs.log("broker")
@@ -141,6 +143,7 @@ def members(broker: BrokerHandle) -> Iterator[Members]:
         m.close()
 
 
+@pytest.mark.slow
 def test_status_shows_every_live_member_and_drops_expired_ones(fast_broker: BrokerHandle) -> None:
     members = fleet(fast_broker)
     try:
@@ -180,6 +183,7 @@ def watch_cmd(connect: str) -> list[str]:
             "--timeout", "0.5"]
 
 
+@pytest.mark.slow
 def test_watch_piped_prints_frames_survives_a_dead_broker_and_quits_on_sigint(
         broker: BrokerHandle, members: Members, tmp_path: Path) -> None:
     log = tmp_path / "watch.out"
@@ -220,6 +224,7 @@ def read_pty(fd: int, timeout_s: float) -> bytes:
     return b"".join(chunks)
 
 
+@pytest.mark.slow
 def test_watch_on_a_terminal_draws_rich_tables_and_quits_on_ctrl_c(broker: BrokerHandle, members: Members) -> None:
     pytest.importorskip("rich")
     master, slave = pty.openpty()
@@ -248,8 +253,10 @@ def test_watch_on_a_terminal_draws_rich_tables_and_quits_on_ctrl_c(broker: Broke
         os.close(master)
 
 
+@pytest.mark.slow
 def test_status_json_has_the_new_keys(broker: BrokerHandle, members: Members) -> None:
     out = subprocess.run([sys.executable, "-m", "zddrl", "status", "--connect", broker.connect, "--json"],
                          capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     got = json.loads(out.stdout)
-    assert got["health"] == [] and got["departures"] == [] and set(got["members"]) == {"learner-0", "actor-0", "actor-1"}
+    assert got["health"] == [] and got["departures"] == []
+    assert set(got["members"]) == {"learner-0", "actor-0", "actor-1"}

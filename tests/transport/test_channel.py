@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
+from samples import traj, traj_arrays
 from zddrl import protocol as P
 from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
-
-from test_protocol import traj, traj_arrays
 
 
 class FakeBroker:

@@ -12,6 +12,7 @@ TINY = ["--json", "--seconds", "0.3", "--rounds", "1", "--payloads", "4096,65536
         "--broadcast-sizes", "100000", "--subscribers", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bench_bus_smoke() -> None:
     t0 = time.monotonic()
@@ -65,6 +66,7 @@ def test_summed_broker_counters() -> None:
     assert _summed([])["accounted"] is False
 
 
+@pytest.mark.slow
 def test_bench_bus_rejects_bad_payloads() -> None:
     proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "bus", "--payloads", "12"], capture_output=True,
                           text=True, timeout=60, stdin=subprocess.DEVNULL)
@@ -72,6 +74,7 @@ def test_bench_bus_rejects_bad_payloads() -> None:
     assert "--payloads" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_codec_json() -> None:
     proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "codec", "--json", "--passes", "1"],
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)

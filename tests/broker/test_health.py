@@ -4,7 +4,7 @@ Units: ``HealthMonitor`` fed by hand (each check fires on a provoked case and cl
 figures, crash reports. End to end: a real broker judging what real ``BrokerLink`` clients report,
 and a real actor process that crashes (its env raises) while a real learner trains.
 
-This module is also the env factory of the end-to-end crash test (``tests.test_health:exploding_cartpole``,
+This module is also the env factory of the end-to-end crash test (``tests.broker.test_health:exploding_cartpole``,
 imported by the learner and actor processes), so it imports nothing heavy at module level.
 """
 from __future__ import annotations
@@ -16,8 +16,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -25,14 +26,14 @@ import pytest
 import zmq
 
 from conftest import Bus
-from zddrl.broker import health as H
 from zddrl import protocol as P
 from zddrl.actor.host import ActorTimers, first_obs_hash
-from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
+from zddrl.broker import health as H
 from zddrl.broker.health import HealthMonitor
 from zddrl.ops.status import request_status
+from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 10.0
 EXPLODE_ENV = "ZDDRL_TEST_EXPLODE_AFTER"
 """Env var read by exploding_cartpole: env steps after which it raises (unset: never)."""
@@ -358,6 +359,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
                           stdin=subprocess.DEVNULL)
 
 
+@pytest.mark.slow
 def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs: Any, clients: Clients) -> None:
     from conftest import wait_for
 
@@ -387,12 +389,14 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
     body = wait_for(lambda: (b := clients.status(broker)) and "stuck_version" in health_of(b, "actor-0") and b,
                     H.STUCK_AFTER_S + 20, "the stuck_version warning")
     assert time.monotonic() - behind_since > H.STUCK_AFTER_S - 1.5  # the broker's tick is 1 s
-    assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in health_of(body, "actor-0")["stuck_version"]["message"]
+    stuck = health_of(body, "actor-0")["stuck_version"]
+    assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in stuck["message"]
     latest = H.STUCK_VERSIONS + 1
     actor.send(P.Stats(peer_id="actor-0", role="actor", stats={"policy_version": latest, "param_hash": hashes[latest]}))
     wait_for(lambda: not clients.status(broker)["health"], WAIT_S, "the stuck warning to clear")
 
 
+@pytest.mark.slow
 def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> None:
     from conftest import wait_for
 
@@ -402,7 +406,8 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
     stranger = clients.ctx.socket(zmq.DEALER)  # never said hello
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(broker.connect)
-    bogus = P.Stats(peer_id="actor-9", role="actor", stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
+    bogus = P.Stats(peer_id="actor-9", role="actor",
+                    stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
     for _ in range(H.COMM_SHARE_REPORTS + 1):
         stranger.send_multipart(P.encode(bogus))
     rejects = 0
@@ -420,15 +425,17 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any, clients: Clients,
                                                          tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import wait_for
 
     # Learner and actors import this module as the run's env factory (and it imports conftest).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH",
+                       os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     procs.start("learner", "learner", "--connect", broker.connect, str(ROOT / "examples" / "cartpole_ppo.toml"),
                 "--run-dir", str(tmp_path / "run"), "--mode", "async", "--set", "env.rollout_len=8",
-                "--set", "env.id=tests.test_health:exploding_cartpole")
+                "--set", "env.id=tests.broker.test_health:exploding_cartpole")
     procs.start("actor-1", "actor", "--connect", broker.connect, "--actor-id", "1", "--envs", "2")
     monkeypatch.setenv(EXPLODE_ENV, "20")
     crashing = procs.start("actor-0", "actor", "--connect", broker.connect, "--actor-id", "0", "--envs", "2")

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
+from zddrl.actor.policy import NumpyPolicy
+from zddrl.algos.model import ActorCritic, flatten_params, load_flat, unflatten
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
-from zddrl.algos.model import ActorCritic, flatten_params, load_flat, unflatten
-from zddrl.actor.policy import NumpyPolicy
 
 
 @pytest.mark.parametrize("discrete", [True, False])
