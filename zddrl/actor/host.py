@@ -230,7 +230,7 @@ class ActorHost:
                 newest = params if resample else self._next_params(link, params, config.algo.mode)
                 if newest is None or newest.run_id != run_id:
                     continue
-                if params is None or newest.policy_version != params.policy_version:
+                if policy is None or params is None or newest.policy_version != params.policy_version:
                     params = newest
                     policy = NumpyPolicy(params.arrays["flat"], params.layout, config.model.activation,
                                          vec.spec.discrete, params.arrays.get("obs_mean"),

@@ -6,13 +6,19 @@ time. The maths mirrors ``zddrl.algos.model.ActorCritic`` exactly (tests check i
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from zddrl.algos.flat import normalize_obs, unflatten
 
-_ACT = {"tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0)}
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0.0)
+
+
+_ACT: dict[str, Callable[[np.ndarray], np.ndarray]] = {"tanh": np.tanh, "relu": _relu}
 
 
 class ActOutput(NamedTuple):
@@ -34,7 +40,8 @@ class NumpyPolicy:
         self.v = self._layers(weights, "v")
         self.act_fn = _ACT[activation]
         self.discrete = discrete
-        self.log_std = None if discrete else np.asarray(weights["log_std"], dtype=np.float32)
+        self.log_std = np.zeros(0, np.float32) if discrete else np.asarray(weights["log_std"], dtype=np.float32)
+        """Box actions: the Gaussian's state-independent log std (empty for discrete actions)."""
         self.obs_mean = None if obs_mean is None else np.asarray(obs_mean, dtype=np.float32)
         self.obs_var = None if obs_var is None else np.asarray(obs_var, dtype=np.float32)
 

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from loguru import logger
@@ -51,8 +51,20 @@ REPORTED_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfr
 """The last update's figures that go to `zddrl status` with the learner's stats."""
 
 
+class MainShard(NamedTuple):
+    ledger: Ledger
+    runlog: RunLog
+    checkpoints: Checkpoints
+    fleet: Fleet
+
+
 class LearnerNode:
     """``LearnerNode(connect, config, run_dir).run(stop) -> summary``; one per shard."""
+
+    link: BrokerLink
+    """The control link (set by ``run``)."""
+    poller: ShardPoller
+    """This shard's data socket, polled in step with the others (set by ``run``, once welcomed)."""
 
     def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
                  peer_id: str | None = None, context: zmq.Context | None = None, resume: bool = False,
@@ -76,16 +88,16 @@ class LearnerNode:
         checkpoint = check_run_dir(config, Path(run_dir), resume)
         if checkpoint is not None:
             progress = self._restore(load_checkpoint(checkpoint), checkpoint)
-        self.ledger = Ledger(config, self.log, t0 if t0 is not None else time.time(), self.group.world_size,
-                             progress) if self.main else None
-        self.runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None) \
-            if self.main else None  # the main shard owns the run directory
-        self.checkpoints = Checkpoints(self.runlog, config.train) if self.runlog is not None else None
-        self.fleet = Fleet(config.env.num_envs, self.algo.batch_size, self.rollout_len, self.log,
-                           sizes_rollouts=self.algo.mode == "sync") if self.main else None
+        self.own: MainShard | None = None
+        """What the main shard alone keeps: the run's counting, its directory, its checkpoints, its fleet."""
+        if self.main:
+            runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None)
+            self.own = MainShard(
+                Ledger(config, self.log, t0 if t0 is not None else time.time(), self.group.world_size, progress),
+                runlog, Checkpoints(runlog, config.train),
+                Fleet(config.env.num_envs, self.algo.batch_size, self.rollout_len, self.log,
+                      sizes_rollouts=self.algo.mode == "sync"))
         self.updates = progress.updates if progress is not None else 0
-        self.link: BrokerLink | None = None
-        self.poller: ShardPoller | None = None
         self.max_chunk_bytes = 1 << 30
         self.next_stats = 0.0
         self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": 0.0}
@@ -99,29 +111,34 @@ class LearnerNode:
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
         crashed = False
         try:
-            if link.wait_welcome(WELCOME_TIMEOUT_S) is None or link.refused:
+            welcome = link.wait_welcome(WELCOME_TIMEOUT_S)
+            if welcome is None or link.refused:
                 if link.refused:
                     raise Refused(link.refused)
                 raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
-            window, limit = self._window(), link.welcome.max_message_bytes
+            window, limit = self._window(), welcome.max_message_bytes
             self.poller = ShardPoller(link, lambda: DataChannel(self.ctx, link, self.peer_id, limit, window),
                                       self.run_id, self.group, self._mismatch, self.log)
             # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
-            self.max_chunk_bytes = max(1024, link.welcome.max_message_bytes // 2)
+            self.max_chunk_bytes = max(1024, limit // 2)
             self._refresh_fleet()
             self._publish()
-            if self.main:
-                self.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
+            if self.own is not None:
+                self.own.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
                                   "broker": self.connect, "shards": self.group.world_size})
                 self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch "
                               f"{self.algo.batch_size} steps, {self.group.world_size} shard(s), version "
                               f"{self.version} published")
-            collector = SyncRounds(self.poller, self.algo, self.log, self.fleet, self.ledger, self._refresh_fleet) \
-                if self.algo.mode == "sync" else AsyncStream(self.poller, self.algo, self.ledger)
+            own = self.own
+            ledger = own.ledger if own is not None else None
+            collector: SyncRounds | AsyncStream = AsyncStream(self.poller, self.algo, ledger)
+            if self.algo.mode == "sync":
+                collector = SyncRounds(self.poller, self.algo, self.log, own.fleet if own is not None else None,
+                                       ledger, self._refresh_fleet)
             while self._step(collector.collect(stop, self.version)):
                 self._report()
-                if self.checkpoints is not None and self.checkpoints.due(self.updates):
-                    self._checkpoint()
+                if own is not None and own.checkpoints.due(self.updates):
+                    self._checkpoint(own)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
@@ -148,28 +165,30 @@ class LearnerNode:
         self.timing["wait_s"] += got.round_s
         if publish_due(self.algo.mode, self.updates, self.algo.publish_every):
             self._publish()
-        if self.ledger is not None:
-            self.ledger.progress.updates = self.updates
+        if self.own is not None:
+            ledger = self.own.ledger
+            ledger.progress.updates = self.updates
             figures.update(got.figures or {})
             if self.algo.mode != "sync":
-                self.ledger.watch_lag()
-            row = self.ledger.row(figures, policy_version=self.version, skipped_steps=self.core.skipped_steps,
+                ledger.watch_lag()
+            row = ledger.row(figures, policy_version=self.version, skipped_steps=self.core.skipped_steps,
                                   actors=got.actors, rollout_len=self.rollout_len, round_s=got.round_s,
                                   update_s=update_s)
-            self.runlog.write(row)
+            self.own.runlog.write(row)
         return True
 
     def _finish(self, crashed: bool) -> dict[str, Any]:
         summary = self._summary()
-        if self.main:
-            self.runlog.summary(summary)
-            self.fleet.flush_log()
-            if self.fleet.hosts:
-                self.runlog.meta({"hosts": sorted(self.fleet.hosts), "actors": sorted(self.fleet.actors)})
+        own = self.own
+        if own is not None:
+            own.runlog.summary(summary)
+            own.fleet.flush_log()
+            if own.fleet.hosts:
+                own.runlog.meta({"hosts": sorted(own.fleet.hosts), "actors": sorted(own.fleet.actors)})
             if not crashed:
-                self._checkpoint(final=True)
-            self.runlog.close()
-        if self.poller is not None:
+                self._checkpoint(own, final=True)
+            own.runlog.close()
+        if hasattr(self, "poller"):
             self.poller.close()
         return summary
 
@@ -183,9 +202,9 @@ class LearnerNode:
 
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""
-        if self.fleet is None or not self.fleet.refresh(self._fleet_snapshot()):
+        if self.own is None or not self.own.fleet.refresh(self._fleet_snapshot()):
             return False
-        self.rollout_len = self.fleet.rollout_len
+        self.rollout_len = self.own.fleet.rollout_len
         return True
 
     def _fleet_snapshot(self):  # TEMPORARY until BrokerLink.fleet() lands (broker-contract branch)
@@ -222,15 +241,17 @@ class LearnerNode:
             hashes = self.group.exchange(P.param_hash(flat))
             if len(set(hashes)) != 1:
                 raise ShardError(f"learner shards diverged at version {self.version}: parameter hashes {hashes}")
-        if not self.main:
+        own = self.own
+        if own is None:
             return
-        if self.fleet is not None:
-            self.rollout_len = self.fleet.rollout_len
+        self.rollout_len = own.fleet.rollout_len
         lc = self.config.learner
         messages = split_params(run_id=self.run_id, peer_id=self.peer_id, version=self.version, flat=flat,
                                 layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
                                 chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
-        self.ledger.published(self.version, messages[0].param_hash)  # what actors acting with it report
+        head = messages[0]
+        if isinstance(head, P.Parameters):  # split() puts the version's head first
+            own.ledger.published(self.version, head.param_hash)  # what actors acting with it report
         self.poller.send_params(messages)
 
     def _report(self) -> None:
@@ -242,32 +263,33 @@ class LearnerNode:
         elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": self.group.comm_s}
-        stats = {"shard": self.group.rank, "shards": self.group.world_size,
+        stats: dict[str, Any] = {"shard": self.group.rank, "shards": self.group.world_size,
                  "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
                  "wait_data_share": timing["wait_s"] / elapsed,
                  "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
                  "policy_version": self.version}
-        if self.ledger is not None:  # the run's figures are the main shard's to report
-            ret = self.ledger.return_mean()
-            row = self.ledger.last_row
-            stats = {**{k: v for k, v in row.items() if k in REPORTED_FIGURES and isinstance(v, (int, float, str))},
-                     **stats, "updates": self.updates, "env_steps": self.ledger.env_steps(),
+        if self.own is not None:  # the run's figures are the main shard's to report
+            ledger = self.own.ledger
+            ret = ledger.return_mean()
+            stats = {**{k: v for k, v in ledger.last_row.items()
+                        if k in REPORTED_FIGURES and isinstance(v, (int, float, str))},
+                     **stats, "updates": self.updates, "env_steps": ledger.env_steps(),
                      "return_mean_20": None if math.isnan(ret) else ret,
-                     **{f"lag/{actor}": lag for actor, lag in self.ledger.lag.items()}, **self.ledger.drops()}
+                     **{f"lag/{actor}": lag for actor, lag in ledger.lag.items()}, **ledger.drops()}
         self.link.send(P.Stats(peer_id=self.peer_id, role="learner", stats=stats))
 
     def _summary(self) -> dict[str, Any]:
         run = {"policy_version": self.version, "mode": self.algo.mode, "seed": self.config.env.seed,
                "run_id": self.run_id, "shards": self.group.world_size}
-        return self.ledger.summary(**run) if self.ledger is not None else {"updates": self.updates, **run}
+        return self.own.ledger.summary(**run) if self.own is not None else {"updates": self.updates, **run}
 
     # ---------------------------------------------------------------- checkpoints
-    def _checkpoint(self, final: bool = False) -> None:
-        ledger = self.ledger
+    def _checkpoint(self, own: MainShard, final: bool = False) -> None:
+        ledger = own.ledger
         state = {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
                  "progress": ledger.progress.state(ledger.wall_s()), "rollout_len": self.rollout_len,
                  "env_steps": ledger.env_steps()}
-        path = self.checkpoints.write(state, self.version, self.updates, final)
+        path = own.checkpoints.write(state, self.version, self.updates, final)
         self.log.debug(f"checkpoint {path.name} written")
 
     def _restore(self, state: dict[str, Any], path: Path) -> Progress:

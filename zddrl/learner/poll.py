@@ -71,14 +71,12 @@ class ShardPoller:
         self._reconnect_if_needed()
         mine: list[Record] = []
         msg, fresh = self._receive()
-        why = self.check(msg) if msg is not None and fresh else ""  # kept ones were checked when they came
-        if why:
-            mine.append(record_of(msg, fresh, False, why))
-        elif msg is not None:
-            taken = use(msg)
+        if msg is not None:
+            why = self.check(msg) if fresh else ""  # kept ones were checked when they came
+            taken = not why and use(msg)
             if taken:
                 batch.append(msg)
-            mine.append(record_of(msg, fresh, taken))
+            mine.append(record_of(msg, fresh, taken, why))
         parts = self.group.exchange({"records": [list(r) for r in mine], "stop": stop.is_set(),
                                      "control": control if self.group.is_main else None})
         control = dict(parts[0]["control"])

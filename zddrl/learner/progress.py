@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +60,7 @@ class Progress:
         stream[2] = max(stream[2], reported_total)
         self.actor_steps[peer_id] = stream[3] + stream[2] - stream[1]
 
-    def add_episodes(self, returns: np.ndarray) -> None:
+    def add_episodes(self, returns: Sequence[float]) -> None:
         for r in returns:
             self.returns.append(float(r))
         self.episodes += len(returns)

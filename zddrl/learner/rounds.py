@@ -82,7 +82,9 @@ class SyncRounds:
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
         started = time.monotonic()
         batch: list[P.Trajectory] = []
-        steps, reported, unusable = 0, set(), set()
+        steps = 0
+        reported: set[str] = set()
+        unusable: set[str] = set()
         expected: set[str] = set()
         announced: set[str] | None = None
         timeout = self.timeout_s()
@@ -90,7 +92,7 @@ class SyncRounds:
         by_timeout = False
         while True:
             control: dict[str, Any] = {}
-            if fleet is not None:
+            if fleet is not None and self.ledger is not None:
                 if self.refresh_fleet() or announced is None:  # the round's start, or an actor joined or left
                     expected = fleet.expected()
                 control = {"stop": self.ledger.finished(), "late": time.monotonic() - started > timeout}
@@ -160,7 +162,7 @@ class AsyncStream:
                 return CollectedBatch(batch, time.monotonic() - started, 0, stopped=True)
         staleness = np.repeat([s for _, s, _ in used], [n for _, _, n in used])
         hist = np.bincount(staleness)
-        figures = {"staleness_mean": float(staleness.mean()), "staleness_max": int(staleness.max()),
+        mean = float(staleness.mean())
+        figures = {"staleness_mean": mean, "staleness_max": int(staleness.max()),
                    "staleness_hist": " ".join(f"{v}:{n}" for v, n in enumerate(hist) if n)}
-        return CollectedBatch(batch, time.monotonic() - started, len({peer for peer, _, _ in used}),
-                         figures["staleness_mean"], figures)
+        return CollectedBatch(batch, time.monotonic() - started, len({peer for peer, _, _ in used}), mean, figures)
