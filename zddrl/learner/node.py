@@ -124,8 +124,9 @@ class LearnerNode:
             self._refresh_fleet()
             self._publish()
             if self.own is not None:
-                self.own.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode, "resumed_from_version": self.version,
-                                  "broker": self.connect, "shards": self.group.world_size})
+                self.own.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode,
+                                      "resumed_from_version": self.version, "broker": self.connect,
+                                      "shards": self.group.world_size})
                 self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch "
                               f"{self.algo.batch_size} steps, {self.group.world_size} shard(s), version "
                               f"{self.version} published")
