@@ -48,3 +48,14 @@ def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.T
         "trunc_value": np.array([10.0], np.float32)}
     return P.Trajectory(run_id="r", peer_id=peer_id, seq=seq, policy_version=0, param_hash="", env_steps=T * N,
                         arrays=arrays)
+
+
+def rollout_of(peer: str, seq: int, version: int, T: int = 4, N: int = 1) -> P.Trajectory:
+    """A CartPole-shaped rollout of ``T`` steps of ``N`` envs from ``peer`` acting with ``version``."""
+    arrays = {"obs": np.zeros((T, N, 4), np.float32), "actions": np.zeros((T, N), np.int64),
+              "logp": np.full((T, N), -0.69, np.float32), "values": np.zeros((T, N), np.float32),
+              "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool),
+              "truncated": np.zeros((T, N), bool), "next_obs": np.zeros((N, 4), np.float32),
+              "next_value": np.zeros(N, np.float32)}
+    return P.Trajectory(run_id="r", peer_id=peer, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
+                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[], ep_lengths=[])

@@ -77,3 +77,19 @@ def test_sigkill_mid_run_then_resume_reaches_the_target_with_monotonic_counters(
     assert all(b >= a for a, b in zip(steps, steps[1:]))
     assert rows[:ckpt_version] == before[:ckpt_version]
     assert len(rows) > len(before) and float(rows[-1]["return_mean_20"]) >= 475
+
+
+def test_the_first_checkpoint_follows_the_first_update_then_the_schedule(tmp_path: Path) -> None:
+    from zddrl.config import Config
+    from zddrl.learner.checkpoints import Checkpoints
+
+    train = Config().replace({"train.checkpoint_every": 5, "train.checkpoint_every_s": 3600}).train
+    log = RunLog(tmp_path, {})
+    try:
+        ckpt = Checkpoints(log, train)
+        assert not ckpt.due(0) and ckpt.due(1)  # a crash in the first minute must not lose everything
+        ckpt.write({"policy_version": 1}, 1, 1)
+        assert (tmp_path / "checkpoints" / "ckpt-00000001.pt").exists()
+        assert [u for u in range(1, 11) if ckpt.due(u)] == [5, 10]  # then every checkpoint_every updates
+    finally:
+        log.close()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 from loguru import logger
 
 from fakes import FakeChannel, FakeLink
+from samples import rollout_of
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
@@ -17,16 +17,6 @@ from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds
-
-
-def rollout(peer: str, seq: int, version: int, T: int = 4, N: int = 1) -> P.Trajectory:
-    arrays = {"obs": np.zeros((T, N, 4), np.float32), "actions": np.zeros((T, N), np.int64),
-              "logp": np.full((T, N), -0.69, np.float32), "values": np.zeros((T, N), np.float32),
-              "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool),
-              "truncated": np.zeros((T, N), bool), "next_obs": np.zeros((N, 4), np.float32),
-              "next_value": np.zeros(N, np.float32)}
-    return P.Trajectory(run_id="r", peer_id=peer, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
-                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[], ep_lengths=[])
 
 
 class Rig:
@@ -61,7 +51,7 @@ def rig():
 
 def test_a_round_closes_once_every_actor_reported_and_late_data_is_dropped(rig) -> None:
     r = rig({"a": 1, "b": 1})
-    got = r.round(3, rollout("a", 0, 3), rollout("b", 0, 2), rollout("b", 1, 3), rollout("a", 1, 3))
+    got = r.round(3, rollout_of("a", 0, 3), rollout_of("b", 0, 2), rollout_of("b", 1, 3), rollout_of("a", 1, 3))
     assert sorted(t.peer_id for t in got.batch) == ["a", "b"] and got.actors == 2 and not got.stopped
     assert r.ledger.progress.dropped_late == {"b": 1}
     assert [(m.peer_id, m.seq) for m in r.channel.messages] == [("a", 1)]  # the rest waits for the next poll
@@ -71,13 +61,13 @@ def test_a_round_closes_once_every_actor_reported_and_late_data_is_dropped(rig) 
 def test_a_silent_actor_becomes_a_straggler_then_returns_to_the_quota(rig) -> None:
     r = rig({"a": 1, "b": 1}, min_round_timeout_s=0.05)
     r.rounds.report_times.extend([0.001] * 3)  # a known median: the straggler timeout is its floor, 50 ms
-    got = r.round(3, rollout("a", 0, 3))
+    got = r.round(3, rollout_of("a", 0, 3))
     assert [t.peer_id for t in got.batch] == ["a"]
     assert r.fleet.stragglers == {"b"} and r.fleet.expected() == {"a"}
     # b's rollout of version 3 arrives during round 4: one version late, so dropped but back in the quota.
-    got = r.round(4, rollout("b", 0, 3), rollout("a", 1, 4))
+    got = r.round(4, rollout_of("b", 0, 3), rollout_of("a", 1, 4))
     assert [t.peer_id for t in got.batch] == ["a"] and r.ledger.progress.dropped_late == {"b": 1}
-    got = r.round(5, rollout("a", 2, 5), rollout("b", 1, 5))
+    got = r.round(5, rollout_of("a", 2, 5), rollout_of("b", 1, 5))
     assert sorted(t.peer_id for t in got.batch) == ["a", "b"] and r.fleet.stragglers == set()
     straggler_lines = [line for line in r.lines if "stragglers since the last such line" in line]
     assert len(straggler_lines) == 1 and "b x1" in straggler_lines[0]  # aggregated: not one line per round
@@ -89,7 +79,7 @@ def test_rollouts_are_sized_so_that_the_fleet_makes_one_batch(rig) -> None:
     assert r.fleet.rollout_len == 8  # 64 steps over 8 envs
     r.link.set_actors({"a": 4, "b": 4, "c": 8})  # an actor joins: the next rollouts are shorter
     assert r.fleet.refresh(r.link.fleet()) and r.fleet.rollout_len == 4  # 64 steps over 16 envs
-    got = r.round(0, rollout("a", 0, 0, T=4, N=4), rollout("b", 0, 0, T=4, N=4), rollout("c", 0, 0, T=4, N=8))
+    got = r.round(0, rollout_of("a", 0, 0, T=4, N=4), rollout_of("b", 0, 0, T=4, N=4), rollout_of("c", 0, 0, T=4, N=8))
     assert got.actors == 3 and r.fleet.stragglers == set() and r.fleet.rollout_len == 4
     r.link.set_actors({"a": 4, "b": 4})  # c leaves
     r.fleet.refresh(r.link.fleet())
@@ -100,9 +90,9 @@ def test_an_actor_that_joins_when_the_batch_is_already_full_is_a_straggler_until
     r = rig({"a": 4, "b": 4}, batch_size=64)
     r.fleet.refresh(r.link.fleet())
     r.link.set_actors({"a": 4, "b": 4, "c": 8})
-    got = r.round(0, rollout("a", 0, 0, T=8, N=4), rollout("b", 0, 0, T=8, N=4))  # full before c reports
+    got = r.round(0, rollout_of("a", 0, 0, T=8, N=4), rollout_of("b", 0, 0, T=8, N=4))  # full before c reports
     assert got.actors == 2 and r.fleet.stragglers == {"c"} and r.fleet.rollout_len == 8  # 64 over a's and b's envs
-    r.round(1, rollout("c", 0, 0, T=8, N=8), rollout("a", 1, 1, T=8, N=4), rollout("b", 1, 1, T=8, N=4))
+    r.round(1, rollout_of("c", 0, 0, T=8, N=8), rollout_of("a", 1, 1, T=8, N=4), rollout_of("b", 1, 1, T=8, N=4))
     assert r.fleet.stragglers == set() and r.fleet.rollout_len == 4  # c came within one version: back
 
 
@@ -110,5 +100,5 @@ def test_a_joining_actor_is_waited_for_in_the_round_it_joins(rig) -> None:
     r = rig({"a": 1})
     r.fleet.refresh(r.link.fleet())
     r.link.set_actors({"a": 1, "b": 1})
-    got = r.round(0, rollout("a", 0, 0), None, rollout("b", 0, 0))
+    got = r.round(0, rollout_of("a", 0, 0), None, rollout_of("b", 0, 0))
     assert sorted(t.peer_id for t in got.batch) == ["a", "b"]

@@ -1,0 +1,64 @@
+"""Nothing the learner keeps grows with the update count: a multi-day run makes millions of updates.
+
+The per-update path (collect through the poller, the PPO update, splitting a version for publishing, the
+ledger's row) runs a few hundred times to warm up, then tracemalloc compares the heap after many more.
+Before the ledger's hashes were bounded, each update kept ~170 bytes (~11 MB after 63k updates)."""
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import tracemalloc
+
+import pytest
+from loguru import logger
+
+from fakes import FakeChannel, FakeLink
+from samples import rollout_of
+from zddrl.algos.ppo import PPOLearner
+from zddrl.config import Config
+from zddrl.dist.shards import ShardGroup
+from zddrl.envs import probe_spec
+from zddrl.learner.fleet import Fleet
+from zddrl.learner.ledger import HASHES_KEPT, Ledger
+from zddrl.learner.poll import ShardPoller
+from zddrl.learner.rounds import SyncRounds
+from zddrl.transport.params import split
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_update_path_keeps_no_memory_per_update() -> None:
+    config = Config().replace({"algo.batch_size": 64, "algo.epochs": 1, "algo.minibatches": 1})
+    core = PPOLearner(config, probe_spec("CartPole-v1"), ShardGroup())
+    link, channel = FakeLink({"a": 4, "b": 4}), FakeChannel()
+    ledger, fleet = Ledger(config, logger, time.time()), Fleet(4, 64, 8, logger)
+    poller = ShardPoller(link, lambda: channel, "r", ShardGroup(), lambda m: "", logger)
+    rounds = SyncRounds(poller, config.algo, logger, fleet, ledger, lambda: fleet.refresh(link.fleet()))
+
+    def update(v: int) -> None:
+        channel.messages.extend([rollout_of("a", v, v, T=8, N=4), rollout_of("b", v, v, T=8, N=4)])
+        core.update(rounds.collect(threading.Event(), v).batch)
+        flat, layout, extra = core.params()
+        head, *_ = split(run_id="r", peer_id="learner-0", version=v + 1, flat=flat, layout=layout, extras=extra,
+                         meta={}, chunk_bytes=1 << 20, dtype="float32")
+        ledger.published(v + 1, head.param_hash)
+        poller.send_params([head])
+        channel.sent.clear()
+        ledger.row({"batch_steps": 64}, policy_version=v + 1)
+
+    for v in range(HASHES_KEPT + 50):
+        update(v)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for v in range(HASHES_KEPT + 50, HASHES_KEPT + 1250):
+            update(v)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # Measured: ~50 KiB (allocator and cache noise, flat in the update count); unbounded per-update state of
+    # ~170 bytes would add ~200 KiB over these 1,200 updates.
+    assert grown < 128 * 1024, f"{grown / 1024:.0f} KiB kept over 1,200 updates"
