@@ -1,0 +1,132 @@
+"""Restarting a learner that died: whether to, when, from where, and what to say about it.
+
+Used by `zddrl train` (ops/train.py), which restarts the learner process of its fleet.
+torch-free: the supervising process never needs it.
+
+A learner is restarted when it exits with anything but 0 (it stopped by itself: target, step or
+time limit, or asked to) or 2 (a usage error: the same command line or config would be refused
+again). It comes back from the newest checkpoint of its run directory with ``--resume``, exactly
+as a person would continue the run; with no checkpoint yet it starts the run afresh in the same
+directory (a fresh learner refuses a directory only once it holds checkpoints: ``cli._check_run_dir``).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from zddrl.learner.runlog import latest_checkpoint
+
+RESTART_BACKOFF_FIRST_S = 1.0
+"""Wait before the first restart. Not less than the broker's heartbeat interval (1 s by default): a new learner
+whose hello comes sooner after the dead one's last message is refused its peer id (membership.id_conflict)."""
+RESTART_BACKOFF_FACTOR = 2.0
+"""Each further restart waits this many times longer than the one before ..."""
+RESTART_BACKOFF_MAX_S = 30.0
+"""... up to this."""
+USAGE_ERROR_EXIT = 2
+"""click's exit status for a usage error: restarting would be refused the same way."""
+LOG_TAIL_LINES = 12
+"""Lines of a dead learner's log quoted with the restart."""
+LOG_TAIL_BYTES = 16_384
+
+
+class RestartBudget:
+    """At most ``max_restarts`` restarts in a run; the n-th (1-based) waits
+    ``min(max_s, first_s * factor ** (n - 1))`` seconds. Restarts are counted over the whole run:
+    a learner that keeps dying, early or late, runs out."""
+
+    def __init__(self, max_restarts: int, first_s: float = RESTART_BACKOFF_FIRST_S,
+                 factor: float = RESTART_BACKOFF_FACTOR, max_s: float = RESTART_BACKOFF_MAX_S) -> None:
+        if max_restarts < 0 or first_s < 0 or factor < 1 or max_s < first_s:
+            raise ValueError("need max_restarts >= 0, first_s >= 0, factor >= 1 and max_s >= first_s")
+        self.max_restarts = max_restarts
+        self.first_s, self.factor, self.max_s = first_s, factor, max_s
+        self.used = 0
+        """Restarts granted so far."""
+
+    def next_delay_s(self) -> float | None:
+        """Grant one more restart and return its back-off in seconds, or None when the budget is spent."""
+        if self.used >= self.max_restarts:
+            return None
+        delay = min(self.max_s, self.first_s * self.factor ** self.used)
+        self.used += 1
+        return delay
+
+
+def restartable(returncode: int) -> bool:
+    """Whether a learner that exited with ``returncode`` is worth restarting (see the module docstring)."""
+    return returncode not in (0, USAGE_ERROR_EXIT)
+
+
+def exit_cause(returncode: int) -> str:
+    """``returncode`` in words: "killed by SIGKILL", "exited with code 1"."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    if returncode > 128:  # a shell, or a launcher that reports its child's death this way
+        try:
+            return f"exited with code {returncode} ({signal.Signals(returncode - 128).name}?)"
+        except ValueError:
+            pass
+    return f"exited with code {returncode}"
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (read from its end only), or "" if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def resume_point(run_dir: Path, t0: float) -> tuple[bool, float]:
+    """How to start a learner again: ``(resume, learner_t0)``.
+
+    With a checkpoint: resume from it, with the learner's clock (``--t0``) at the checkpoint's write
+    time. The checkpoint carries the run's wall seconds up to then, which the learner counts on from
+    its ``t0``: so wall_s goes on from the command's start, the time lost to the crash included,
+    without counting the part before the checkpoint twice. Without one: afresh, on the command's
+    own clock ``t0``.
+
+    The learner then measures ``train.max_seconds`` from the later clock too, so the supervisor stops
+    it itself (SIGTERM, a clean stop) once the command's own limit is reached: :func:`overdue`.
+    """
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return False, t0
+    try:
+        return True, max(t0, checkpoint.stat().st_mtime)
+    except OSError:  # pruned in between: cannot happen with the learner dead, but never fail on it
+        return True, t0
+
+
+def overdue(t0: float, learner_t0: float, max_seconds: float) -> bool:
+    """Whether a restarted learner (running on ``learner_t0``) has passed the command's time limit."""
+    return learner_t0 != t0 and time.time() - t0 >= max_seconds
+
+
+def describe_restart(n: int, budget: RestartBudget, cause: str, delay_s: float, resume: bool, tail: str) -> str:
+    """The log line of a restart: which one, why, when, from where; and the dead learner's last words."""
+    source = ("the newest checkpoint" if resume
+              else "scratch (no checkpoint yet; the run starts afresh in the same directory)")
+    text = f"the learner {cause}: restart {n} of {budget.max_restarts} in {delay_s:.1f} s, from {source}"
+    if tail:
+        text += "; the end of its log:\n" + "\n".join(f"    | {line}" for line in tail.splitlines())
+    return text
+
+
+def give_up_message(budget: RestartBudget, cause: str, where: str, run_dir: Path, tail: str = "") -> str:
+    """The error of a learner that died once more than the budget allows."""
+    last = tail.strip().splitlines()[-1].strip() if tail.strip() else ""
+    then = (f"continue the run with --resume {run_dir} once the cause is fixed" if latest_checkpoint(run_dir)
+            else "the run has no checkpoint to continue from")
+    return (f"the learner {cause} after {budget.used} restart(s) ({budget.max_restarts} allowed): giving up"
+            f"{f' (its last line: {last})' if last else ''}; see {where}; {then}")
