@@ -1,5 +1,5 @@
-"""Self-healing runs: a learner that dies is restarted from its newest checkpoint by `zddrl train`, with
-back-off, at most train.max_restarts times; real processes, SIGKILL included."""
+"""Self-healing runs: a learner that dies is restarted from its newest checkpoint (`zddrl train`, and
+`zddrl learner --restart N`), with back-off, at most N times; real processes, SIGKILL included."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,12 @@ import gymnasium as gym
 import pytest
 import zmq
 
-from conftest import wait_for
+from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning
 from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, log_tail, overdue, restartable,
                                resume_point)
 from zddrl.ops.status import request_status
+from zddrl.proc import free_ports
 
 CRASHING_ENV = "tests.test_restart:crashes_in_the_learner"
 
@@ -184,3 +185,56 @@ def test_train_gives_up_on_a_learner_that_keeps_crashing(tests_on_path: None, tm
     assert "RuntimeError: a learner that always crashes (test)" in done.stderr  # the log's tail, with the restart
     assert (run_dir / "logs" / "learner.log").read_text().count("RuntimeError: a learner that always crashes") == 3
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every process of the run to be gone")
+
+
+# ---------------------------------------------------------------- `zddrl learner --restart N`
+def test_standalone_learner_restarts_a_killed_child_afresh_before_its_first_checkpoint(
+        procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
+    """No actor yet, so no update and no checkpoint: the killed learner is restarted afresh in the same run
+    directory, and the run then trains to its step limit."""
+    run_dir = tmp_path / "run"
+    supervisor = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--run-dir", str(run_dir),
+                             "--restart", "1", "--set", "train.max_steps=2000")
+    ctx = zmq.Context()
+    try:
+        def version() -> int:
+            body = request_status(broker.connect, 1.0, ctx)
+            return body["broker"]["policy_version"] if body else -1
+
+        wait_for(lambda: version() >= 0, 60, "the learner to publish version 0")
+        (child,) = [pid for pid, _ in learner_processes(run_dir) if pid != supervisor.pid]
+        os.kill(child, signal.SIGKILL)
+        wait_for(lambda: "restart 1 of 1" in procs.log("learner"), 30, "the restart")
+    finally:
+        ctx.destroy(linger=0)
+    procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
+    assert supervisor.wait(timeout=120) == 0, procs.log("learner")[-3000:]
+    log = procs.log("learner")
+    assert "the learner killed by SIGKILL: restart 1 of 1 in 1.0 s, from scratch (no checkpoint yet" in log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["total_env_steps"] >= 2000 and summary["updates"] >= 1
+    assert json.loads(log.strip().splitlines()[-1]) == summary  # the summary line, once, from the last learner
+    wait_for(lambda: learner_processes(run_dir) == [], 15, "the learner processes to be gone")
+
+
+def test_standalone_learner_gives_up_after_n_restarts(tests_on_path: None, tmp_path: Path) -> None:
+    connect = f"tcp://127.0.0.1:{free_ports(1)[0]}"  # it crashes before it looks for a broker
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "zddrl", "learner", CARTPOLE, "--connect", connect,
+                           "--run-dir", str(run_dir), "--restart", "2", "--set", f"env.id={CRASHING_ENV}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.count("RuntimeError: a learner that always crashes (test)") == 3
+    assert "restart 1 of 2 in 1.0 s" in done.stderr and "restart 2 of 2 in 2.0 s" in done.stderr
+    assert "Error: the learner exited with code 1 after 2 restart(s) (2 allowed): giving up" in done.stderr
+    assert learner_processes(run_dir) == []
+
+
+def test_restart_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
+    common = [sys.executable, "-m", "zddrl", "learner", CARTPOLE, "--connect", "tcp://127.0.0.1:1",
+              "--run-dir", str(tmp_path / "run"), "--restart", "1"]
+    done = subprocess.run([*common, "--nnodes", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--restart supports one node" in done.stderr
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    done = subprocess.run(common, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "torchrun" in done.stderr

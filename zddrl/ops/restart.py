@@ -1,6 +1,7 @@
 """Restarting a learner that died: whether to, when, from where, and what to say about it.
 
-Used by `zddrl train` (ops/train.py), which restarts the learner process of its fleet.
+Used by `zddrl train` (ops/train.py), which restarts the learner process of its fleet, and by
+`zddrl learner --restart N` (:func:`supervise_learner`), which runs the learner as its child.
 torch-free: the supervising process never needs it.
 
 A learner is restarted when it exits with anything but 0 (it stopped by itself: target, step or
@@ -13,10 +14,17 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from loguru import logger
 
 from zddrl.learner.runlog import latest_checkpoint
+from zddrl.proc import die_with_parent
 
 RESTART_BACKOFF_FIRST_S = 1.0
 """Wait before the first restart. Not less than the broker's heartbeat interval (1 s by default): a new learner
@@ -30,6 +38,9 @@ USAGE_ERROR_EXIT = 2
 LOG_TAIL_LINES = 12
 """Lines of a dead learner's log quoted with the restart."""
 LOG_TAIL_BYTES = 16_384
+POLL_S = 0.1
+STOP_GRACE_S = 10.0
+"""After SIGTERM, a supervised learner gets this long (its shard launcher needs 4 s) before SIGKILL."""
 
 
 class RestartBudget:
@@ -130,3 +141,100 @@ def give_up_message(budget: RestartBudget, cause: str, where: str, run_dir: Path
             else "the run has no checkpoint to continue from")
     return (f"the learner {cause} after {budget.used} restart(s) ({budget.max_restarts} allowed): giving up"
             f"{f' (its last line: {last})' if last else ''}; see {where}; {then}")
+
+
+# ------------------------------------------------------------------------------------------------
+# `zddrl learner --restart N`
+# ------------------------------------------------------------------------------------------------
+class SupervisorError(RuntimeError):
+    """The supervised learner failed for good; the text says how and why it was not restarted."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restarts: int, max_seconds: float) -> None:
+    """Run ``python -m zddrl *argv`` (a ``zddrl learner`` command line) as a child and restart it when it dies.
+
+    A child, not an in-process retry: the supervisor outlives any death of the learner (an exception,
+    a shard group that failed, a segfault, the OOM killer or SIGKILL), and every restart is the tested
+    ``--resume`` path in a clean process (an exception can leave a CUDA context or a torch.distributed
+    group unusable for the rest of its process). What it does not cover is its own death: a SIGKILLed
+    supervisor takes its learner with it (PR_SET_PDEATHSIG) and restarts nothing.
+
+    SIGINT/SIGTERM are forwarded to the learner (a second one kills it) and end supervision: a learner
+    asked to stop is never restarted. Returns when the learner exited cleanly; raises
+    :class:`SupervisorError` when it failed for good.
+    """
+    budget = RestartBudget(max_restarts)
+    stopping: list[int] = []
+    child: list[subprocess.Popen] = []
+
+    def forward(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum if len(stopping) == 1 else signal.SIGKILL)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    base = [*argv, "--run-dir", str(run_dir), "--restart", "0"]  # click: the last of a repeated option wins
+    resume, learner_t0 = "--resume" in argv, t0
+    try:
+        while True:
+            args = [*base, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
+            child[:] = [subprocess.Popen([sys.executable, "-m", "zddrl", *args],
+                                         preexec_fn=_own_group_dying_with_parent)]
+            proc = child[0]
+            if stopping:  # a signal between two children
+                proc.send_signal(stopping[0])
+            termed = False
+            while proc.poll() is None:
+                if not termed and not stopping and overdue(t0, learner_t0, max_seconds):
+                    logger.info(f"train.max_seconds ({max_seconds:.0f} s) reached: stopping the restarted learner")
+                    proc.send_signal(signal.SIGTERM)
+                    termed = True
+                try:
+                    proc.wait(timeout=POLL_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            code = proc.returncode
+            if code == 0:
+                return
+            cause = exit_cause(code)
+            if stopping or termed:
+                raise SupervisorError(f"the learner {cause} while stopping", code if code > 0 else 1)
+            if not restartable(code):
+                raise SupervisorError(f"the learner {cause} (a usage error: not restarted)", code)
+            delay = budget.next_delay_s()
+            if delay is None:
+                raise SupervisorError(give_up_message(budget, cause, "its output above", run_dir))
+            resume, learner_t0 = resume_point(run_dir, t0)
+            logger.warning(describe_restart(budget.used, budget, cause, delay, resume, ""))
+            _wait(delay, stopping)
+            if stopping:
+                raise SupervisorError(f"stopped by {signal.Signals(stopping[0]).name} before restart {budget.used}")
+    finally:
+        if child and child[0].poll() is None:
+            child[0].send_signal(signal.SIGTERM)
+            try:
+                child[0].wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                child[0].kill()
+                child[0].wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _own_group_dying_with_parent() -> None:
+    """In the child, before exec: its own process group, so that a terminal's Ctrl-C reaches only the
+    supervisor, which forwards it once (a shard launcher takes a second SIGINT as "kill the shards now");
+    and SIGTERM when the supervisor dies."""
+    os.setpgid(0, 0)
+    die_with_parent()
+
+
+def _wait(delay_s: float, stopping: list[int]) -> None:
+    """The back-off: ``delay_s`` seconds on the monotonic clock, cut short by a stop signal."""
+    deadline = time.monotonic() + delay_s
+    while not stopping and time.monotonic() < deadline:
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
