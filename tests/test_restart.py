@@ -57,6 +57,15 @@ def learner_processes(run_dir: Path) -> list[tuple[int, list[str]]]:
     return found
 
 
+def rank_of(pid: int) -> str | None:
+    """The RANK in a process's environment (a learner shard's), if any."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return next((v.decode().partition("=")[2] for v in env if v.startswith(b"RANK=")), None)
+
+
 def dead(pid: int) -> bool:
     """Gone, or a zombie its parent has not reaped yet: either way it runs no more code."""
     try:
@@ -170,6 +179,34 @@ def test_train_heals_a_sigkilled_learner_and_still_reaches_its_target(tmp_path: 
         assert values == sorted(values), column
     assert rows[:ckpt_version] == before[:ckpt_version]  # the rows up to the checkpoint are kept as they were
     assert summary["policy_version"] > ckpt_version and summary["updates"] == summary["policy_version"]
+    wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every process of the run to be gone")
+
+
+def test_train_restarts_the_whole_shard_group_when_one_shard_dies(tmp_path: Path) -> None:
+    """`--gpus cpu:2`: shard 1 SIGKILLed; its launcher stops shard 0 and fails; `zddrl train` restarts the group."""
+    run_dir = tmp_path / "run"
+    stderr = open(tmp_path / "train.stderr", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
+                             "--gpus", "cpu:2", "--until-return", "150", "--max-seconds", "150",
+                             "--set", "train.checkpoint_every=1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 10, 90, "10 updates")
+        (shard1,) = [pid for pid, _ in learner_processes(run_dir) if rank_of(pid) == "1"]
+        os.kill(shard1, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        stderr.close()
+    log = (tmp_path / "train.stderr").read_text()
+    assert proc.returncode == 0, log[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["reached"] is True and summary["learner_restarts"] == 1 and summary["shards"] == 2, summary
+    assert "the learner exited with code 1: restart 1 of 3" in log and "learner shard 1" in log  # the log's tail
+    rows = metrics(run_dir)
+    assert [int(r["policy_version"]) for r in rows] == list(range(1, len(rows) + 1))
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every process of the run to be gone")
 
 
