@@ -17,7 +17,7 @@ import zmq
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning
 from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, log_tail, overdue, restartable,
-                               resume_point)
+                               resume_point, wait_for_group)
 from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
 
@@ -117,6 +117,33 @@ def test_a_restart_resumes_on_the_checkpoints_clock_or_starts_afresh(tmp_path: P
     assert resume_point(tmp_path, t0) == (True, pytest.approx(t0 + 40))
     assert overdue(t0, t0 + 40, max_seconds=90) and not overdue(t0, t0 + 40, max_seconds=110)
     assert not overdue(t0, t0, max_seconds=90)  # not restarted: the learner keeps its own limit
+
+
+def test_a_dead_learners_orphans_are_waited_for_then_killed() -> None:
+    """A launcher killed by SIGKILL leaves its shards behind in its process group: a restart waits for them
+    (a grace period), then kills what is left, so that the new learner never meets the old one's shards."""
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60 & exit 0"], preexec_fn=lambda: os.setpgid(0, 0))
+    leader.wait(timeout=10)
+    assert len(running_in_group(leader.pid)) == 2  # the two sleeps, orphaned
+    assert wait_for_group(leader.pid, grace_s=0.3) >= 0.3
+    wait_for(lambda: running_in_group(leader.pid) == [], 10, "the orphans to be killed")
+    alone = subprocess.Popen(["true"], preexec_fn=lambda: os.setpgid(0, 0))  # a learner without shards
+    alone.wait(timeout=10)
+    assert wait_for_group(alone.pid, grace_s=5) < 1  # nothing left: no wait
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` that still run (zombies not counted: whether they are reaped
+    is up to this machine's init)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            found.append(int(pid))
+    return found
 
 
 # ---------------------------------------------------------------- `zddrl train`

@@ -41,6 +41,8 @@ LOG_TAIL_BYTES = 16_384
 POLL_S = 0.1
 STOP_GRACE_S = 10.0
 """After SIGTERM, a supervised learner gets this long (its shard launcher needs 4 s) before SIGKILL."""
+ORPHAN_GRACE_S = 10.0
+"""How long the shards of a killed launcher get to stop on their own before a restart kills them."""
 
 
 class RestartBudget:
@@ -124,6 +126,30 @@ def overdue(t0: float, learner_t0: float, max_seconds: float) -> bool:
     return learner_t0 != t0 and time.time() - t0 >= max_seconds
 
 
+def wait_for_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> float:
+    """Wait until no process is left in process group ``pgid`` (a dead learner's: its shards, when a
+    launcher was killed, stop on their own by PDEATHSIG), at most ``grace_s``; then SIGKILL the rest.
+    Returns the seconds it waited. A restarted learner must not meet the old one's shards: they would
+    hold its peer id at the broker and could still write into the run directory."""
+    started = time.monotonic()
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return time.monotonic() - started
+        except PermissionError:  # not ours: nothing to wait for
+            return 0.0
+        if time.monotonic() - started >= grace_s:
+            logger.warning(f"processes of the dead learner's group {pgid} still run after {grace_s:.0f} s: "
+                           "killing them")
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return time.monotonic() - started
+        time.sleep(POLL_S)  # a supervisor's poll, not a synchronisation
+
+
 def describe_restart(n: int, budget: RestartBudget, cause: str, delay_s: float, resume: bool, tail: str) -> str:
     """The log line of a restart: which one, why, when, from where; and the dead learner's last words."""
     source = ("the newest checkpoint" if resume
@@ -183,7 +209,7 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
         while True:
             args = [*base, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
             child[:] = [subprocess.Popen([sys.executable, "-m", "zddrl", *args],
-                                         preexec_fn=_own_group_dying_with_parent)]
+                                         preexec_fn=own_group_dying_with_parent)]
             proc = child[0]
             if stopping:  # a signal between two children
                 proc.send_signal(stopping[0])
@@ -208,9 +234,11 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
             delay = budget.next_delay_s()
             if delay is None:
                 raise SupervisorError(give_up_message(budget, cause, "its output above", run_dir))
-            resume, learner_t0 = resume_point(run_dir, t0)
+            resume, _ = resume_point(run_dir, t0)
             logger.warning(describe_restart(budget.used, budget, cause, delay, resume, ""))
-            _wait(delay, stopping)
+            waited = wait_for_group(proc.pid)  # the child leads its own group (own_group_dying_with_parent)
+            _wait(delay - waited, stopping)
+            resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed
             if stopping:
                 raise SupervisorError(f"stopped by {signal.Signals(stopping[0]).name} before restart {budget.used}")
     finally:
@@ -225,10 +253,10 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
             signal.signal(s, handler)
 
 
-def _own_group_dying_with_parent() -> None:
-    """In the child, before exec: its own process group, so that a terminal's Ctrl-C reaches only the
-    supervisor, which forwards it once (a shard launcher takes a second SIGINT as "kill the shards now");
-    and SIGTERM when the supervisor dies."""
+def own_group_dying_with_parent() -> None:
+    """In a learner child, before exec: its own process group, so that a terminal's Ctrl-C reaches only its
+    supervisor, which forwards it once (a shard launcher takes a second SIGINT as "kill the shards now"), and
+    so that its shards can be found when it dies (:func:`wait_for_group`); and SIGTERM when the supervisor dies."""
     os.setpgid(0, 0)
     die_with_parent()
 

@@ -25,8 +25,8 @@ import click
 from loguru import logger
 
 from zddrl.config import Config, to_toml
-from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, give_up_message, log_tail, overdue,
-                               restartable, resume_point)
+from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, give_up_message, log_tail,
+                               own_group_dying_with_parent, overdue, restartable, resume_point, wait_for_group)
 from zddrl.proc import die_with_parent, free_ports, stop_processes
 
 SHUTDOWN_GRACE_S = 5.0
@@ -44,15 +44,16 @@ class Fleet:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], banner: str = "") -> subprocess.Popen:
-        """Start ``zddrl *args`` as ``name``; with a ``banner`` (a restart), its log goes on after that line."""
+    def start(self, name: str, args: list[str], banner: str = "", own_group: bool = False) -> subprocess.Popen:
+        """Start ``zddrl *args`` as ``name``; with a ``banner`` (a restart), its log goes on after that line;
+        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py)."""
         log = open(self.log_dir / f"{name}.log", "a" if banner else "w")
         if banner:
             log.write(f"\n---- {time.strftime('%H:%M:%S')} {banner} ----\n")
             log.flush()
         cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=own_group_dying_with_parent if own_group else die_with_parent)
         log.close()
         self.procs[name] = proc
         return proc
@@ -111,7 +112,8 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     try:
         fleet.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
                                "--learner-port", str(learn), "--params-port", str(params)])
-        learner = fleet.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])])
+        learner = fleet.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])],
+                              own_group=True)
         slowdowns = config.train.slowdowns
         for i in range(config.train.actors):
             slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
@@ -124,7 +126,7 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
             if code is not None:
                 if code == 0 or stopping or not restartable(code):
                     break
-                learner, learner_t0 = _restart_learner(fleet, budget, learner_args, run_dir, t0, code)
+                learner, learner_t0 = _restart_learner(fleet, budget, learner_args, run_dir, t0, learner)
                 continue
             dead = [name for name in fleet.dead() if name != "learner"]
             if dead:
@@ -159,21 +161,19 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
 
 
 def _restart_learner(fleet: Fleet, budget: RestartBudget, learner_args: list[str], run_dir: Path, t0: float,
-                     code: int) -> tuple[subprocess.Popen, float]:
-    """The learner died with exit status ``code``: after the back-off, start it again from the newest
-    checkpoint (or afresh); return the new process and its clock. Raises ClickException once the
-    budget is spent."""
+                     dead: subprocess.Popen) -> tuple[subprocess.Popen, float]:
+    """The learner ``dead`` died: after the back-off, start it again from the newest checkpoint (or
+    afresh); return the new process and its clock. Raises ClickException once the budget is spent."""
     log = fleet.log_dir / "learner.log"
-    cause = exit_cause(code)
+    cause = exit_cause(dead.returncode)
     delay = budget.next_delay_s()
     if delay is None:
         raise click.ClickException(give_up_message(budget, cause, log, run_dir, log_tail(log)))
-    resume, learner_t0 = resume_point(run_dir, t0)
+    resume, _ = resume_point(run_dir, t0)
     logger.warning(describe_restart(budget.used, budget, cause, delay, resume, log_tail(log)))
-    time.sleep(delay)  # the back-off itself (a Ctrl-C meanwhile still ends the run through the finally)
-    # Looked at again: the shards of a launcher killed by SIGKILL stop on their own (PDEATHSIG) and shard 0
-    # may have written a final checkpoint meanwhile.
-    resume, learner_t0 = resume_point(run_dir, t0)
+    waited = wait_for_group(dead.pid)  # a killed launcher's shards: gone before the new learner starts
+    time.sleep(max(0.0, delay - waited))  # the back-off (a Ctrl-C meanwhile still ends the run in the finally)
+    resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed meanwhile
     args = [*learner_args, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
     return fleet.start("learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner "
-                                               f"{cause}"), learner_t0
+                                               f"{cause}", own_group=True), learner_t0
