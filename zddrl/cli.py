@@ -163,28 +163,42 @@ GPUS_HELP = ("Learner shards: 'auto' (one; GPU 0 if any, else CPU), GPU indices 
               help="Rendezvous port; 0 picks a free one (one node only).")
 @click.option("--t0", type=float, default=None, hidden=True, help="Epoch time the whole command started.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its newest checkpoint.")
+@click.option("--restart", type=click.IntRange(0), default=0, show_default=True, metavar="N",
+              help="When the learner (or a shard of it) dies, restart it from the newest checkpoint in --run-dir "
+                   "(afresh if none yet), at most N times, with back-off. This process then supervises the "
+                   "learner as a child process; it restarts nothing if it is killed itself.")
 @set_option
 def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, node_rank, master_addr, master_port,
-            t0, resume, sets) -> None:
+            t0, resume, restart, sets) -> None:
     """Run the learner on CONFIG: publish the run, train, publish parameters.
 
     With several devices (--gpus 0,1, --gpus cpu:2, --shards 2) or nodes (--nnodes), this process
     starts one shard process per local device and supervises them; under torchrun (RANK and
-    WORLD_SIZE set) it is one shard itself."""
+    WORLD_SIZE set) it is one shard itself. With --restart N it runs all that as a child process and
+    restarts it when it dies (ops/restart.py says why a child and what that covers)."""
     from zddrl.dist.launch import launched_as_shard, plan_devices
 
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
     if gpus is not None and shards is not None:
         raise click.UsageError("give --gpus or --shards, not both")
+    if restart and launched_as_shard():
+        raise click.UsageError("--restart supervises a learner this command starts; under torchrun use its "
+                               "--max-restarts (each restart then needs --resume)")
+    if restart and nnodes > 1:
+        raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
     if shards is not None:
         gpus = f"cpu:{shards}"
     config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed, "learner.gpus": gpus}))
+    run_dir = run_dir or str(_default_run_dir(config))
+    if restart:  # before plan_devices, which imports torch: the supervisor stays small
+        _check_run_dir(config, Path(run_dir), resume)
+        _supervise(restart, Path(run_dir), t0, config.train.max_seconds)
+        return
     try:
         plan = plan_devices(config.learner.gpus)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    run_dir = run_dir or str(_default_run_dir(config))
     if os.environ.get("RANK", "0") == "0":  # the launcher, a lone learner, or shard 0 under torchrun
         _check_run_dir(config, Path(run_dir), resume)
     if not launched_as_shard():
@@ -198,6 +212,20 @@ def _default_run_dir(config) -> Path:
     from zddrl.ops.train import default_run_dir
 
     return default_run_dir(config)
+
+
+def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: float) -> None:
+    """``zddrl learner --restart N``: this same command line, run as a child and restarted when it dies."""
+    import sys
+
+    from zddrl.ops.restart import SupervisorError, supervise_learner
+
+    try:
+        supervise_learner(sys.argv[1:], run_dir, STARTED_AT if t0 is None else t0, restarts, max_seconds)
+    except SupervisorError as exc:
+        error = click.ClickException(str(exc))
+        error.exit_code = exc.exit_code  # a usage error of the learner stays exit 2
+        raise error from None
 
 
 def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:

@@ -179,10 +179,14 @@ class TrainConfig:
     """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
+    max_restarts: int = 3
+    """`zddrl train` restarts a learner (or shard group) that dies unexpectedly at most this many times, with
+    back-off, from the newest checkpoint (afresh if there is none yet); then the run fails (0: never restart)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdowns", tuple(self.slowdowns))
         _require(self.actors >= 1, "train.actors must be >= 1")
+        _require(self.max_restarts >= 0, "train.max_restarts must be >= 0 (0: a learner that dies ends the run)")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
         _require(self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,
                  "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1")

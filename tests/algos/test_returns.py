@@ -15,9 +15,10 @@ def col(*xs):
     return torch.tensor(xs, dtype=torch.float32)[:, None]
 
 
-def assert_close(actual, expected, atol=1e-5):
-    expected = torch.as_tensor(np.asarray(expected, dtype=np.float32))
-    torch.testing.assert_close(actual, expected.reshape(actual.shape), atol=atol, rtol=1e-5)
+def assert_close(actual, expected, atol=1e-5, rtol=1e-5):
+    """``actual`` against ``expected`` taken to ``actual``'s dtype (the functions keep the caller's)."""
+    expected = torch.as_tensor(np.asarray(expected, dtype=np.float64)).to(actual.dtype)
+    torch.testing.assert_close(actual, expected.reshape(actual.shape), atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------- GAE, hand-computed
@@ -124,11 +125,15 @@ def slow_gae(rewards, values, terminated, truncated, bootstrap_value, truncation
 @pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.5, 0.8), (1.0, 1.0)])
 def test_gae_matches_slow_loop(T, B, seed, gamma, lam):
     ro = random_rollout(np.random.default_rng(seed), T, B)
-    out = gae(**ro, gamma=gamma, gae_lambda=lam)  # numpy float64 + bool masks in
-    assert out.advantages.dtype == torch.float32 and out.advantages.shape == (T, B)
+    out = gae(**ro, gamma=gamma, gae_lambda=lam)  # numpy float64 + bool masks in: computed in float64
+    assert out.advantages.dtype == out.returns.dtype == torch.float64 and out.advantages.shape == (T, B)
     expected = slow_gae(*ro.values(), gamma, lam)
+    assert_close(out.advantages, expected, atol=1e-12, rtol=0)
+    assert_close(out.returns, expected + ro["values"], atol=1e-12, rtol=0)
+    f32 = {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in ro.items()}
+    out = gae(**f32, gamma=gamma, gae_lambda=lam)  # float32 in: float32 out, to float32's precision
+    assert out.advantages.dtype == out.returns.dtype == torch.float32
     assert_close(out.advantages, expected, atol=1e-4)
-    assert_close(out.returns, expected + ro["values"], atol=1e-4)
 
 
 @pytest.mark.parametrize("change,match", [
@@ -180,11 +185,44 @@ def random_offpolicy(rng, T, B, gamma=0.9):
                                            (math.inf, math.inf)])
 def test_vtrace_matches_slow_paper_formula(T, B, seed, rho_bar, c_bar):
     x = random_offpolicy(np.random.default_rng(seed), T, B)
-    out = vtrace(**x, rho_bar=rho_bar, c_bar=c_bar)
+    out = vtrace(**x, rho_bar=rho_bar, c_bar=c_bar)  # float64 in: computed in float64
     vs, pg = slow_vtrace(*x.values(), rho_bar, c_bar)
+    assert out.vs.dtype == out.pg_advantages.dtype == out.rhos.dtype == torch.float64
+    assert_close(out.vs, vs, atol=1e-12, rtol=0)
+    assert_close(out.pg_advantages, pg, atol=1e-12, rtol=0)
+    assert_close(out.rhos, np.minimum(rho_bar, np.exp(x["target_logp"] - x["behaviour_logp"])), atol=1e-12, rtol=0)
+    out = vtrace(**{k: v.astype(np.float32) for k, v in x.items()}, rho_bar=rho_bar, c_bar=c_bar)
+    assert out.vs.dtype == out.pg_advantages.dtype == out.rhos.dtype == torch.float32
     assert_close(out.vs, vs, atol=1e-4)
     assert_close(out.pg_advantages, pg, atol=1e-4)
-    assert_close(out.rhos, np.minimum(rho_bar, np.exp(x["target_logp"] - x["behaviour_logp"])))
+
+
+def test_float32_and_float64_inputs_keep_their_dtype_and_mixing_them_is_an_error():
+    """The caller's dtype is kept (as rlax does), in numpy or torch; a mix raises and names each dtype."""
+    x = random_offpolicy(np.random.default_rng(11), 6, 2)
+    for dtype in (torch.float32, torch.float64):
+        out = vtrace(**{k: torch.as_tensor(v, dtype=dtype) for k, v in x.items()})
+        assert {t.dtype for t in out} == {dtype}
+        r2, d = vtrace_discounts_and_rewards(torch.as_tensor(x["rewards"], dtype=dtype), np.zeros((6, 2), bool),
+                                             np.ones((6, 2), bool), torch.ones(6, 2, dtype=dtype), 0.9)
+        assert r2.dtype == d.dtype == dtype
+        w = truncated_importance_weights(torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=dtype), clip=1.0)
+        assert w.dtype == dtype
+        g = gae(torch.zeros(3, 2, dtype=dtype), torch.zeros(3, 2, dtype=dtype), torch.zeros(3, 2, dtype=torch.bool),
+                np.zeros((3, 2)), torch.zeros(2, dtype=dtype))  # a mask's dtype does not count
+        assert g.advantages.dtype == g.returns.dtype == dtype
+    # Inputs without a dtype of their own (lists, numbers) take the others', else torch's default.
+    assert gae([[1.0]], np.zeros((1, 1)), [[0]], [[0]], [0.0]).advantages.dtype == torch.float64
+    assert gae([[1.0]], [[0.0]], [[0]], [[0]], [0.0]).advantages.dtype == torch.float32
+    mixed = {**x, "rewards": x["rewards"].astype(np.float32)}
+    with pytest.raises(ValueError, match="mixed float dtypes.*rewards float32.*values float64"):
+        vtrace(**mixed)
+    with pytest.raises(ValueError, match="bootstrap_value float32"):
+        gae(np.zeros((3, 2)), np.zeros((3, 2)), np.zeros((3, 2)), np.zeros((3, 2)), torch.zeros(2))
+    with pytest.raises(ValueError, match="truncation_value float64"):
+        vtrace_discounts_and_rewards(torch.zeros(3, 2), np.zeros((3, 2)), np.zeros((3, 2)), np.zeros((3, 2)), 0.9)
+    with pytest.raises(ValueError, match="behaviour_logp float64"):
+        truncated_importance_weights(torch.zeros(2), torch.zeros(2, dtype=torch.float64), clip=1.0)
 
 
 def test_vtrace_on_policy_is_bootstrapped_discounted_return():

@@ -10,13 +10,22 @@ Conventions (all functions):
   namely V(final observation) returned by step ``t`` before the auto-reset, and row ``t + 1``
   belongs to a new episode. If both are set, termination wins.
 * **Pure and detached.** Inputs may be numpy arrays or torch tensors (bool masks allowed); outputs
-  are float32 tensors on the device of ``rewards``, computed under ``torch.no_grad()``. Bad
-  shapes or arguments raise :class:`ValueError` naming the offending argument.
+  are tensors on the device of ``rewards``, computed under ``torch.no_grad()``. Bad shapes or
+  arguments raise :class:`ValueError` naming the offending argument.
+* **The caller's dtype** (as rlax does): the float inputs (rewards, values, log-probs, discounts,
+  bootstrap and truncation values; not the ``terminated``/``truncated`` masks, which may be bool,
+  int or float) must share one floating dtype, and the computation and the outputs keep it:
+  float64 in, float64 out; float32 in, float32 out. Inputs without a dtype of their own (Python
+  numbers and lists) take that dtype on; when no input has one, torch's default dtype (float32) is
+  used. Mixed float dtypes (float32 values with float64 rewards, say) raise :class:`ValueError`
+  naming each argument's dtype: a silent cast would lose precision one way or hide the caller's bug
+  the other.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -40,19 +49,45 @@ class VTraceReturns(NamedTuple):
     rhos: torch.Tensor  # [T, B], clipped importance weights min(rho_bar, pi/mu), for logging
 
 
-def _f32(x, name: str, device=None) -> torch.Tensor:
+def _float_dtype(x) -> torch.dtype | None:
+    """The floating dtype ``x`` carries (a tensor's or a numpy array's), else None (numbers, lists, ints)."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype if x.dtype.is_floating_point else None
+    dtype = getattr(x, "dtype", None)
+    if not isinstance(dtype, np.dtype) or dtype.kind != "f":
+        return None
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except TypeError:  # float128 and the like: torch has no such dtype
+        return None
+
+
+def _common_dtype(floats: dict) -> torch.dtype:
+    """The one floating dtype of the float inputs ``{name: value}`` (see the module docstring)."""
+    found = {name: dt for name, x in floats.items() if x is not None and (dt := _float_dtype(x)) is not None}
+    if len(set(found.values())) > 1:
+        listing = ", ".join(f"{name} {str(dt).removeprefix('torch.')}" for name, dt in found.items())
+        raise ValueError(f"mixed float dtypes ({listing}): pass every float input in one dtype, which the "
+                         "computation keeps")
+    return next(iter(found.values()), torch.get_default_dtype())
+
+
+def _tensor(x, name: str, dtype: torch.dtype | None, device=None) -> torch.Tensor:
+    """``x`` as a tensor on ``device``, in ``dtype`` (None: its own, for masks)."""
     try:
         t = torch.as_tensor(x, device=device)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"{name}: cannot convert to a tensor ({e})") from None
-    return t.to(dtype=torch.float32, device=device)
+    return t.to(device=device) if dtype is None else t.to(dtype=dtype, device=device)
 
 
-def _time_major(names_values: dict, device=None) -> tuple[list[torch.Tensor], int, int]:
-    """Converts ``[T, B]`` inputs to float32 and checks that they all share one shape, T >= 1."""
+def _time_major(names_values: dict, dtype: torch.dtype, device=None,
+                masks: tuple[str, ...] = ()) -> tuple[list[torch.Tensor], int, int]:
+    """Converts ``[T, B]`` inputs to ``dtype`` (``masks`` keep theirs) and checks that they all share one
+    shape, T >= 1."""
     out, shape = [], None
     for name, x in names_values.items():
-        t = _f32(x, name, device)
+        t = _tensor(x, name, None if name in masks else dtype, device)
         if t.dim() != 2:
             raise ValueError(f"{name} must be time-major [T, B], got shape {tuple(t.shape)}")
         if shape is None:
@@ -71,8 +106,8 @@ def _device(x) -> torch.device:
     return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
 
 
-def _per_env(x, name: str, B: int, device) -> torch.Tensor:
-    t = _f32(x, name, device)
+def _per_env(x, name: str, B: int, dtype: torch.dtype, device) -> torch.Tensor:
+    t = _tensor(x, name, dtype, device)
     if t.shape != (B,):
         raise ValueError(f"{name} must have shape [B] = ({B},), got {tuple(t.shape)}")
     return t
@@ -101,27 +136,33 @@ def gae(rewards, values, terminated, truncated, bootstrap_value, truncation_valu
         returns = A + values
 
     ``gae_lambda = 1`` gives bootstrapped Monte-Carlo returns; ``gae_lambda = 0`` one-step TD.
+
+    Dtype: ``rewards, values, bootstrap_value, truncation_value`` share one float dtype, which the
+    computation and both outputs keep (float64 in, float64 out); mixed dtypes raise ValueError.
+    The masks may be bool, int or float.
     """
     _check_unit(gamma, "gamma")
     _check_unit(gae_lambda, "gae_lambda")
     device = _device(rewards)
+    dtype = _common_dtype({"rewards": rewards, "values": values, "bootstrap_value": bootstrap_value,
+                           "truncation_value": truncation_value})
     with torch.no_grad():
         args = {"rewards": rewards, "values": values, "terminated": terminated,
                 "truncated": truncated}
         if truncation_value is not None:
             args["truncation_value"] = truncation_value
-        ts, T, B = _time_major(args, device)
+        ts, T, B = _time_major(args, dtype, device, masks=("terminated", "truncated"))
         r, v, term, trunc = ts[:4]
         tv = ts[4] if truncation_value is not None else torch.zeros_like(r)
-        boot = _per_env(bootstrap_value, "bootstrap_value", B, device)
+        boot = _per_env(bootstrap_value, "bootstrap_value", B, dtype, device)
         is_term, is_trunc = term != 0, trunc != 0
         next_values = torch.cat([v[1:], boot[None]], dim=0)
         nv = torch.where(is_trunc, tv, next_values)  # where(): a NaN elsewhere never leaks in
         nv = torch.where(is_term, torch.zeros_like(nv), nv)
-        cont = (~(is_term | is_trunc)).to(torch.float32)
+        cont = (~(is_term | is_trunc)).to(dtype)
         deltas = r + gamma * nv - v
         adv = torch.empty_like(r)
-        last = torch.zeros(B, dtype=torch.float32, device=device)
+        last = torch.zeros(B, dtype=dtype, device=device)
         for t in range(T - 1, -1, -1):
             last = deltas[t] + gamma * gae_lambda * cont[t] * last
             adv[t] = last
@@ -148,22 +189,27 @@ def vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_va
     This is exact for the bootstrap term: the target becomes ``r_t + gamma * V(final obs)``, which
     is precisely what V-trace does when a rollout ends at a state (vs_T = V(x_T)), and the trace is
     cut so the next episode does not leak back.
+
+    Dtype (as rlax): every input shares one float dtype, which the computation and all outputs keep
+    (float64 in, float64 out: errors ~1e-12 against a float64 reference, not float32's ~1e-6);
+    mixed dtypes raise ValueError naming each argument's.
     """
     if not (rho_bar > 0 and c_bar > 0):
         raise ValueError(f"rho_bar and c_bar must be > 0, got rho_bar={rho_bar}, c_bar={c_bar}")
     device = _device(rewards)
+    floats = {"behaviour_logp": behaviour_logp, "target_logp": target_logp, "rewards": rewards,
+              "discounts": discounts, "values": values}
+    dtype = _common_dtype({**floats, "bootstrap_value": bootstrap_value})
     with torch.no_grad():
-        (mu, pi, r, d, v), T, B = _time_major(
-            {"behaviour_logp": behaviour_logp, "target_logp": target_logp, "rewards": rewards,
-             "discounts": discounts, "values": values}, device)
-        boot = _per_env(bootstrap_value, "bootstrap_value", B, device)
+        (mu, pi, r, d, v), T, B = _time_major(floats, dtype, device)
+        boot = _per_env(bootstrap_value, "bootstrap_value", B, dtype, device)
         ratios = torch.exp(pi - mu)
         rhos = torch.clamp(ratios, max=rho_bar)
         cs = torch.clamp(ratios, max=c_bar)
         values_tp1 = torch.cat([v[1:], boot[None]], dim=0)
         deltas = rhos * (r + d * values_tp1 - v)
         vs_minus_v = torch.empty_like(v)
-        acc = torch.zeros(B, dtype=torch.float32, device=device)
+        acc = torch.zeros(B, dtype=dtype, device=device)
         for t in range(T - 1, -1, -1):
             acc = deltas[t] + d[t] * cs[t] * acc
             vs_minus_v[t] = acc
@@ -180,20 +226,21 @@ def vtrace_discounts_and_rewards(rewards, terminated, truncated, truncation_valu
     ``discounts = gamma * (1 - (terminated or truncated))``; at truncated-but-not-terminated steps
     ``rewards' = rewards + gamma * truncation_value`` (V of the final observation, ``[T, B]``; None
     means zeros; ignored elsewhere). Terminated steps get no bootstrap. Returns ``(rewards',
-    discounts)``, both ``[T, B]`` float32.
+    discounts)``, both ``[T, B]`` in the dtype of ``rewards`` and ``truncation_value`` (which must agree).
     """
     _check_unit(gamma, "gamma")
     device = _device(rewards)
+    dtype = _common_dtype({"rewards": rewards, "truncation_value": truncation_value})
     with torch.no_grad():
         args = {"rewards": rewards, "terminated": terminated, "truncated": truncated}
         if truncation_value is not None:
             args["truncation_value"] = truncation_value
-        ts, _, _ = _time_major(args, device)
+        ts, _, _ = _time_major(args, dtype, device, masks=("terminated", "truncated"))
         r, term, trunc = ts[:3]
         tv = ts[3] if truncation_value is not None else torch.zeros_like(r)
         is_term, is_trunc = term != 0, trunc != 0
         bootstrap = torch.where(is_trunc & ~is_term, tv, torch.zeros_like(tv))
-        discounts = gamma * (~(is_term | is_trunc)).to(torch.float32)
+        discounts = gamma * (~(is_term | is_trunc)).to(dtype)
         return r + gamma * bootstrap, discounts
 
 
@@ -201,14 +248,16 @@ def truncated_importance_weights(target_logp, behaviour_logp, clip: float) -> to
     """``min(clip, exp(target_logp - behaviour_logp))``, elementwise, as a detached weight.
 
     Computed under ``torch.no_grad()``: gradients never flow through the weight, only through
-    whatever it multiplies. Both inputs must have the same shape; ``clip`` must be > 0.
+    whatever it multiplies. Both inputs must have the same shape and float dtype, which the weight
+    keeps; ``clip`` must be > 0.
     """
     if not clip > 0:
         raise ValueError(f"clip must be > 0, got {clip}")
     device = _device(target_logp)
+    dtype = _common_dtype({"target_logp": target_logp, "behaviour_logp": behaviour_logp})
     with torch.no_grad():
-        pi = _f32(target_logp, "target_logp", device)
-        mu = _f32(behaviour_logp, "behaviour_logp", device)
+        pi = _tensor(target_logp, "target_logp", dtype, device)
+        mu = _tensor(behaviour_logp, "behaviour_logp", dtype, device)
         if pi.shape != mu.shape:
             raise ValueError(f"target_logp shape {tuple(pi.shape)} != behaviour_logp shape "
                              f"{tuple(mu.shape)}")

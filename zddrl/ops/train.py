@@ -4,11 +4,17 @@ Every role runs as its own process through the same CLI commands used across hos
 loopback ports. All processes start at once (ZeroMQ connects before the broker binds and retries),
 the learner decides when the run is over (first limit reached), and everything is shut down in
 a ``finally`` (SIGTERM, then SIGKILL after a grace period): no orphans, also on Ctrl-C.
+
+A learner (or shard group) that dies is restarted from the run's newest checkpoint, at most
+``train.max_restarts`` times with back-off (ops/restart.py); broker and actors stay up meanwhile and
+follow the restarted learner's run. Its log goes on in the same ``logs/learner.log``, after a line
+that says which restart it is and why.
 """
 from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +25,8 @@ import click
 from loguru import logger
 
 from zddrl.config import Config, to_toml
+from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, give_up_message, log_tail,
+                               own_group_dying_with_parent, overdue, restartable, resume_point, wait_for_group)
 from zddrl.proc import die_with_parent, free_ports, stop_processes
 
 SHUTDOWN_GRACE_S = 5.0
@@ -36,11 +44,16 @@ class Fleet:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
+    def start(self, name: str, args: list[str], banner: str = "", own_group: bool = False) -> subprocess.Popen:
+        """Start ``zddrl *args`` as ``name``; with a ``banner`` (a restart), its log goes on after that line;
+        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py)."""
+        log = open(self.log_dir / f"{name}.log", "a" if banner else "w")
+        if banner:
+            log.write(f"\n---- {time.strftime('%H:%M:%S')} {banner} ----\n")
+            log.flush()
         cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=own_group_dying_with_parent if own_group else die_with_parent)
         log.close()
         self.procs[name] = proc
         return proc
@@ -93,21 +106,36 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     connect = f"tcp://127.0.0.1:{control}"
     fleet = Fleet(log_dir)
     tty = show_progress and sys.stderr.isatty()
+    budget = RestartBudget(config.train.max_restarts)
+    learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir)]
+    learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
         fleet.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
                                "--learner-port", str(learn), "--params-port", str(params)])
-        learner = fleet.start("learner", ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir),
-                                          "--t0", repr(t0), *(["--resume"] if resume else [])])
+        learner = fleet.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])],
+                              own_group=True)
         slowdowns = config.train.slowdowns
         for i in range(config.train.actors):
             slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
             fleet.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
         next_line = 0.0
-        while learner.poll() is None:
-            dead = fleet.dead()
+        stopping = False
+        while True:
+            code = learner.poll()
+            if code is not None:
+                if code == 0 or stopping or not restartable(code):
+                    break
+                learner, learner_t0 = _restart_learner(fleet, budget, learner_args, run_dir, t0, learner)
+                continue
+            dead = [name for name in fleet.dead() if name != "learner"]
             if dead:
                 raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
+            if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
+                logger.info(f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted "
+                            "learner")
+                learner.send_signal(signal.SIGTERM)  # a clean stop: summary and final checkpoint
+                stopping = True
             try:
                 learner.wait(timeout=0.05)
             except subprocess.TimeoutExpired:
@@ -123,8 +151,29 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
         fleet.stop()
     summary_path = run_dir / "summary.json"
     if learner.returncode != 0 or not summary_path.exists():
-        raise click.ClickException(f"the learner failed (exit {learner.returncode}); see {log_dir / 'learner.log'}")
+        raise click.ClickException(f"the learner failed ({exit_cause(learner.returncode)}); see "
+                                   f"{log_dir / 'learner.log'}")
     summary = json.loads(summary_path.read_text())
     summary["wall_s_command"] = round(time.time() - t0, 3)
     summary["run_dir"] = str(run_dir)
+    summary["learner_restarts"] = budget.used
     return summary
+
+
+def _restart_learner(fleet: Fleet, budget: RestartBudget, learner_args: list[str], run_dir: Path, t0: float,
+                     dead: subprocess.Popen) -> tuple[subprocess.Popen, float]:
+    """The learner ``dead`` died: after the back-off, start it again from the newest checkpoint (or
+    afresh); return the new process and its clock. Raises ClickException once the budget is spent."""
+    log = fleet.log_dir / "learner.log"
+    cause = exit_cause(dead.returncode)
+    delay = budget.next_delay_s()
+    if delay is None:
+        raise click.ClickException(give_up_message(budget, cause, log, run_dir, log_tail(log)))
+    resume, _ = resume_point(run_dir, t0)
+    logger.warning(describe_restart(budget.used, budget, cause, delay, resume, log_tail(log)))
+    waited = wait_for_group(dead.pid)  # a killed launcher's shards: gone before the new learner starts
+    time.sleep(max(0.0, delay - waited))  # the back-off (a Ctrl-C meanwhile still ends the run in the finally)
+    resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed meanwhile
+    args = [*learner_args, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
+    return fleet.start("learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner "
+                                               f"{cause}", own_group=True), learner_t0
