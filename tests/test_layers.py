@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
 LAYERS = [
     {"protocol"},
-    {"config", "logs", "proc"},
+    {"config", "logs", "proc", "values"},
     {"envs"},
     {"dist"},
     {"algos", "transport"},

@@ -85,7 +85,8 @@ def _time_major(names_values: dict, dtype: torch.dtype, device=None,
                 masks: tuple[str, ...] = ()) -> tuple[list[torch.Tensor], int, int]:
     """Converts ``[T, B]`` inputs to ``dtype`` (``masks`` keep theirs) and checks that they all share one
     shape, T >= 1."""
-    out, shape = [], None
+    out: list[torch.Tensor] = []
+    shape: torch.Size | None = None
     for name, x in names_values.items():
         t = _tensor(x, name, None if name in masks else dtype, device)
         if t.dim() != 2:
@@ -99,6 +100,8 @@ def _time_major(names_values: dict, dtype: torch.dtype, device=None,
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
                              f"(the shape of {first})")
         out.append(t)
+    if shape is None:
+        raise ValueError("no inputs")
     return out, shape[0], shape[1]
 
 

@@ -12,11 +12,12 @@ View with ``tensorboard --logdir runs/`` (every run directory's tb/ shows up as 
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
+
+from zddrl.values import finite_float
 
 TB_DIR = "tb"
 TAGS: dict[str, tuple[str, ...]] = {
@@ -28,17 +29,6 @@ TAGS: dict[str, tuple[str, ...]] = {
 """Namespace -> metrics.csv columns logged under it as ``namespace/column``."""
 FLUSH_SECS = 10
 INSTALL_HINT = "pip install 'zddrl[tensorboard]'"
-
-
-def _scalar(value: Any) -> float | None:
-    """A finite float, or None for None, empty strings, NaN/inf and non-numbers (which are skipped)."""
-    if value is None or value == "" or isinstance(value, bool):
-        return None
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 class TensorBoardWriter:
@@ -60,7 +50,7 @@ class TensorBoardWriter:
         written = 0
         for namespace, keys in TAGS.items():
             for key in keys:
-                value = _scalar(row.get(key))
+                value = finite_float(row.get(key))
                 if value is not None:
                     self._writer.add_scalar(f"{namespace}/{key}", value, global_step=int(step))
                     written += 1

@@ -1,1 +1,2 @@
-"""Operating a run: ``zddrl train`` (the local fleet of processes), status, plots and evaluation."""
+"""Operating a run: ``zddrl train`` (the local processes of a run, restarted when the learner dies),
+status, plots and evaluation."""

@@ -15,6 +15,8 @@ from typing import Any
 
 import click
 
+from zddrl.values import finite_float
+
 try:
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -55,20 +57,11 @@ class Run:
 
     @property
     def target(self) -> float | None:
-        return _number(self.summary.get("target_return"))
+        return finite_float(self.summary.get("target_return"))
 
     def label(self) -> str:
         parts = [self.name, self.mode, None if self.seed is None else f"seed {self.seed}"]
         return ", ".join(str(p) for p in parts if p)
-
-
-def _number(value: Any) -> float | None:
-    """A finite float, or None for empty cells, NaN, inf and anything else."""
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
 
 
 def load_run(run_dir: str | Path) -> Run:
@@ -86,7 +79,7 @@ def load_run(run_dir: str | Path) -> Run:
         rows = list(reader)
     if not rows:
         raise PlotError(f"{path} has no rows yet: the learner has not finished its first update")
-    series = {c: [math.nan if (x := _number(r.get(c))) is None else x for r in rows] for c in COLUMNS}
+    series = {c: [math.nan if (x := finite_float(r.get(c))) is None else x for r in rows] for c in COLUMNS}
     run = Run(run_dir, series)
     try:
         run.summary = json.loads((run_dir / "summary.json").read_text())
@@ -130,7 +123,8 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
         sps_wall.plot(s["wall_s"], s["sps"], color=color, lw=1.6)
         stale.plot(s["env_steps"], s["staleness_mean"], color=color, lw=wide)
         stale.plot(s["env_steps"], s["staleness_max"], color=color, lw=wide * 0.6, ls=":")
-        steps, wall = _number(run.summary.get("env_steps_to_target")), _number(run.summary.get("wall_s_to_target"))
+        steps = finite_float(run.summary.get("env_steps_to_target"))
+        wall = finite_float(run.summary.get("wall_s_to_target"))
         if run.target is not None and run.summary.get("reached") and steps is not None and wall is not None:
             ret_steps.plot([steps], [run.target], "o", color=color, ms=6, zorder=3)
             ret_wall.plot([wall], [run.target], "o", color=color, ms=6, zorder=3)

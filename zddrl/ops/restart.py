@@ -1,6 +1,6 @@
 """Restarting a learner that died: whether to, when, from where, and what to say about it.
 
-Used by `zddrl train` (ops/train.py), which restarts the learner process of its fleet, and by
+Used by `zddrl train` (ops/train.py), which restarts the learner among its local processes, and by
 `zddrl learner --restart N` (:func:`supervise_learner`), which runs the learner as its child.
 torch-free: the supervising process never needs it.
 
@@ -160,7 +160,7 @@ def describe_restart(n: int, budget: RestartBudget, cause: str, delay_s: float, 
     return text
 
 
-def give_up_message(budget: RestartBudget, cause: str, where: str, run_dir: Path, tail: str = "") -> str:
+def give_up_message(budget: RestartBudget, cause: str, where: str | Path, run_dir: Path, tail: str = "") -> str:
     """The error of a learner that died once more than the budget allows."""
     last = tail.strip().splitlines()[-1].strip() if tail.strip() else ""
     then = (f"continue the run with --resume {run_dir} once the cause is fixed" if latest_checkpoint(run_dir)

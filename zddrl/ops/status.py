@@ -17,6 +17,7 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
+from zddrl.values import finite_float
 
 MIN_INTERVAL_S = 0.1
 """Shortest --watch refresh period: each frame is a status request the broker must answer."""
@@ -61,7 +62,8 @@ def _table(rows: list[list[str]], indent: str = "") -> str:
 
 
 def _number(value: Any, fmt: str, default: str = "-") -> str:
-    return format(value, fmt) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+    x = finite_float(value)
+    return default if x is None else format(x, fmt)
 
 
 def summary_lines(body: dict[str, Any]) -> list[str]:

@@ -25,8 +25,18 @@ import click
 from loguru import logger
 
 from zddrl.config import Config, to_toml
-from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, give_up_message, log_tail,
-                               own_group_dying_with_parent, overdue, restartable, resume_point, wait_for_group)
+from zddrl.ops.restart import (
+    RestartBudget,
+    describe_restart,
+    exit_cause,
+    give_up_message,
+    log_tail,
+    overdue,
+    own_group_dying_with_parent,
+    restartable,
+    resume_point,
+    wait_for_group,
+)
 from zddrl.proc import die_with_parent, free_ports, stop_processes
 
 SHUTDOWN_GRACE_S = 5.0
@@ -37,7 +47,7 @@ def default_run_dir(config: Config) -> Path:
     return Path(config.train.run_dir) / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}-s{config.env.seed}"
 
 
-class Fleet:
+class LocalProcesses:
     """The processes of one local run; ``stop()`` ends every one of them."""
 
     def __init__(self, log_dir: Path) -> None:
@@ -104,20 +114,20 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     config_path.write_text(to_toml(config.to_dict()))
     control, traj, learn, params = free_ports(4)
     connect = f"tcp://127.0.0.1:{control}"
-    fleet = Fleet(log_dir)
+    procs = LocalProcesses(log_dir)
     tty = show_progress and sys.stderr.isatty()
     budget = RestartBudget(config.train.max_restarts)
     learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir)]
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
-        fleet.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
+        procs.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
                                "--learner-port", str(learn), "--params-port", str(params)])
-        learner = fleet.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])],
+        learner = procs.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])],
                               own_group=True)
         slowdowns = config.train.slowdowns
         for i in range(config.train.actors):
             slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
-            fleet.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
+            procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
         next_line = 0.0
         stopping = False
@@ -126,9 +136,9 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
             if code is not None:
                 if code == 0 or stopping or not restartable(code):
                     break
-                learner, learner_t0 = _restart_learner(fleet, budget, learner_args, run_dir, t0, learner)
+                learner, learner_t0 = _restart_learner(procs, budget, learner_args, run_dir, t0, learner)
                 continue
-            dead = [name for name in fleet.dead() if name != "learner"]
+            dead = [name for name in procs.dead() if name != "learner"]
             if dead:
                 raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
             if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
@@ -148,7 +158,7 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
         if tty:
             click.echo("", err=True)
     finally:
-        fleet.stop()
+        procs.stop()
     summary_path = run_dir / "summary.json"
     if learner.returncode != 0 or not summary_path.exists():
         raise click.ClickException(f"the learner failed ({exit_cause(learner.returncode)}); see "
@@ -160,11 +170,11 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     return summary
 
 
-def _restart_learner(fleet: Fleet, budget: RestartBudget, learner_args: list[str], run_dir: Path, t0: float,
+def _restart_learner(procs: LocalProcesses, budget: RestartBudget, learner_args: list[str], run_dir: Path, t0: float,
                      dead: subprocess.Popen) -> tuple[subprocess.Popen, float]:
     """The learner ``dead`` died: after the back-off, start it again from the newest checkpoint (or
     afresh); return the new process and its clock. Raises ClickException once the budget is spent."""
-    log = fleet.log_dir / "learner.log"
+    log = procs.log_dir / "learner.log"
     cause = exit_cause(dead.returncode)
     delay = budget.next_delay_s()
     if delay is None:
@@ -175,5 +185,5 @@ def _restart_learner(fleet: Fleet, budget: RestartBudget, learner_args: list[str
     time.sleep(max(0.0, delay - waited))  # the back-off (a Ctrl-C meanwhile still ends the run in the finally)
     resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed meanwhile
     args = [*learner_args, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
-    return fleet.start("learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner "
+    return procs.start("learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner "
                                                f"{cause}", own_group=True), learner_t0

@@ -16,12 +16,20 @@ import zmq
 
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning
-from zddrl.ops.restart import (RestartBudget, describe_restart, exit_cause, log_tail, overdue, restartable,
-                               resume_point, wait_for_group)
+from zddrl.ops.restart import (
+    RestartBudget,
+    describe_restart,
+    exit_cause,
+    log_tail,
+    overdue,
+    restartable,
+    resume_point,
+    wait_for_group,
+)
 from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
 
-CRASHING_ENV = "tests.test_restart:crashes_in_the_learner"
+CRASHING_ENV = "tests.ops.test_restart:crashes_in_the_learner"
 
 
 def crashes_in_the_learner() -> gym.Env:
@@ -119,6 +127,7 @@ def test_a_restart_resumes_on_the_checkpoints_clock_or_starts_afresh(tmp_path: P
     assert not overdue(t0, t0, max_seconds=90)  # not restarted: the learner keeps its own limit
 
 
+@pytest.mark.slow
 def test_a_dead_learners_orphans_are_waited_for_then_killed() -> None:
     """A launcher killed by SIGKILL leaves its shards behind in its process group: a restart waits for them
     (a grace period), then kills what is left, so that the new learner never meets the old one's shards."""
@@ -147,6 +156,7 @@ def running_in_group(pgid: int) -> list[int]:
 
 
 # ---------------------------------------------------------------- `zddrl train`
+@pytest.mark.slow
 def test_train_heals_a_sigkilled_learner_and_still_reaches_its_target(tmp_path: Path) -> None:
     """SIGKILL the learner mid-run: `zddrl train` restarts it from its newest checkpoint, the run reaches its
     target, versions and counters run on from the checkpoint, and no process is left. Prints the time from
@@ -209,6 +219,7 @@ def test_train_heals_a_sigkilled_learner_and_still_reaches_its_target(tmp_path: 
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every process of the run to be gone")
 
 
+@pytest.mark.slow
 def test_train_restarts_the_whole_shard_group_when_one_shard_dies(tmp_path: Path) -> None:
     """`--gpus cpu:2`: shard 1 SIGKILLed; its launcher stops shard 0 and fails; `zddrl train` restarts the group."""
     run_dir = tmp_path / "run"
@@ -237,6 +248,7 @@ def test_train_restarts_the_whole_shard_group_when_one_shard_dies(tmp_path: Path
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every process of the run to be gone")
 
 
+@pytest.mark.slow
 def test_train_gives_up_on_a_learner_that_keeps_crashing(tests_on_path: None, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
@@ -252,6 +264,7 @@ def test_train_gives_up_on_a_learner_that_keeps_crashing(tests_on_path: None, tm
 
 
 # ---------------------------------------------------------------- `zddrl learner --restart N`
+@pytest.mark.slow
 def test_standalone_learner_restarts_a_killed_child_afresh_before_its_first_checkpoint(
         procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
     """No actor yet, so no update and no checkpoint: the killed learner is restarted afresh in the same run
@@ -281,6 +294,7 @@ def test_standalone_learner_restarts_a_killed_child_afresh_before_its_first_chec
     wait_for(lambda: learner_processes(run_dir) == [], 15, "the learner processes to be gone")
 
 
+@pytest.mark.slow
 def test_standalone_learner_gives_up_after_n_restarts(tests_on_path: None, tmp_path: Path) -> None:
     connect = f"tcp://127.0.0.1:{free_ports(1)[0]}"  # it crashes before it looks for a broker
     run_dir = tmp_path / "run"
@@ -294,6 +308,7 @@ def test_standalone_learner_gives_up_after_n_restarts(tests_on_path: None, tmp_p
     assert learner_processes(run_dir) == []
 
 
+@pytest.mark.slow
 def test_restart_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
     common = [sys.executable, "-m", "zddrl", "learner", CARTPOLE, "--connect", "tcp://127.0.0.1:1",
               "--run-dir", str(tmp_path / "run"), "--restart", "1"]
