@@ -174,7 +174,7 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Checkpoint every this many updates (0: only by time and at the end)."""
     checkpoint_every_s: float = 60.0
-    """Checkpoint at least this often (seconds); the first is written right after the first update, a final one always."""
+    """Checkpoint at least this often (seconds); the first follows the first update, a final one always."""
     keep_checkpoints: int = 3
     """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
