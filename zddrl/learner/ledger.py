@@ -61,24 +61,24 @@ class Ledger:
 
     def account(self, r: Record, version: int) -> None:
         """A trajectory received by any shard: its steps, episodes and lag; its parameter hash checked."""
-        self.lag[r.peer_id] = version - r.version
+        self.lag[r.peer_id] = version - r.policy_version
         self.progress.count_steps(r.peer_id, r.total_env_steps, r.env_steps, r.incarnation)
-        expected = self.hashes.get(r.version)
+        expected = self.hashes.get(r.policy_version)
         if expected is not None and r.param_hash != expected:
             self.log.error(f"actor {r.peer_id} acts with parameters {r.param_hash} that were never published "
-                           f"for version {r.version} (published {expected})")
+                           f"for version {r.policy_version} (published {expected})")
         self.progress.add_episodes(r.ep_returns)
 
     def drop_stale(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_stale, r.peer_id)
         if n:
-            self.log.warning(f"dropped stale data from {r.peer_id}: version {r.version} is {version - r.version} "
+            self.log.warning(f"dropped stale data from {r.peer_id}: version {r.policy_version} is {version - r.policy_version} "
                              f"behind {version} (max_staleness {self.config.algo.max_staleness}; {n} so far)")
 
     def drop_late(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_late, r.peer_id)
         if n:
-            self.log.warning(f"dropped late data from {r.peer_id}: version {r.version}, round {version} "
+            self.log.warning(f"dropped late data from {r.peer_id}: version {r.policy_version}, round {version} "
                              f"({n} so far from this actor)")
 
     def drop_invalid(self, r: Record) -> None:

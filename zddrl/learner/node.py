@@ -81,7 +81,7 @@ class LearnerNode:
         self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
         core_cls = ImpalaLearner if config.algo.mode == "impala" else PPOLearner
         self.core: LearnerCore = core_cls(config, self.spec, self.group)
-        self.version = 0
+        self.policy_version = 0
         self.rollout_len = config.env.rollout_len
         """Per-env rollout length the actors are told to sample (sync mode sizes it from the fleet)."""
         progress = None
@@ -91,7 +91,7 @@ class LearnerNode:
         self.own: MainShard | None = None
         """What the main shard alone keeps: the run's counting, its directory, its checkpoints, its fleet."""
         if self.main:
-            runlog = RunLog(run_dir, config.to_dict(), resume_version=self.version if resume else None)
+            runlog = RunLog(run_dir, config.to_dict(), resume_version=self.policy_version if resume else None)
             self.own = MainShard(
                 Ledger(config, self.log, t0 if t0 is not None else time.time(), self.group.world_size, progress),
                 runlog, Checkpoints(runlog, config.train),
@@ -125,18 +125,18 @@ class LearnerNode:
             self._publish()
             if self.own is not None:
                 self.own.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode,
-                                      "resumed_from_version": self.version, "broker": self.connect,
+                                      "resumed_from_version": self.policy_version, "broker": self.connect,
                                       "shards": self.group.world_size})
                 self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch "
                               f"{self.algo.batch_size} steps, {self.group.world_size} shard(s), version "
-                              f"{self.version} published")
+                              f"{self.policy_version} published")
             own = self.own
             ledger = own.ledger if own is not None else None
             collector: SyncRounds | AsyncStream = AsyncStream(self.poller, self.algo, ledger)
             if self.algo.mode == "sync":
                 collector = SyncRounds(self.poller, self.algo, self.log, own.fleet if own is not None else None,
                                        ledger, self._refresh_fleet)
-            while self._step(collector.collect(stop, self.version)):
+            while self._step(collector.collect(stop, self.policy_version)):
                 self._report()
                 if own is not None and own.checkpoints.due(self.updates):
                     self._checkpoint(own)
@@ -159,7 +159,7 @@ class LearnerNode:
         got.batch.sort(key=lambda t: (t.peer_id, t.seq))  # arrival order must not change what is learned
         figures = self.core.update(got.batch, staleness=got.staleness)  # an empty batch takes no optimizer step
         self.updates += 1
-        self.version += 1
+        self.policy_version += 1
         update_s = time.monotonic() - t0
         self.timing["updates"] += 1
         self.timing["samples"] += int(figures.get("batch_steps", 0))
@@ -172,7 +172,7 @@ class LearnerNode:
             figures.update(got.figures or {})
             if self.algo.mode != "sync":
                 ledger.watch_lag()
-            row = ledger.row(figures, policy_version=self.version, skipped_steps=self.core.skipped_steps,
+            row = ledger.row(figures, policy_version=self.policy_version, skipped_steps=self.core.skipped_steps,
                                   actors=got.actors, rollout_len=self.rollout_len, round_s=got.round_s,
                                   update_s=update_s)
             self.own.runlog.write(row)
@@ -241,18 +241,18 @@ class LearnerNode:
         if self.group.sharded:
             hashes = self.group.exchange(P.param_hash(flat))
             if len(set(hashes)) != 1:
-                raise ShardError(f"learner shards diverged at version {self.version}: parameter hashes {hashes}")
+                raise ShardError(f"learner shards diverged at version {self.policy_version}: parameter hashes {hashes}")
         own = self.own
         if own is None:
             return
         self.rollout_len = own.fleet.rollout_len
         lc = self.config.learner
-        messages = split_params(run_id=self.run_id, peer_id=self.peer_id, version=self.version, flat=flat,
+        messages = split_params(run_id=self.run_id, peer_id=self.peer_id, version=self.policy_version, flat=flat,
                                 layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
                                 chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
         head = messages[0]
         if isinstance(head, P.Parameters):  # split() puts the version's head first
-            own.ledger.published(self.version, head.param_hash)  # what actors acting with it report
+            own.ledger.published(self.policy_version, head.param_hash)  # what actors acting with it report
         self.poller.send_params(messages)
 
     def _report(self) -> None:
@@ -268,7 +268,7 @@ class LearnerNode:
                  "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
                  "wait_data_share": timing["wait_s"] / elapsed,
                  "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
-                 "policy_version": self.version}
+                 "policy_version": self.policy_version}
         if self.own is not None:  # the run's figures are the main shard's to report
             ledger = self.own.ledger
             ret = ledger.return_mean()
@@ -280,26 +280,26 @@ class LearnerNode:
         self.link.send(P.Stats(peer_id=self.peer_id, role="learner", stats=stats))
 
     def _summary(self) -> dict[str, Any]:
-        run = {"policy_version": self.version, "mode": self.algo.mode, "seed": self.config.env.seed,
+        run = {"policy_version": self.policy_version, "mode": self.algo.mode, "seed": self.config.env.seed,
                "run_id": self.run_id, "shards": self.group.world_size}
         return self.own.ledger.summary(**run) if self.own is not None else {"updates": self.updates, **run}
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint(self, own: MainShard, final: bool = False) -> None:
         ledger = own.ledger
-        state = {**self.core.state(), "policy_version": self.version, "config": self.config.to_dict(),
+        state = {**self.core.state(), "policy_version": self.policy_version, "config": self.config.to_dict(),
                  "progress": ledger.progress.state(ledger.wall_s()), "rollout_len": self.rollout_len,
                  "env_steps": ledger.env_steps()}
-        path = own.checkpoints.write(state, self.version, self.updates, final)
+        path = own.checkpoints.write(state, self.policy_version, self.updates, final)
         self.log.debug(f"checkpoint {path.name} written")
 
     def _restore(self, state: dict[str, Any], path: Path) -> Progress:
         """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters."""
         self.core.load_state(state)
-        self.version = int(state["policy_version"])
+        self.policy_version = int(state["policy_version"])
         self.rollout_len = int(state.get("rollout_len", self.rollout_len))
         progress = Progress.from_state(state["progress"])
-        self.log.info(f"resumed from {path}: version {self.version}, {progress.env_steps()} env steps, "
+        self.log.info(f"resumed from {path}: version {self.policy_version}, {progress.env_steps()} env steps, "
                       f"{progress.updates} updates")
         return progress
 

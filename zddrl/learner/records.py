@@ -15,7 +15,7 @@ from zddrl import protocol as P
 class Record(NamedTuple):
     peer_id: str
     seq: int
-    version: int
+    policy_version: int
     """The policy version the actor acted with."""
     env_steps: int
     total_env_steps: int | None

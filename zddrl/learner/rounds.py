@@ -102,7 +102,7 @@ class SyncRounds:
             polled = self.poller.poll(stop, control, lambda m: m.policy_version == version, batch)
             _account(self.ledger, polled, version)
             control = polled.control
-            unusable.update(r.peer_id for r in polled.invalid if r.version == version)
+            unusable.update(r.peer_id for r in polled.invalid if r.policy_version == version)
             if "expected" in control:
                 expected = set(control["expected"])
             for r in polled.records:
@@ -112,7 +112,7 @@ class SyncRounds:
                     if fleet is not None:
                         self.report_times.append(time.monotonic() - started)
                 elif self.ledger is not None:
-                    if fleet is not None and version - r.version <= 1:
+                    if fleet is not None and version - r.policy_version <= 1:
                         fleet.back_in_quota(r.peer_id)  # missed the round by less than one update: wait for it again
                     self.ledger.drop_late(r, version)
             if control["stop"]:
@@ -154,7 +154,7 @@ class AsyncStream:
             for r in polled.records:
                 if r.used:
                     steps += r.env_steps
-                    used.append((r.peer_id, version - r.version, r.env_steps))
+                    used.append((r.peer_id, version - r.policy_version, r.env_steps))
                 elif self.ledger is not None:
                     self.ledger.drop_stale(r, version)
             if polled.control["stop"]:
