@@ -72,8 +72,9 @@ class Ledger:
     def drop_stale(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_stale, r.peer_id)
         if n:
-            self.log.warning(f"dropped stale data from {r.peer_id}: version {r.policy_version} is {version - r.policy_version} "
-                             f"behind {version} (max_staleness {self.config.algo.max_staleness}; {n} so far)")
+            self.log.warning(f"dropped stale data from {r.peer_id}: version {r.policy_version} is "
+                             f"{version - r.policy_version} behind {version} (max_staleness "
+                             f"{self.config.algo.max_staleness}; {n} so far)")
 
     def drop_late(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_late, r.peer_id)
