@@ -39,6 +39,7 @@ class Fleet:
         self.hosts: set[str] = set()
         """Every host an actor of this run was seen on (for meta.json)."""
         self.stragglers: set[str] = set()
+        self._snapshot_actors: dict[str, dict] | None = None
         self._log = log
         self._missed: Counter[str] = Counter()
         self._returned: Counter[str] = Counter()
@@ -46,10 +47,14 @@ class Fleet:
         self._next_log = 0.0  # the first event is logged at once, later ones per interval
 
     def refresh(self, snapshot: tuple[int, dict[str, dict]] | None) -> bool:
-        """Take the newest fleet message's ``(seq, actors)``; True when it is newer than what we had."""
-        if snapshot is None or snapshot[0] == self.seq:
+        """Take the newest fleet message's ``(seq, actors)``; True when it differs from what we had (a new seq,
+        or the same seq with other actors: a restarted broker counts again from the start)."""
+        if snapshot is None:
             return False
-        self.seq, actors = snapshot
+        seq, actors = snapshot
+        if seq == self.seq and (actors is self._snapshot_actors or actors == self._snapshot_actors):
+            return False
+        self.seq, self._snapshot_actors = seq, actors
         self.actors = {peer: int(a.get("num_envs") or self.default_envs) for peer, a in actors.items()}
         self.hosts.update(str(a["host"]) for a in actors.values() if a.get("host"))
         self.stragglers &= self.actors.keys()
@@ -85,10 +90,10 @@ class Fleet:
         """One line for the stragglers seen since the last one, at most once per STRAGGLER_LOG_EVERY_S (the first
         at once); ``final``: whatever is left, at the end of the run."""
         now = time.monotonic()
-        if not self._missed or (now < self._next_log and not final):
+        if not (self._missed or self._timeouts or self._returned) or (now < self._next_log and not final):
             return
         self._next_log = now + STRAGGLER_LOG_EVERY_S
-        missed = ", ".join(f"{peer} x{n}" for peer, n in sorted(self._missed.items()))
+        missed = ", ".join(f"{peer} x{n}" for peer, n in sorted(self._missed.items())) or "none"
         self._log.warning(f"stragglers since the last such line (rounds missed; their data is dropped as late "
                           f"until they keep up): {missed}; {self._timeouts} round(s) closed by the straggler "
                           f"timeout, {sum(self._returned.values())} return(s) to the quota")

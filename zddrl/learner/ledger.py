@@ -56,8 +56,9 @@ class Ledger:
         while len(self.hashes) > HASHES_KEPT:
             del self.hashes[next(iter(self.hashes))]  # insertion order: the oldest version first
 
-    def received(self, shard: int, records: list[Record]) -> None:
-        self.shard_trajectories[shard] += sum(r.fresh and not r.invalid for r in records)
+    def received(self, per_shard: list[int]) -> None:
+        for shard, n in enumerate(per_shard):
+            self.shard_trajectories[shard] += n
 
     def account(self, r: Record, version: int) -> None:
         """A trajectory received by any shard: its steps, episodes and lag; its parameter hash checked."""

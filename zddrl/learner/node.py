@@ -28,7 +28,7 @@ from zddrl.algos.core import LearnerCore
 from zddrl.algos.impala import ImpalaLearner
 from zddrl.algos.ppo import PPOLearner
 from zddrl.algos.rollout import mismatch
-from zddrl.config import Config
+from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
@@ -132,10 +132,9 @@ class LearnerNode:
                               f"{self.policy_version} published")
             own = self.own
             ledger = own.ledger if own is not None else None
-            collector: SyncRounds | AsyncStream = AsyncStream(self.poller, self.algo, ledger)
-            if self.algo.mode == "sync":
-                collector = SyncRounds(self.poller, self.algo, self.log, own.fleet if own is not None else None,
-                                       ledger, self._refresh_fleet)
+            collector = SyncRounds(self.poller, self.algo, self.log, own.fleet if own is not None else None, ledger,
+                                   self._refresh_fleet) if self.algo.mode == "sync" else \
+                AsyncStream(self.poller, self.algo, ledger)
             while self._step(collector.collect(stop, self.policy_version)):
                 self._report()
                 if own is not None and own.checkpoints.due(self.updates):
@@ -184,8 +183,7 @@ class LearnerNode:
         if own is not None:
             own.runlog.summary(summary)
             own.fleet.flush_log()
-            if own.fleet.hosts:
-                own.runlog.meta({"hosts": sorted(own.fleet.hosts), "actors": sorted(own.fleet.actors)})
+            own.runlog.meta({"hosts": sorted(own.fleet.hosts), "actors": sorted(own.fleet.actors)})
             if not crashed:
                 self._checkpoint(own, final=True)
             own.runlog.close()
@@ -203,10 +201,7 @@ class LearnerNode:
 
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""
-        if self.own is None or not self.own.fleet.refresh(self._fleet_snapshot()):
-            return False
-        self.rollout_len = self.own.fleet.rollout_len
-        return True
+        return self.own is not None and self.own.fleet.refresh(self._fleet_snapshot())
 
     def _fleet_snapshot(self):  # TEMPORARY until BrokerLink.fleet() lands (broker-contract branch)
         if hasattr(self.link, "fleet"):
@@ -251,8 +246,9 @@ class LearnerNode:
                                 layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
                                 chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
         head = messages[0]
-        if isinstance(head, P.Parameters):  # split() puts the version's head first
-            own.ledger.published(self.policy_version, head.param_hash)  # what actors acting with it report
+        if not isinstance(head, P.Parameters):
+            raise TypeError(f"split() must put the version's params message first, not {type(head).__name__}")
+        own.ledger.published(self.policy_version, head.param_hash)  # what actors acting with it report
         self.poller.send_params(messages)
 
     def _report(self) -> None:
@@ -294,7 +290,14 @@ class LearnerNode:
         self.log.debug(f"checkpoint {path.name} written")
 
     def _restore(self, state: dict[str, Any], path: Path) -> Progress:
-        """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters."""
+        """Continue where the checkpoint stopped: weights, optimizer, schedules, statistics, RNG, counters.
+        The checkpoint's own [env] and [model] must be this config's (the run directory's config.toml was
+        checked already; this holds even where that file is gone)."""
+        saved = state.get("config", {})
+        for section in ("env", "model"):
+            if saved.get(section) != self.config.to_dict()[section]:
+                raise ConfigError(f"--resume: the [{section}] of {path.name} differs from this config; resume "
+                                  f"with the run's own config.toml")
         self.core.load_state(state)
         self.policy_version = int(state["policy_version"])
         self.rollout_len = int(state.get("rollout_len", self.rollout_len))

@@ -28,8 +28,8 @@ class Polled(NamedTuple):
     """Every shard's usable trajectories of this poll, in (peer_id, seq) order."""
     invalid: list[Record]
     """Every shard's trajectories that the run cannot train on (fresh ones; never in a batch)."""
-    by_shard: list[list[Record]]
-    """The same records, by the shard that received them."""
+    received: list[int]
+    """Per shard: the usable trajectories it took off its socket in this poll (how the broker spreads the stream)."""
     control: dict[str, Any]
     """The main shard's control (``stop`` also set when any shard was asked to stop)."""
 
@@ -81,9 +81,9 @@ class ShardPoller:
                                      "control": control if self.group.is_main else None})
         control = dict(parts[0]["control"])
         control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
-        by_shard = [records_of([p["records"]]) for p in parts]
         everything = records_of([p["records"] for p in parts])
-        return Polled([r for r in everything if not r.invalid], [r for r in everything if r.invalid], by_shard,
+        received = [sum(r.fresh and not r.invalid for r in map(Record._make, p["records"])) for p in parts]
+        return Polled([r for r in everything if not r.invalid], [r for r in everything if r.invalid], received,
                       control)
 
     def _receive(self) -> tuple[P.Trajectory | None, bool]:

@@ -53,8 +53,7 @@ def _account(ledger: Ledger | None, polled: Polled, version: int) -> None:
     """Main shard: every received trajectory counts (steps, episodes), used or not; unusable ones are dropped."""
     if ledger is None:
         return
-    for shard, records in enumerate(polled.by_shard):
-        ledger.received(shard, records)
+    ledger.received(polled.received)
     for r in polled.invalid:
         ledger.drop_invalid(r)
     for r in polled.records:
