@@ -14,8 +14,8 @@ from loguru import logger
 
 from zddrl import STARTED_AT, __version__
 from zddrl.config import ConfigError, load_broker_config, load_config, parse_override
-from zddrl.transport.link import Refused
 from zddrl.logs import configure
+from zddrl.transport.link import Refused
 
 CONNECT_HELP = "Broker control endpoint, the only address a client needs."
 
@@ -214,6 +214,14 @@ def _default_run_dir(config) -> Path:
     return default_run_dir(config)
 
 
+class _ExitWith(click.ClickException):
+    """A ClickException with the exit code of the failure it reports."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
+
+
 def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: float) -> None:
     """``zddrl learner --restart N``: this same command line, run as a child and restarted when it dies."""
     import sys
@@ -223,9 +231,7 @@ def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: floa
     try:
         supervise_learner(sys.argv[1:], run_dir, STARTED_AT if t0 is None else t0, restarts, max_seconds)
     except SupervisorError as exc:
-        error = click.ClickException(str(exc))
-        error.exit_code = exc.exit_code  # a usage error of the learner stays exit 2
-        raise error from None
+        raise _ExitWith(str(exc), exc.exit_code) from None  # a usage error of the learner stays exit 2
 
 
 def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
@@ -247,8 +253,8 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
 
 def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
-    from zddrl.learner.node import LearnerNode
     from zddrl.dist.shards import ShardError, ShardGroup
+    from zddrl.learner.node import LearnerNode
 
     try:
         group = ShardGroup.from_env(plan, config.learner.collective_timeout_s)
