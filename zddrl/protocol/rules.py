@@ -89,8 +89,8 @@ def check_welcome(fields: dict[str, Any]) -> None:
 
 
 def check_params(fields: dict[str, Any]) -> None:
-    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, dtype, shape,
-    offset]`` are well formed and fit the whole buffer."""
+    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, "float32", shape,
+    offset]`` are well formed and lie within the whole buffer's ``numel`` elements."""
     flat = fields["arrays"].get("flat")
     if flat is not None and flat.ndim != 1:
         raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")
@@ -103,8 +103,9 @@ def check_params(fields: dict[str, Any]) -> None:
         if not isinstance(name, str) or not name or name in names:
             raise ProtocolError(f"params: layout row {i}: name {name!r} must be a unique non-empty string")
         names.add(name)
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed")
+        if dtype_name != "float32":  # the rows describe the float32 buffer receivers rebuild, whatever param_dtype
+            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed (\"float32\": "
+                                "the rows describe the float32 buffer a receiver rebuilds)")
         if not _shape_ok(shape):
             raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
         if not _is_int(offset, 0):
