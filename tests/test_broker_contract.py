@@ -25,7 +25,7 @@ from contract_clients import (WAIT_S, Control, Learner, ProfiledBroker, counters
 from zddrl import protocol as P
 from zddrl.broker.publisher import PARAMS_REQUEST_MIN_INTERVAL_S
 from zddrl.proc import free_ports
-from zddrl.transport.params import FrameCache, split
+from zddrl.transport.params import Assembler, FrameCache, split
 
 
 def version(v: int, n: int = 64, chunk_bytes: int = 1 << 20, run: str = "run-a") -> list[P.Message]:
@@ -121,7 +121,8 @@ def anonymous(run_id: str) -> dict[str, list[bytes]]:
         "a header that is not msgpack": [good[0], b"\xc1", *good[2:]],
         "a header that is a list": [good[0], msgpack.packb([header]), *good[2:]],
         "peer_id not a str": [good[0], msgpack.packb({**header, "peer_id": b"actor-0"}), *good[2:]],
-        "peer_id of no joined actor": [good[0], msgpack.packb({**header, "peer_id": "stranger", "bogus": 1}), *good[2:]],
+        "peer_id of no joined actor": [good[0], msgpack.packb({**header, "peer_id": "stranger", "bogus": 1}),
+                                       *good[2:]],
     }
 
 
@@ -191,7 +192,8 @@ def forged_versions(first: int) -> dict[str, list[P.Message]]:
     flat = v[0].arrays["flat"] + 1
     out["chunk 0 does not hash to chunk_hashes[0]"] = [corrupt(v[0], arrays={"flat": flat}), v[1], v[2]]
     v = version(first + 3)
-    out["an unchunked buffer that does not hash to param_hash"] = [corrupt(v[0], arrays={"flat": v[0].arrays["flat"] + 1})]
+    out["an unchunked buffer that does not hash to param_hash"] = [corrupt(v[0],
+                                                                           arrays={"flat": v[0].arrays["flat"] + 1})]
     v = version(first + 4, n=96, chunk_bytes=128)  # every chunk matches the table; the table does not match param_hash
     out["the whole buffer does not hash to param_hash"] = [corrupt(m, param_hash="0123456789abcdef") for m in v]
     v = version(first + 5, n=96, chunk_bytes=128)
@@ -204,6 +206,8 @@ def test_the_frame_cache_keeps_nothing_that_fails_a_hash() -> None:
     cache = FrameCache()
     good = version(1, n=96, chunk_bytes=128)
     assert [cache.add(m, [i]) for i, m in enumerate(good)] == ["building", "building", "complete"]
+    forged = forged_versions(2)["the whole buffer does not hash to param_hash"]
+    assert [cache.add(m, ["x"]) for m in forged] == ["building", "building", "whole_hash"]  # the last is held
     expected = {"chunk data does not hash to its chunk_hash": "chunk_hash", "chunk_hash is not the table's":
                 "chunk_hash", "chunk 0 does not hash to chunk_hashes[0]": "chunk_hash",
                 "an unchunked buffer that does not hash to param_hash": "chunk_hash",
@@ -221,6 +225,8 @@ def test_the_frame_cache_keeps_nothing_that_fails_a_hash() -> None:
 
 
 def test_the_broker_publishes_and_keeps_only_verified_versions(broker: BrokerHandle, bus: Bus) -> None:
+    """What passed its own checks goes out as it comes; the message that completes a version only once the whole
+    version verified; what fails goes nowhere, and the snapshot is always the last whole, verified version."""
     learner = Learner(bus, broker)
     sub = bus.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
@@ -239,12 +245,26 @@ def test_the_broker_publishes_and_keeps_only_verified_versions(broker: BrokerHan
     later = version(published + 10)
     publish(learner, later)  # a good version after them: the SUB sees it after anything published before
     wait_for(lambda: counters(broker, bus)["policy_version"] == published + 10, WAIT_S, "the version after them")
-    seen = []
-    while not seen or seen[-1] != published + 10:
-        assert sub.poll(int(WAIT_S * 1000)), f"the SUB got {seen}"
-        seen.append(P.decode(sub.recv_multipart()).policy_version)
-    forged_versions_numbers = {m.policy_version for msgs in forged.values() for m in msgs}
-    assert not forged_versions_numbers & set(seen), f"forged versions were broadcast: {seen}"
+    seen: list[P.Message] = []
+    while not seen or seen[-1].policy_version != published + 10:
+        assert sub.poll(int(WAIT_S * 1000)), f"the SUB got {[m.policy_version for m in seen]}"
+        seen.append(P.decode(sub.recv_multipart()))
+    # Every message that went out passed its own checks: nothing whose data fails its hash was broadcast...
+    heads = {(m.policy_version, m.param_hash): m for m in seen if isinstance(m, P.Parameters)}
+    for m in seen:
+        if isinstance(m, P.Parameters):
+            assert P.param_hash(m.arrays["flat"]) == (m.chunk_hashes or [m.param_hash])[0], m.policy_version
+        else:
+            head = heads[(m.policy_version, m.param_hash)]
+            assert P.param_hash(m.arrays["data"]) == m.chunk_hash == head.chunk_hashes[m.index], m.policy_version
+            assert m.arrays["data"].size == min(head.chunk_numel, head.numel - m.index * head.chunk_numel)
+    # ...and no forged version can be put together from what went out: its last message never did.
+    for msgs in forged.values():
+        out = [m for m in seen if m.policy_version == msgs[0].policy_version]
+        assert len(out) < len(msgs), f"all of forged version {msgs[0].policy_version} went out"
+    assembler = Assembler()
+    whole = [v.policy_version for v in map(assembler.add, seen) if v is not None]
+    assert whole[-2:] == [published, published + 10] and not set(assembler.rejected) - {"old", "orphan_chunk"}
     b = counters(broker, bus)
     assert b["params_chunk_hash"] == 4 and b["params_whole_hash"] == 1 and b["params_bad_chunk"] == 1
     assert b["params_published"] == published + 2

@@ -160,7 +160,7 @@ class Broker:
             if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
                 self._forward_trajectories()  # credit that just came: forward now, not after one more poll
             now = time.monotonic()
-            if self.fleet.due(now):
+            if self.fleet.changed and now >= self.fleet.next_at:
                 self._announce_fleet(now)
             if now >= self._next_beat:
                 self._send_heartbeats()

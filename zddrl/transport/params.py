@@ -210,16 +210,15 @@ class _Pending:
         self.missing = set(range(1, head.num_chunks))
         self.parts: dict[int, tuple[np.ndarray, list]] = {0: (flat, frames)}
         self.whole = hashlib.sha1() if head.num_chunks > 1 else None
-        """SHA-1 of chunks 0..fed-1, fed in order as they become contiguous (usually as they arrive)."""
+        """SHA-1 of chunks 0..fed-1, fed in order as they become contiguous, each when the next message comes
+        (after the broker published the chunk: the whole-buffer pass is not on its way out)."""
         self.fed = 0
-        self._feed()
 
     def add(self, index: int, data: np.ndarray, frames: list) -> None:
         self.parts[index] = (data, frames)
         self.missing.discard(index)
-        self._feed()
 
-    def _feed(self) -> None:
+    def feed(self) -> None:
         if self.whole is not None:
             while self.fed in self.parts:
                 self.whole.update(self.parts[self.fed][0])
@@ -227,6 +226,7 @@ class _Pending:
 
     def whole_hash_ok(self) -> bool:
         """One chunk: it was checked against param_hash itself. Several: their concatenation hashes to it."""
+        self.feed()
         return self.whole is None or self.whole.hexdigest()[:16] == self.head.param_hash
 
     def messages(self) -> list[list]:
@@ -236,9 +236,14 @@ class _Pending:
 class FrameCache:
     """The broker's copy of the newest whole, verified version, kept as the frames of its messages.
 
-    ``add(message, frames)`` says what the message is to the cache: ``"building"`` (part of the
-    version being received), ``"complete"`` (it completed that version, which passed every hash check
-    and is now the cached one: ``messages``, to be published), or why it is refused:
+    ``add(message, frames)`` checks one message and says what it is to the cache:
+
+    * ``"building"``: a message of the version being received that passed its own checks; it can go
+      out now (it does not complete the version, so no receiver can use the version yet);
+    * ``"complete"``: the message that completed that version, and the whole version passed every
+      hash check: it is now the cached one (``messages``), and this message can go out;
+
+    or why it is refused (the message must not go out):
 
     * ``"stale"``: not newer than the cached version;
     * ``"duplicate"``: the params message of the version being received again, or a chunk of it
@@ -250,13 +255,14 @@ class FrameCache:
       params message: ``flat`` against ``chunk_hashes[0]``, or ``param_hash`` when unchunked; for a chunk:
       its ``chunk_hash`` is not ``chunk_hashes[index]``, or its data does not hash to it). The message is
       dropped; the version waits for a good copy or is superseded;
-    * ``"whole_hash"``: the last chunk came, and the concatenation of the chunks does not hash to
-      ``param_hash``: the whole version is dropped.
+    * ``"whole_hash"``: the message would complete the version, but the concatenation of the chunks does
+      not hash to ``param_hash``: the whole version is dropped, and with it this last message, so no
+      receiver can put the version together.
 
-    Nothing that failed a check is ever kept, so the cached version stays the last good one. A params
-    message of a newer version (or the same version with another hash) replaces one still incomplete:
-    ``abandoned`` counts those. Each chunk is hashed once against its entry and fed, in order, into
-    the whole-buffer hash: a version costs two SHA-1 passes over its bytes (one if unchunked).
+    Nothing that failed a check is ever kept or goes out, so the cached version stays the last good one.
+    A params message of a newer version (or the same version with another hash) replaces one still
+    incomplete: ``abandoned`` counts those. Each chunk is hashed once against its entry and fed, in
+    order, into the whole-buffer hash: a version costs two SHA-1 passes over its bytes (one if unchunked).
     """
 
     def __init__(self) -> None:
@@ -278,6 +284,8 @@ class FrameCache:
         if msg.policy_version <= self.version:
             return "stale"
         building = self._building
+        if building is not None:
+            building.feed()  # what the last messages added, now that they went out
         if isinstance(msg, P.Parameters):
             if building is not None and building.key == (msg.policy_version, msg.param_hash):
                 return "duplicate"
@@ -297,7 +305,8 @@ class FrameCache:
                 return "bad_chunk"
             if index not in building.missing:
                 return "duplicate"
-            if data.dtype != building.dtype or data.size != min(head.chunk_numel, head.numel - index * head.chunk_numel):
+            size = min(head.chunk_numel, head.numel - index * head.chunk_numel)
+            if data.dtype != building.dtype or data.size != size:
                 return "bad_chunk"
             if msg.chunk_hash != head.chunk_hashes[index] or P.param_hash(data) != msg.chunk_hash:
                 return "chunk_hash"
