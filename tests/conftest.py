@@ -145,3 +145,11 @@ def bus() -> Iterator[Bus]:
         yield b
     finally:
         b.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts zddrl processes (through ``procs``, which ``broker`` and the brokers of the test
+    modules use) is ``slow`` whether or not it says so: ``-m "not slow"`` stays the quick edit-test loop."""
+    for item in items:
+        if "procs" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

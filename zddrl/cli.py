@@ -103,7 +103,7 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
               help="Write the bound ports as JSON here once serving (for scripts and tests).")
 def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
     """Run the broker: routes trajectories to learners and parameters to actors."""
-    from zddrl.broker.broker import Broker
+    from zddrl.broker.broker import BindError, Broker
 
     try:
         config = load_broker_config(profile, {"bind": bind, "trajectory_port": trajectory_port,
@@ -113,7 +113,10 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
     stop = stop_on_signals()
     b = Broker(config)
     try:
-        ports = b.bind()
+        try:
+            ports = b.bind()
+        except (BindError, ConfigError) as exc:  # a port taken, a bad bind port: one line, no traceback
+            raise click.ClickException(str(exc)) from None
         if ready_file:
             Path(ready_file).write_text(json.dumps(ports))
         b.run(stop)

@@ -82,6 +82,8 @@ EXAMPLES = [
     ("stats", P.Stats(peer_id="actor-0", role="actor", stats={"env_steps": 36, "sps": 900.0, "comm_share": 0.125})),
     ("status_request", P.StatusRequest(peer_id="status")),
     ("status", P.Status(body=STATUS)),
+    ("fleet", P.Fleet(run_id=RUN_ID, seq=1764547200042, actors={"actor-0": {"num_envs": 2, "host": "node1"},
+                                                                "actor-1": {"num_envs": 0, "host": "node2"}})),
     ("bye", P.Bye(peer_id="actor-0", reason="actor stopping")),
 ]
 

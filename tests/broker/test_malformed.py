@@ -95,7 +95,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     actor_row = body["members"]["actor-0"]  # drops with a readable peer_id are charged to it
     assert actor_row["dropped_unknown_run"] == 1 and actor_row["dropped_unknown_version"] == 2
     # malformed ones too when their header names it: bad dtype, frame size, missing frame, bad seq
-    assert actor_row["dropped_malformed"] == 4
+    assert actor_row["dropped_malformed"] == 5  # the unknown-version one is attributable too (protocol.md 8)
 
     log = procs.log("broker")
     lines = [ln for ln in log.splitlines() if "dropped a malformed trajectory" in ln]

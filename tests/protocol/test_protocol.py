@@ -51,6 +51,7 @@ EXAMPLES = [
     P.Stats(peer_id="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
     P.StatusRequest(), P.StatusRequest(peer_id="status"), P.Status(body={"broker": {"dropped": {"stale": 1}}}),
     P.Bye(peer_id="actor-0"), P.Bye(peer_id="actor-0", reason="done"),
+    P.Fleet(run_id="r-1", seq=1, actors={"actor-0": {"num_envs": 2, "host": "h"}}),
 ]
 
 

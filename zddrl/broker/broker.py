@@ -2,11 +2,12 @@
 
 Sockets (all bound by the broker; clients learn the data ports from the welcome)::
 
-    control       ROUTER  hello/welcome, heartbeats both ways, stats, status, parameter snapshots
+    control       ROUTER  hello/welcome, heartbeats both ways, stats, status, parameter snapshots (publisher.py),
+                          fleet messages to learner shards (fleet.py)
     trajectories  PULL    actors PUSH trajectory messages here
     learners      ROUTER  learner shards (DEALER, identity = peer id): credit in, trajectories out,
                           parameters in
-    params        PUB     every parameter version, to every actor's SUB
+    params        PUB     every parameter version, once verified (publisher.py), to every actor's SUB
 
 Flow control is credit-based: a learner shard grants credit (how many more trajectories it can
 take), the broker reads the trajectory socket only while some shard has credit and sends each
@@ -20,20 +21,30 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from functools import lru_cache
+from collections.abc import Sequence
+from functools import lru_cache, partial
 from operator import attrgetter
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthMonitor
-from zddrl.transport.params import FrameCache
-from zddrl.broker.membership import (Departures, Member, checked_stats, credit_batch_of, id_conflict, log_health_events,
-                                    staleness_of, trajectory_refusal)
-from zddrl.broker.report import broker_status, throughput
+from zddrl.broker.membership import (
+    Departures,
+    Member,
+    checked_stats,
+    credit_batch_of,
+    id_conflict,
+    log_health_events,
+    staleness_of,
+    trajectory_refusal,
+)
+from zddrl.broker.publisher import Publisher
+from zddrl.broker.report import BROKER_COUNTERS, RATES, bind_error, broker_status, throughput
+from zddrl.config import BrokerConfig, ConfigError, split_endpoint
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
@@ -49,6 +60,10 @@ def _credit_frames(n: int) -> list[Any]:
     return P.encode(P.Credit(peer_id="broker", credit=n))
 
 
+class BindError(RuntimeError):
+    """A broker socket could not be bound. The message is one line: which port, whose, and how to choose others."""
+
+
 class Broker:
     """Run with ``Broker(config).bind()`` then ``run(stop_event)``; ``close()`` in a finally."""
 
@@ -62,13 +77,15 @@ class Broker:
         """The learner members, by peer id (their data identity)."""
         self.credit = 0
         """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
-        self.rates: dict[str, float] = {}
+        self.rates: dict[str, float] = dict.fromkeys(RATES, 0.0)
         self._rate_mark: tuple[float, int, int, int, int] | None = None
         self.run_id = ""
         self.run_spec: dict | None = None
-        self.param_cache = FrameCache()
+        self.publisher: Publisher | None = None
+        """The parameter side: verifies, publishes and keeps versions, sends snapshots (made by bind)."""
         self.policy_version = -1
-        self.counters: dict[str, int] = defaultdict(int)
+        """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
+        self.counters: dict[str, int] = defaultdict(int, dict.fromkeys(BROKER_COUNTERS, 0))
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
         self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
@@ -83,7 +100,8 @@ class Broker:
         self._staleness = 0
         self._credit_batch = 1
         """An actor's credit goes back once this many of its trajectories were read (membership.credit_batch_of)."""
-        self.params_published_at = 0.0
+        self.fleet = Fleet()
+        """The joined actors, as fleet messages announce them to the learner shards of the run."""
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
@@ -108,11 +126,14 @@ class Broker:
         plan = [("control", self.control, base), ("trajectories", self.trajectories, c.trajectory_port),
                 ("learners", self.learners, c.learner_port), ("params", self.params, c.params_port)]
         for offset, (name, sock, wanted) in enumerate(plan):
-            if base is None and not wanted:
-                sock.bind(f"tcp://{host}:*")
-            else:
-                sock.bind(f"tcp://{host}:{wanted or base + offset}")
+            port_text = "*" if base is None and not wanted else str(wanted or base + offset)
+            try:
+                sock.bind(f"tcp://{host}:{port_text}")
+            except zmq.ZMQError as exc:  # one line that says which port, whose, and how to choose others
+                raise BindError(bind_error(name, host, port_text, exc)) from None
             self.ports[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self.publisher = Publisher(self.params, partial(self._send_frames, self.control), self.counters, self._ratelog,
+                                   c.heartbeat_interval_s)
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.learners, zmq.POLLIN)
@@ -137,7 +158,10 @@ class Broker:
         """Serve until ``stop`` is set. Never raises on bad input: drops, counts and logs it."""
         while not stop.is_set():
             self._update_trajectory_polling()
-            events = dict(self.poller.poll(POLL_TIMEOUT_S * 1000))
+            timeout_s = POLL_TIMEOUT_S
+            if self.fleet.changed:  # wake up when the fleet announcement is due
+                timeout_s = min(timeout_s, max(0.0, self.fleet.next_at - time.monotonic()))
+            events = dict(self.poller.poll(timeout_s * 1000))
             if self.control in events:
                 self._drain(self.control, self._on_control)
             if self.learners in events:
@@ -145,6 +169,8 @@ class Broker:
             if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
                 self._forward_trajectories()  # credit that just came: forward now, not after one more poll
             now = time.monotonic()
+            if self.fleet.changed and now >= self.fleet.next_at:
+                self._announce_fleet(now)
             if now >= self._next_beat:
                 self._send_heartbeats()
                 self._purge_expired(now)
@@ -214,10 +240,12 @@ class Broker:
             try:
                 actor = self._route_trajectory(frames, nbytes)
             except Exception as exc:  # noqa: BLE001
-                # Whatever happens, the message ends up forwarded or dropped with a reason (in_flight balances).
+                # Whatever happens, the message ends up forwarded or dropped with a reason (in_flight balances),
+                # and the actor it can be attributed to gets its credit back.
+                actor = self._joined_actor(P.claimed_peer_id(frames))
                 if self._decided == decided:
-                    self._drop("malformed", None, f"dropped a trajectory: error while routing it "
-                                                  f"({type(exc).__name__}: {exc})")
+                    self._drop("malformed", actor, f"dropped a trajectory: error while routing it "
+                                                   f"({type(exc).__name__}: {exc})")
             finally:
                 self.in_flight -= 1
             if actor is not None:
@@ -239,8 +267,9 @@ class Broker:
         try:  # full validation, but no arrays built: the broker forwards the frames untouched
             msg = P.validate_trajectory(frames, self.config.max_message_bytes)
         except P.ProtocolError as exc:
-            # Charged to the actor its header names, whose credit comes back all the same: an actor whose
-            # messages fail (a client bug) must see its drops in `zddrl status`, not stall on lost credit.
+            # Charged to the actor it can be attributed to (P.claimed_peer_id: docs/protocol.md section 8), whose
+            # credit comes back all the same: an actor whose messages fail (a client bug) must see its drops in
+            # `zddrl status`, not stall on lost credit.
             actor = self._joined_actor(P.claimed_peer_id(frames))
             self._drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
             return actor
@@ -309,11 +338,11 @@ class Broker:
         elif member is None:
             self._send(self.control, identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
         elif isinstance(msg, P.Heartbeat):
-            member.policy_version = msg.policy_version
-            self._maybe_resend_params(member)
+            if member.role != "learner":  # a learner's row shows the version it published, not what its link holds
+                member.policy_version = msg.policy_version
+                self.publisher.on_heartbeat(member)
         elif isinstance(msg, P.ParamsRequest):
-            member.policy_version = max(member.policy_version, msg.policy_version)
-            self._maybe_resend_params(member, force=True)
+            self.publisher.on_request(member, msg.policy_version)
         elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.peer_id cannot speak for others
             member.stats = checked_stats(msg.stats)
             self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
@@ -333,6 +362,12 @@ class Broker:
         try:
             if msg.role not in P.ROLES:
                 raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
+            refusal = P.hello_refusal(msg)
+            if refusal:
+                raise P.ProtocolError(f"hello: {refusal}")
+            if msg.role == "actor" and not self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host):
+                raise P.ProtocolError(f"the fleet is full: its message would exceed {P.MAX_HEADER_BYTES} bytes "
+                                      f"with this actor (docs/protocol.md section 5.5)")
             new_run = msg.role == "learner" and msg.run_id and msg.run_id != self.run_id
             if new_run:
                 if msg.run is None:
@@ -363,10 +398,14 @@ class Broker:
         if member.role == "learner":
             self.shards[member.peer_id] = member
             self.credit += member.credit
+        elif member.role == "actor":
+            self.fleet.joined(member.peer_id, member.num_envs, member.host)
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
         self._send(self.control, identity, self._welcome(msg.peer_id))
         if msg.role == "actor":
-            self._maybe_resend_params(member, force=True)
+            self.publisher.on_join(member)
+        elif msg.role == "learner" and member.run_id == self.run_id:
+            self._send_fleet(member)  # the last announced one; a change pending follows within FLEET_COALESCE_S
 
     def _check_id_free(self, msg: P.Hello) -> None:
         conflict = id_conflict(self.members.get(msg.peer_id), msg, self.config.heartbeat_interval_s)
@@ -376,7 +415,8 @@ class Broker:
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
-        self.param_cache, self.policy_version = FrameCache(), -1
+        self.publisher.new_run()
+        self.policy_version = -1
         self._staleness, self._credit_batch = staleness, credit_batch
         self.health.start_run(staleness, run_id)
         for shard in self.shards.values():  # an old run's learner must never be fed the new run's data
@@ -392,22 +432,6 @@ class Broker:
                          ports={k: v for k, v in self.ports.items() if k != "control"},
                          heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_liveness=c.heartbeat_liveness,
                          max_message_bytes=c.max_message_bytes)
-
-    def _maybe_resend_params(self, member: Member, force: bool = False) -> None:
-        """Late joiners and subscribers that missed a PUB get the cached version directly."""
-        if member.role != "actor" or not self.param_cache.messages or member.policy_version >= self.policy_version:
-            return
-        now = time.monotonic()
-        if not force and now - member.last_snapshot < self.config.heartbeat_interval_s:
-            return
-        # A heartbeat sent just before a new version reached the actor over PUB reports the previous one:
-        # an unforced snapshot waits until the PUB had a heartbeat's time to land (no doubled traffic).
-        if not force and now - self.params_published_at < self.config.heartbeat_interval_s:
-            return
-        member.last_snapshot = now
-        for frames in self.param_cache.messages:  # the whole version, chunk by chunk
-            self._send_frames(self.control, member.identity, frames)
-        self.counters["params_snapshots"] += 1
 
     # ---------------------------------------------------------------- learner socket
     def _on_learner(self, identity: bytes, frames: Sequence[Any]) -> None:
@@ -426,28 +450,25 @@ class Broker:
             else:
                 self.counters["credit_other_run"] += 1
         elif isinstance(msg, (P.Parameters, P.ParamChunk)):
-            self._on_params(member, msg, frames)
+            if self.publisher.add(msg, frames, self.run_id):  # a whole, verified version went out
+                self.policy_version = member.policy_version = self.publisher.version
+                self.health.published(self.policy_version, self.publisher.cache.param_hash)
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a learner-socket message")
 
-    def _on_params(self, member: Member, msg: P.Parameters | P.ParamChunk, frames: Sequence[Any]) -> None:
-        """Stream every message of a newer version to the subscribers as it comes; the version becomes
-        the published one (the copy late joiners get) once all of its chunks are here."""
-        outcome = "unknown_run" if msg.run_id != self.run_id else self.param_cache.add(msg, list(frames))
-        if outcome not in ("building", "complete"):
-            self.counters[f"params_{outcome}"] += 1
-            self._ratelog.warning(f"params_{outcome}", f"ignored a {msg.KIND} message of run {msg.run_id!r} version "
-                                                      f"{msg.policy_version} ({outcome}; run {self.run_id!r} is at "
-                                                      f"version {self.policy_version})")
-            return
-        self.params.send_multipart(frames, copy=False)
-        self.counters["params_bytes"] += P.message_nbytes(frames)
-        if outcome == "complete":
-            self.policy_version = msg.policy_version
-            self.params_published_at = time.monotonic()
-            self.health.published(msg.policy_version, msg.param_hash)
-            member.policy_version = msg.policy_version
-            self.counters["params_published"] += 1
+    # ---------------------------------------------------------------- fleet
+    def _announce_fleet(self, now: float) -> None:
+        """At loop level, at most once per FLEET_COALESCE_S: every learner of the run that has not got the
+        current fleet gets it (nothing goes out if the map came back to what was announced)."""
+        self.fleet.announce(now)
+        for shard in self.shards.values():
+            if shard.run_id == self.run_id and shard.fleet_seq != self.fleet.seq:
+                self._send_fleet(shard)
+
+    def _send_fleet(self, shard: Member) -> None:
+        self._send_frames(self.control, shard.identity, self.fleet.frames(self.run_id))
+        shard.fleet_seq = self.fleet.seq
+        self.counters["fleet_sent"] += 1
 
     # ---------------------------------------------------------------- liveness
     def _send_heartbeats(self) -> None:
@@ -480,6 +501,8 @@ class Broker:
         self.by_identity.pop(member.identity, None)
         if self.shards.pop(member.peer_id, None) is not None:
             self.credit -= member.credit
+        if member.role == "actor":
+            self.fleet.left(member.peer_id)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: P.Message) -> None:
         self._send_frames(sock, identity, P.encode(msg))

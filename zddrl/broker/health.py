@@ -30,8 +30,9 @@ they read:
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 COMM_SHARE_MAX = 0.30
 """Fraction of an actor's wall time (over its last report interval) spent waiting for parameters or

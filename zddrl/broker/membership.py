@@ -5,17 +5,15 @@ sockets.
 """
 from __future__ import annotations
 
-import socket
 import time
 from collections import OrderedDict, defaultdict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
-
-from loguru import logger
+from typing import Any
 
 from zddrl import protocol as P
-from zddrl.config import MODES, AlgoConfig
 from zddrl.broker.health import HealthWarning
+from zddrl.config import MODES, AlgoConfig
 from zddrl.logs import RateLimitedLog
 
 MAX_STATS_KEYS = 4096
@@ -29,6 +27,11 @@ DEPARTURES_KEPT = 20
 """Departures (with their reasons) listed in the status body."""
 DEPARTURE_REASON_CHARS = 6000
 """Longest reason kept: 20 of them must fit in one status message (MAX_HEADER_BYTES) with the rest."""
+
+
+MEMBER_COUNTERS = {"messages": 0, "bytes": 0, "env_steps": 0}
+"""Counters every member row shows (trajectories and their bytes and env steps, forwarded from an actor or to
+a learner shard); ``dropped_<reason>`` join them once non-zero."""
 
 
 @dataclass
@@ -51,7 +54,13 @@ class Member:
     run_id: str = ""
     """Learners: the run they train (trajectories go only to shards of the current run)."""
     last_snapshot: float = 0.0
-    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    """Actors: monotonic time the broker last sent it a parameter snapshot..."""
+    snapshot_version: int = -1
+    """...and that snapshot's version (a params_request for it is not answered twice in quick succession)."""
+    fleet_seq: int = -1
+    """Learners: seq of the last fleet message sent to it."""
+    counters: dict[str, int] = field(default_factory=lambda: defaultdict(int, MEMBER_COUNTERS))
+    """``messages``, ``bytes``, ``env_steps`` (always in the status row) and ``dropped_<reason>`` once non-zero."""
     stats: dict[str, Any] = field(default_factory=dict)
 
     def count(self, nbytes: int, env_steps: int | None = None) -> None:

@@ -1,9 +1,43 @@
-"""The broker's status body (docs/protocol.md section 9) and its message rates."""
+"""The broker's status body (docs/protocol.md section 9), its counters and message rates, and its one-line
+bind errors."""
 from __future__ import annotations
 
+import errno
 import socket
 import time
 from typing import Any
+
+import zmq
+
+BROKER_COUNTERS = (
+    "received", "forwarded", "bytes_in", "bytes_out",
+    "control_malformed", "control_errors", "control_unroutable", "learner_malformed", "learner_errors",
+    "credit_other_run", "expired_or_left",
+    "params_published", "params_bytes", "params_snapshots", "params_requests", "params_request_limited",
+    "params_unknown_run", "params_stale", "params_duplicate", "params_orphan_chunk", "params_bad_chunk",
+    "params_chunk_hash", "params_whole_hash", "params_incomplete",
+    "fleet_sent",
+)
+"""Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
+RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
+"""Trajectory messages and bytes per second in and out, over the last heartbeat interval."""
+PORT_OPTIONS = {
+    "control": "--bind tcp://HOST:PORT (the profile's bind) moves it, and with it every port not set on its own "
+               "(PORT+1, +2, +3)",
+    "trajectories": "--trajectory-port (the profile's trajectory_port) moves it; --bind tcp://HOST:PORT moves all "
+                    "four (PORT, PORT+1, +2, +3)",
+    "learners": "--learner-port (the profile's learner_port) moves it; --bind tcp://HOST:PORT moves all four "
+                "(PORT, PORT+1, +2, +3)",
+    "params": "--params-port (the profile's params_port) moves it; --bind tcp://HOST:PORT moves all four "
+              "(PORT, PORT+1, +2, +3)",
+}
+"""How to choose another port for each broker socket (the CLI option, the profile key)."""
+
+
+def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
+    """The one-line error of a socket that could not be bound: which port, whose, and how to choose another."""
+    why = "is in use by another process" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
 
 
 def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tuple[tuple, dict[str, float]]:
@@ -12,8 +46,7 @@ def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tupl
     if mark is None:
         return new, {}
     dt = max(now - mark[0], 1e-9)
-    names = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
-    return new, {k: round((a - b) / dt, 1) for k, a, b in zip(names, new[1:], mark[1:])}
+    return new, {k: round((a - b) / dt, 1) for k, a, b in zip(RATES, new[1:], mark[1:])}
 
 
 def broker_status(b: Any) -> dict[str, Any]:
@@ -27,7 +60,7 @@ def broker_status(b: Any) -> dict[str, Any]:
                    "received": c["received"], "forwarded": c["forwarded"], "dropped": dict(b.dropped),
                    "in_flight": b.in_flight, "bytes_in": c["bytes_in"], "bytes_out": c["bytes_out"],
                    "accounted": c["received"] == c["forwarded"] + dropped + b.in_flight,
-                   "credit": b.credit, **b.rates,
+                   "credit": b.credit, "fleet_seq": b.fleet.seq, "fleet_actors": len(b.fleet.actors), **b.rates,
                    **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")}},
         "members": {pid: m.row(now) for pid, m in b.members.items()},
         "health": b.health.rows(now),

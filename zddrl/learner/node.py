@@ -201,24 +201,7 @@ class LearnerNode:
 
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""
-        return self.own is not None and self.own.fleet.refresh(self._fleet_snapshot())
-
-    def _fleet_snapshot(self):  # TEMPORARY until BrokerLink.fleet() lands (broker-contract branch)
-        if hasattr(self.link, "fleet"):
-            return self.link.fleet()
-        now = time.monotonic()
-        if now < getattr(self, "_shim_next", 0.0):
-            return getattr(self, "_shim_last", None)
-        self._shim_next = now + 0.3
-        from zddrl.ops.status import request_status
-        body = request_status(self.connect, 1.0, self.ctx)
-        if body is not None:
-            actors = {p: {"num_envs": m["num_envs"], "host": m["host"]} for p, m in body["members"].items()
-                      if m["role"] == "actor"}
-            last = getattr(self, "_shim_last", None)
-            if last is None or last[1] != actors:
-                self._shim_last = ((last[0] + 1) if last else 0, actors)
-        return getattr(self, "_shim_last", None)
+        return self.own is not None and self.own.fleet.refresh(self.link.fleet())
 
     def _mismatch(self, msg: P.Trajectory) -> str:
         """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". IMPALA stacks rollouts

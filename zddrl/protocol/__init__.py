@@ -22,20 +22,54 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
+from zddrl.protocol.fields import builder, fast_reader, field_table
+from zddrl.protocol.frames import (  # noqa: F401
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DTYPES,
+    MAX_ARRAYS,
+    MAX_HEADER_BYTES,
+    MAX_NDIM,
+    PREAMBLE,
+    PROTOCOL_VERSION,
+    SIGNATURE,
+    ProtocolError,
+    ZmqFrame,
+    check_arrays,
+    check_preamble,
+    encode_arrays,
+    flat_buffer,
+    frame_buffer,
+    param_hash,
+    wire_array,
+)
+
 # The byte layer (preamble, limits, dtypes, array frames) lives in zddrl.protocol.frames; its public names are
 # part of this module's interface too.
-from zddrl.protocol.rules import (MAX_PARAM_CHUNKS, PARAM_DTYPES, TRAJECTORY_ARRAYS, TRUNCATION_ARRAYS,  # noqa: F401
-                          check_chunk, check_params, check_trajectory, check_trajectory_layout, check_welcome)
-from zddrl.protocol.fields import builder, fast_reader, field_table
-from zddrl.protocol.frames import (DEFAULT_MAX_MESSAGE_BYTES, DTYPES, MAX_ARRAYS, MAX_HEADER_BYTES, MAX_NDIM,  # noqa: F401
-                   PREAMBLE, PROTOCOL_VERSION, SIGNATURE, ProtocolError, ZmqFrame, check_arrays, check_preamble,
-                   encode_arrays, flat_buffer, frame_buffer, param_hash, wire_array)
+from zddrl.protocol.rules import (  # noqa: F401
+    MAX_FLEET_ACTORS_BYTES,
+    MAX_HOST_BYTES,
+    MAX_ID_BYTES,
+    MAX_NUM_ENVS,
+    MAX_PARAM_CHUNKS,
+    PARAM_DTYPES,
+    TRAJECTORY_ARRAYS,
+    TRUNCATION_ARRAYS,
+    check_chunk,
+    check_fleet,
+    check_params,
+    check_trajectory,
+    check_trajectory_layout,
+    check_welcome,
+    fleet_entry_bytes,
+    hello_refusal,
+)
 
 _buffer = flat_buffer  # the name tests and docs/src/gen_protocol.py know
 
@@ -223,6 +257,22 @@ class Status(Message):
 
 
 @dataclass(frozen=True)
+class Fleet(Message):
+    """Broker -> learner shard, control: the actors joined now. Two frames: preamble, header.
+
+    ``actors`` maps each joined actor's peer id to ``{"num_envs": int, "host": str}`` (its hello's
+    figures; ``num_envs`` 0 means the run's ``env.num_envs``). ``seq`` grows by one with every change
+    of that map, per broker process (docs/protocol.md section 5.5). Sent right after a learner's
+    welcome and, coalesced, whenever actors join, leave or expire.
+    """
+
+    KIND: ClassVar[str] = "fleet"
+    run_id: str
+    seq: int
+    actors: dict
+
+
+@dataclass(frozen=True)
 class Bye(Message):
     """Client -> broker control: I am leaving on purpose (no expiry needed)."""
 
@@ -234,7 +284,7 @@ class Bye(Message):
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (Hello, Welcome, Heartbeat, Reject, Trajectory, Parameters, ParamChunk, ParamsRequest, Credit,
-                Stats, StatusRequest, Status, Bye)
+                Stats, StatusRequest, Status, Fleet, Bye)
 }
 
 
@@ -411,20 +461,39 @@ def validate_trajectory(frames: Sequence[Any], max_message_bytes: int) -> dict[s
 
 
 def claimed_peer_id(frames: Sequence[Any]) -> str | None:
-    """The ``peer_id`` a message's header names, if its preamble and header can be read at all; else None.
+    """The ``peer_id`` a message can be attributed to, whatever else is wrong with it; else None.
 
-    For accounting only, once a message has failed its checks: the broker still returns the credit of a
-    malformed trajectory to the actor it names (that actor would otherwise stall with the credit lost).
-    Nothing else of such a header is used or trusted.
+    For accounting only, once a message has failed its checks (docs/protocol.md section 8): the broker
+    charges a malformed trajectory to the actor it names and returns that actor's credit (the actor would
+    otherwise stall with the credit lost). A message names ``peer_id`` when it has at least 2 frames,
+    frame 0 starts with the signature ``ZDRL`` (any version byte, any length), and frame 1, at most
+    MAX_HEADER_BYTES, starts with one complete msgpack map (any bytes may follow it) whose key
+    ``"peer_id"`` holds a str. Nothing else of such a header is used or trusted; a str that is not
+    valid UTF-8 comes back with its bad bytes escaped (so it names no member).
     """
+    if len(frames) < 2:
+        return None
     try:
-        peer_id = _unpack_header(frames).get("peer_id")
-    except ProtocolError:
+        if bytes(flat_buffer(frames[0])[:4]) != SIGNATURE:
+            return None
+        raw = frames[1]
+        if type(raw) is not bytes and type(raw) is not ZmqFrame:
+            raw = flat_buffer(raw)
+        if len(raw) > MAX_HEADER_BYTES:
+            return None
+        try:
+            header = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=False,
+                                     unicode_errors="surrogateescape")
+        except msgpack.ExtraData as extra:  # a whole map, then trailing bytes
+            header = extra.unpacked
+        peer_id = header.get("peer_id") if type(header) is dict else None
+    except Exception:  # noqa: BLE001 - garbage of any kind names no one
         return None
     return peer_id if type(peer_id) is str else None
 
 
-_CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory}
+_CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory,
+           Fleet: check_fleet}
 _LAYOUT_RULES = {Trajectory: check_trajectory_layout}
 _FAST = {cls: fast_reader(_FIELDS[cls], check_arrays if cls.HAS_ARRAYS else None, _LAYOUT_RULES.get(cls),
                           _CHECKS.get(cls)) for cls in MESSAGE_TYPES.values()}

@@ -12,7 +12,8 @@ import dataclasses
 import math
 import types
 import typing
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
 _STR = frozenset({str})

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import msgpack
-
 import numpy as np
 from zmq import Frame as ZmqFrame
 

@@ -9,14 +9,63 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import msgpack
 import numpy as np
 
-from zddrl.protocol.frames import DTYPE_NAMES, DTYPES, MAX_NDIM, Layout, ProtocolError
+from zddrl.protocol.frames import DTYPE_NAMES, DTYPES, MAX_HEADER_BYTES, MAX_NDIM, Layout, ProtocolError
 
 PARAM_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "uint16"}
 """Parameter transport precision -> the wire dtype of its buffers (bfloat16: the upper 16 bits of each
 IEEE float32, carried as uint16, since the wire has no bfloat16 dtype)."""
 MAX_PARAM_CHUNKS = 1 << 20
+
+# --------------------------------------------------------------------------------------------
+# Names a client chooses (docs/protocol.md section 3, hello), and the fleet they make up (section 5.5)
+# --------------------------------------------------------------------------------------------
+
+MAX_ID_BYTES = 128
+"""Longest peer id or run id, in UTF-8 bytes. They are keys of the fleet and status maps, and in every log line."""
+MAX_HOST_BYTES = 255
+"""Longest ``host`` a hello may carry, in UTF-8 bytes (a DNS name has at most 253)."""
+MAX_NUM_ENVS = 1 << 20
+"""Most environments one actor host may announce in its hello."""
+FLEET_HEADER_RESERVE_BYTES = 1024
+"""Room a fleet header keeps for everything but its ``actors`` map (kind, run_id, seq: under 200 bytes)."""
+MAX_FLEET_ACTORS_BYTES = MAX_HEADER_BYTES - FLEET_HEADER_RESERVE_BYTES
+"""The broker refuses an actor's hello whose fleet entry would take the fleet's ``actors`` map past this many
+bytes, so that a fleet message always fits MAX_HEADER_BYTES (docs/protocol.md section 5.5)."""
+
+
+def hello_refusal(hello: Any) -> str:
+    """Why the broker refuses ``hello`` (a decoded Hello) for its names and figures alone, or "" if it does not."""
+    if not hello.peer_id or len(hello.peer_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        return f"peer_id must be 1..{MAX_ID_BYTES} bytes of UTF-8"
+    if len(hello.run_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
+        return f"run_id must be at most {MAX_ID_BYTES} bytes of UTF-8"
+    if len(hello.host.encode("utf-8", "surrogatepass")) > MAX_HOST_BYTES:
+        return f"host must be at most {MAX_HOST_BYTES} bytes of UTF-8"
+    if not 0 <= hello.num_envs <= MAX_NUM_ENVS:
+        return f"num_envs must be in 0..{MAX_NUM_ENVS}, got {hello.num_envs}"
+    return ""
+
+
+def fleet_entry_bytes(peer_id: str, num_envs: int, host: str) -> int:
+    """Bytes one actor takes in a fleet's ``actors`` map: its packed key and packed value."""
+    return (len(msgpack.packb(peer_id, use_bin_type=True))
+            + len(msgpack.packb({"num_envs": num_envs, "host": host}, use_bin_type=True)))
+
+
+def check_fleet(fields: dict[str, Any]) -> None:
+    """``seq`` >= 0; every ``actors`` value is exactly ``{"num_envs": int in 0..MAX_NUM_ENVS, "host": str}``."""
+    if fields["seq"] < 0:
+        raise ProtocolError(f"fleet: seq must be >= 0, got {fields['seq']}")
+    for peer_id, entry in fields["actors"].items():
+        if type(entry) is not dict or len(entry) != 2:
+            raise ProtocolError(f"fleet: actor {peer_id!r} must map to {{num_envs, host}}, got {entry!r}")
+        num_envs, host = entry.get("num_envs"), entry.get("host")
+        if type(num_envs) is not int or not 0 <= num_envs <= MAX_NUM_ENVS or type(host) is not str:
+            raise ProtocolError(f"fleet: actor {peer_id!r} must map to {{num_envs: int in 0..{MAX_NUM_ENVS}, "
+                                f"host: str}}, got {entry!r}")
 
 
 def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
@@ -40,8 +89,8 @@ def check_welcome(fields: dict[str, Any]) -> None:
 
 
 def check_params(fields: dict[str, Any]) -> None:
-    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, dtype, shape,
-    offset]`` are well formed and fit the whole buffer."""
+    """Chunking fields agree with each other and with chunk 0; layout rows ``[name, "float32", shape,
+    offset]`` are well formed and lie within the whole buffer's ``numel`` elements."""
     flat = fields["arrays"].get("flat")
     if flat is not None and flat.ndim != 1:
         raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")
@@ -54,8 +103,9 @@ def check_params(fields: dict[str, Any]) -> None:
         if not isinstance(name, str) or not name or name in names:
             raise ProtocolError(f"params: layout row {i}: name {name!r} must be a unique non-empty string")
         names.add(name)
-        if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
-            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed")
+        if dtype_name != "float32":  # the rows describe the float32 buffer receivers rebuild, whatever param_dtype
+            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed (\"float32\": "
+                                "the rows describe the float32 buffer a receiver rebuilds)")
         if not _shape_ok(shape):
             raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
         if not _is_int(offset, 0):

@@ -3,7 +3,8 @@
 ``BrokerLink`` runs the control conversation in a background thread so that it never sits on the
 stepping or training path: hello/welcome, heartbeats both ways, reconnect with capped exponential
 backoff when the broker goes away, and (for actors) receiving, verifying and keeping the newest
-parameters (latest wins). ZeroMQ sockets are not thread-safe, so the link's sockets live in its
+parameters (latest wins), and (for learners) the newest fleet message: which actors are joined.
+ZeroMQ sockets are not thread-safe, so the link's sockets live in its
 thread only; data sockets (PUSH for actors, DEALER for learners) belong to the caller's thread and
 are rebuilt whenever ``generation`` changes (a new welcome).
 """
@@ -74,6 +75,9 @@ class BrokerLink:
         self.params_rejected = 0
         self.assembler = Assembler()
         self.last_broker_beat = 0.0
+        self._fleet: tuple[int, dict[str, dict]] | None = None
+        self.fleet_ignored = 0
+        """Fleet messages ignored because they named another run than the link's."""
         self._sub: zmq.Socket | None = None
         self._sub_port: int | None = None
 
@@ -116,6 +120,27 @@ class BrokerLink:
     def latest_params(self) -> P.Parameters | None:
         with self._cond:
             return self.params
+
+    def fleet(self) -> tuple[int, dict[str, dict]] | None:
+        """``(seq, actors)`` of the newest fleet message of the link's current run, or None before the first.
+
+        ``actors`` maps each joined actor's peer id to ``{"num_envs": int, "host": str}`` (``num_envs`` 0: the
+        run's ``env.num_envs``). Cheap enough to call on every poll: one uncontended lock, no copy. The map is
+        the received message's own: read it, never modify it (the next fleet message brings a new one).
+        ``seq`` changes exactly when the map may have: compare it with the last one seen (``!=``, not ``>``:
+        a restarted broker numbers afresh, from its start time; see docs/protocol.md section 5.5).
+
+        Usage (a learner shard)::
+
+            seen = None
+            while training:
+                fleet = link.fleet()
+                if fleet is not None and fleet[0] != seen:
+                    seen, actors = fleet
+                    ...  # resize the rollouts, the sync quota
+        """
+        with self._cond:
+            return self._fleet
 
     def _newer(self, version: int) -> bool:
         return self.params is not None and self.params.policy_version > version
@@ -243,6 +268,8 @@ class BrokerLink:
                         self._on_credit(msg)
                     elif isinstance(msg, P.Heartbeat):
                         self.last_broker_beat = time.time()
+                    elif isinstance(msg, P.Fleet):
+                        self._on_fleet(msg)
             if sub is not None and sub in events:
                 for msg in self._drain(sub):
                     if isinstance(msg, (P.Parameters, P.ParamChunk)):
@@ -298,6 +325,8 @@ class BrokerLink:
             # actor an older version than it had. Only a different, named run resets them now.
             if self.params is not None and msg.run_id and msg.run_id != self.params.run_id:
                 self.params = None
+            if self.welcome is not None and msg.run_id and msg.run_id != self.welcome.run_id:
+                self._fleet = None  # the fleet of another run
             self.welcome = msg
             self.generation += 1
             self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
@@ -309,6 +338,15 @@ class BrokerLink:
         with self._cond:
             self.refused = reason
             self._stop.set()
+            self._cond.notify_all()
+
+    def _on_fleet(self, msg: P.Fleet) -> None:
+        """Keep the newest fleet message of the link's run (the broker sends them in order on this socket)."""
+        with self._cond:
+            if self.welcome is None or msg.run_id != self.welcome.run_id:
+                self.fleet_ignored += 1
+                return
+            self._fleet = (msg.seq, msg.actors)
             self._cond.notify_all()
 
     def _on_credit(self, msg: P.Credit) -> None:

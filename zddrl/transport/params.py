@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -200,41 +201,122 @@ class Assembler:
                             meta=head.meta, param_dtype="float32", numel=flat.size)
 
 
-class FrameCache:
-    """The broker's copy of the newest whole version, kept as the frames of its messages.
+class _Pending:
+    """A version the broker is receiving: its messages' frames and checked data, chunk by chunk."""
 
-    ``add(message, frames)`` says what the message is to the cache: ``"building"`` (part of the
-    version being received), ``"complete"`` (it completed that version, which is now the cached
-    one), or why it is refused: ``"stale"`` (not newer than the cached version), ``"orphan_chunk"``
-    (a chunk of no version being received), ``"duplicate"``. The broker neither decodes the arrays
-    again nor hashes them: the structure is checked here, the content by every receiver.
+    def __init__(self, head: P.Parameters, flat: np.ndarray, frames: list) -> None:
+        self.head = head
+        self.key = (head.policy_version, head.param_hash)
+        self.dtype = flat.dtype
+        self.missing = set(range(1, head.num_chunks))
+        self.parts: dict[int, tuple[np.ndarray, list]] = {0: (flat, frames)}
+        self.whole = hashlib.sha1() if head.num_chunks > 1 else None
+        """SHA-1 of chunks 0..fed-1, fed in order as they become contiguous, each when the next message comes
+        (after the broker published the chunk: the whole-buffer pass is not on its way out)."""
+        self.fed = 0
+
+    def add(self, index: int, data: np.ndarray, frames: list) -> None:
+        self.parts[index] = (data, frames)
+        self.missing.discard(index)
+
+    def feed(self) -> None:
+        if self.whole is not None:
+            while self.fed in self.parts:
+                self.whole.update(self.parts[self.fed][0])
+                self.fed += 1
+
+    def whole_hash_ok(self) -> bool:
+        """One chunk: it was checked against param_hash itself. Several: their concatenation hashes to it."""
+        self.feed()
+        return self.whole is None or self.whole.hexdigest()[:16] == self.head.param_hash
+
+    def messages(self) -> list[list]:
+        return [self.parts[i][1] for i in range(self.head.num_chunks)]
+
+
+class FrameCache:
+    """The broker's copy of the newest whole, verified version, kept as the frames of its messages.
+
+    ``add(message, frames)`` checks one message and says what it is to the cache:
+
+    * ``"building"``: a message of the version being received that passed its own checks; it can go
+      out now (it does not complete the version, so no receiver can use the version yet);
+    * ``"complete"``: the message that completed that version, and the whole version passed every
+      hash check: it is now the cached one (``messages``), and this message can go out;
+
+    or why it is refused (the message must not go out):
+
+    * ``"stale"``: not newer than the cached version;
+    * ``"duplicate"``: the params message of the version being received again, or a chunk of it
+      already in;
+    * ``"orphan_chunk"``: a chunk of no version being received (same ``policy_version`` and ``param_hash``);
+    * ``"bad_chunk"``: a params message without ``flat``, or a chunk whose index is past the version's
+      chunk table, or whose size or dtype is not what the table says;
+    * ``"chunk_hash"``: data that does not hash to its chunk's entry in the version's table (for the
+      params message: ``flat`` against ``chunk_hashes[0]``, or ``param_hash`` when unchunked; for a chunk:
+      its ``chunk_hash`` is not ``chunk_hashes[index]``, or its data does not hash to it). The message is
+      dropped; the version waits for a good copy or is superseded;
+    * ``"whole_hash"``: the message would complete the version, but the concatenation of the chunks does
+      not hash to ``param_hash``: the whole version is dropped, and with it this last message, so no
+      receiver can put the version together.
+
+    Nothing that failed a check is ever kept or goes out, so the cached version stays the last good one.
+    A params message of a newer version (or the same version with another hash) replaces one still
+    incomplete: ``abandoned`` counts those. Each chunk is hashed once against its entry and fed, in
+    order, into the whole-buffer hash: a version costs two SHA-1 passes over its bytes (one if unchunked).
     """
 
     def __init__(self) -> None:
         self.version = -1
         self.param_hash = ""
         self.messages: list[list] = []
-        """Frames of each message of the cached version, in publishing order (what a late joiner gets)."""
-        self._building: tuple[int, str, list[list], set[int]] | None = None
+        """Frames of each message of the cached version, params first, then chunks 1, 2, ... (what is published
+        and what a late joiner gets)."""
+        self.abandoned = 0
+        """Versions dropped before all their messages came (replaced by a newer params message)."""
+        self._building: _Pending | None = None
+
+    @property
+    def building(self) -> bool:
+        """A version is being received."""
+        return self._building is not None
 
     def add(self, msg: P.Parameters | P.ParamChunk, frames: list) -> str:
         if msg.policy_version <= self.version:
             return "stale"
+        building = self._building
+        if building is not None:
+            building.feed()  # what the last messages added, now that they went out
         if isinstance(msg, P.Parameters):
-            building = self._building
-            if building is not None and (building[0], building[1]) == (msg.policy_version, msg.param_hash):
+            if building is not None and building.key == (msg.policy_version, msg.param_hash):
                 return "duplicate"
-            self._building = (msg.policy_version, msg.param_hash, [frames], set(range(1, msg.num_chunks)))
+            flat = msg.arrays.get("flat")
+            if flat is None:
+                return "bad_chunk"
+            if P.param_hash(flat) != (msg.chunk_hashes[0] if msg.chunk_hashes else msg.param_hash):
+                return "chunk_hash"
+            if building is not None:
+                self.abandoned += 1
+            building = self._building = _Pending(msg, flat, frames)
         else:
-            building = self._building
-            if building is None or (building[0], building[1]) != (msg.policy_version, msg.param_hash):
+            if building is None or building.key != (msg.policy_version, msg.param_hash):
                 return "orphan_chunk"
-            if msg.index not in building[3]:
+            head, index, data = building.head, msg.index, msg.arrays["data"]
+            if index >= head.num_chunks:
+                return "bad_chunk"
+            if index not in building.missing:
                 return "duplicate"
-            building[2].append(frames)
-            building[3].discard(msg.index)
-        version, param_hash, messages, missing = self._building
-        if missing:
+            size = min(head.chunk_numel, head.numel - index * head.chunk_numel)
+            if data.dtype != building.dtype or data.size != size:
+                return "bad_chunk"
+            if msg.chunk_hash != head.chunk_hashes[index] or P.param_hash(data) != msg.chunk_hash:
+                return "chunk_hash"
+            building.add(index, data, frames)
+        if building.missing:
             return "building"
-        self.version, self.param_hash, self.messages, self._building = version, param_hash, messages, None
+        self._building = None
+        if not building.whole_hash_ok():
+            return "whole_hash"
+        self.version, self.param_hash, self.messages = building.head.policy_version, building.head.param_hash, \
+            building.messages()
         return "complete"
