@@ -53,8 +53,8 @@ class ProfiledBroker(BrokerHandle):
         self.ready.unlink(missing_ok=True)
         _, t, learners, p = self.ports
         self.proc = self.procs.start("broker", "broker", "--profile", str(self.profile), "--bind", self.connect,
-                                     "--trajectory-port", str(t), "--learner-port", str(learners), "--params-port", str(p),
-                                     "--ready-file", str(self.ready))
+                                     "--trajectory-port", str(t), "--learner-port", str(learners),
+                                     "--params-port", str(p), "--ready-file", str(self.ready))
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self

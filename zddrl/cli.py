@@ -103,7 +103,8 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
               help="Write the bound ports as JSON here once serving (for scripts and tests).")
 def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
     """Run the broker: routes trajectories to learners and parameters to actors."""
-    from zddrl.broker.broker import BindError, Broker
+    from zddrl.broker.broker import Broker
+    from zddrl.broker.sockets import BindError
 
     try:
         config = load_broker_config(profile, {"bind": bind, "trajectory_port": trajectory_port,

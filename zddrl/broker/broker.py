@@ -43,8 +43,9 @@ from zddrl.broker.membership import (
     trajectory_refusal,
 )
 from zddrl.broker.publisher import Publisher
-from zddrl.broker.report import BROKER_COUNTERS, RATES, bind_error, broker_status, throughput
-from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
+from zddrl.broker.sockets import open_sockets
+from zddrl.config import BrokerConfig, split_endpoint
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
@@ -60,12 +61,11 @@ def _credit_frames(n: int) -> list[Any]:
     return P.encode(P.Credit(peer_id="broker", credit=n))
 
 
-class BindError(RuntimeError):
-    """A broker socket could not be bound. The message is one line: which port, whose, and how to choose others."""
-
-
 class Broker:
     """Run with ``Broker(config).bind()`` then ``run(stop_event)``; ``close()`` in a finally."""
+
+    publisher: Publisher
+    """The parameter side: verifies, publishes and keeps versions, sends snapshots (made by ``bind``)."""
 
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
@@ -81,8 +81,6 @@ class Broker:
         self._rate_mark: tuple[float, int, int, int, int] | None = None
         self.run_id = ""
         self.run_spec: dict | None = None
-        self.publisher: Publisher | None = None
-        """The parameter side: verifies, publishes and keeps versions, sends snapshots (made by bind)."""
         self.policy_version = -1
         """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
         self.counters: dict[str, int] = defaultdict(int, dict.fromkeys(BROKER_COUNTERS, 0))
@@ -105,46 +103,18 @@ class Broker:
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
-        """Create and bind every socket; returns the bound ports."""
-        host, port = split_endpoint(self.config.bind)
-        # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
-        if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
-            raise ConfigError(f"broker.bind port must be 1..65535 or *, got {self.config.bind!r}")
+        """Create and bind every socket (``sockets.open_sockets``); returns the bound ports."""
         c = self.config
-        self.control = self._socket(zmq.ROUTER)
-        self.control.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.trajectories = self._socket(zmq.PULL)
-        self.trajectories.setsockopt(zmq.RCVHWM, c.trajectory_hwm)
-        self.learners = self._socket(zmq.ROUTER)
-        self.learners.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.learners.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting shard reuses its identity
-        self.learners.setsockopt(zmq.SNDHWM, 0)  # bounded by credit, not by HWM
-        self.learners.setsockopt(zmq.RCVHWM, 0)  # parameters and credits must never be lost
-        self.params = self._socket(zmq.PUB)
-        self.params.setsockopt(zmq.SNDHWM, c.params_hwm)
-        base = None if port == "*" else int(port)
-        plan = [("control", self.control, base), ("trajectories", self.trajectories, c.trajectory_port),
-                ("learners", self.learners, c.learner_port), ("params", self.params, c.params_port)]
-        for offset, (name, sock, wanted) in enumerate(plan):
-            port_text = "*" if base is None and not wanted else str(wanted or base + offset)
-            try:
-                sock.bind(f"tcp://{host}:{port_text}")
-            except zmq.ZMQError as exc:  # one line that says which port, whose, and how to choose others
-                raise BindError(bind_error(name, host, port_text, exc)) from None
-            self.ports[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        s = open_sockets(self.ctx, c)
+        self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
+        self.ports = s.ports
         self.publisher = Publisher(self.params, partial(self._send_frames, self.control), self.counters, self._ratelog,
                                    c.heartbeat_interval_s)
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.learners, zmq.POLLIN)
-        self.log.info(f"broker bound on {host}: {self.ports}")
+        self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}")
         return dict(self.ports)
-
-    def _socket(self, kind: int) -> zmq.Socket:
-        sock = self.ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
-        return sock
 
     def close(self) -> None:
         # Runs in the CLI's finally, also after a bind() that failed half-way: must not hide that error.
@@ -161,7 +131,7 @@ class Broker:
             timeout_s = POLL_TIMEOUT_S
             if self.fleet.changed:  # wake up when the fleet announcement is due
                 timeout_s = min(timeout_s, max(0.0, self.fleet.next_at - time.monotonic()))
-            events = dict(self.poller.poll(timeout_s * 1000))
+            events = dict(self.poller.poll(int(timeout_s * 1000)))
             if self.control in events:
                 self._drain(self.control, self._on_control)
             if self.learners in events:
@@ -377,7 +347,7 @@ class Broker:
         except P.ProtocolError as exc:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{exc}"))
             raise
-        if new_run:
+        if new_run and msg.run is not None:
             self._start_run(msg.run_id, msg.run, staleness, credit_batch)
         old = self.members.get(msg.peer_id)
         if old is not None:

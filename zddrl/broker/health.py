@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from zddrl.values import finite_float
+
 COMM_SHARE_MAX = 0.30
 """Fraction of an actor's wall time (over its last report interval) spent waiting for parameters or
 sending trajectories; above it the learner or the network, not the envs, bounds sampling."""
@@ -90,12 +92,6 @@ class _Track:
     rss_at: float = float("-inf")
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 class HealthMonitor:
     """``observe(member, role, stats, now)`` per stats message, ``published(version, hash)`` per
     accepted parameter version, ``evaluate(now)`` periodically; ``active()`` / ``rows(now)``."""
@@ -146,10 +142,10 @@ class HealthMonitor:
         track = self._tracks.get(member)
         if track is None or track.role != role:
             track = self._tracks[member] = _Track(role=role)
-        self._check_rss(member, track, _number(stats.get("rss_mb")), now)
+        self._check_rss(member, track, finite_float(stats.get("rss_mb")), now)
         if role == "actor":
-            self._check_comm(member, track, _number(stats.get("comm_share")), now)
-            self._check_sps(member, track, _number(stats.get("sps")), now)
+            self._check_comm(member, track, finite_float(stats.get("comm_share")), now)
+            self._check_sps(member, track, finite_float(stats.get("sps")), now)
             run_id = stats.get("run_id")
             if isinstance(run_id, str) and run_id != self.run_id:
                 # The report of a rollout of the previous run, sent as the new one started (or

@@ -120,9 +120,9 @@ class Departures:
 
 
 def checked_stats(stats: dict) -> dict:
-    """Fix: stats used to be stored as sent; one client sending bytes or nested maps made every
-    `zddrl status --json` fail (not JSON-serialisable), and a string "sps" broke the table.
-    Stats are a flat map of figures: str keys, scalar values, numbers where status expects them."""
+    """Stats are a flat map of figures: str keys, scalar values, numbers where status expects them. Checked before
+    they are kept: one client's bytes or nested maps would make every `zddrl status --json` fail (not
+    JSON-serialisable), and a string "sps" would break the table."""
     if len(stats) > MAX_STATS_KEYS:
         raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
     for key, value in stats.items():
@@ -170,11 +170,11 @@ def credit_batch_of(run: dict) -> int:
 def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
     """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
     peer_id, version = header["peer_id"], header["policy_version"]
-    # Fix: with no run yet (run_id "") a trajectory stamped run_id "" used to pass this check.
+    # With no run yet (run_id "") a trajectory stamped run_id "" must not pass as the run's.
     if not run_id or header["run_id"] != run_id:
         return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {peer_id} "
                                f"(current run {run_id!r})")
-    # Fix: negative versions are never published; -1 used to be forwarded before version 0 existed.
+    # Negative versions are never published: -1 must not pass before version 0 exists.
     if version < 0 or version > latest:
         return "unknown_version", (f"dropped a trajectory from {peer_id} with version {version} "
                                    f"never published (latest {latest})")

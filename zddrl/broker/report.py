@@ -1,13 +1,9 @@
-"""The broker's status body (docs/protocol.md section 9), its counters and message rates, and its one-line
-bind errors."""
+"""The broker's status body (docs/protocol.md section 9), its counters and message rates."""
 from __future__ import annotations
 
-import errno
 import socket
 import time
 from typing import Any
-
-import zmq
 
 BROKER_COUNTERS = (
     "received", "forwarded", "bytes_in", "bytes_out",
@@ -21,25 +17,6 @@ BROKER_COUNTERS = (
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
 RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
 """Trajectory messages and bytes per second in and out, over the last heartbeat interval."""
-PORT_OPTIONS = {
-    "control": "--bind tcp://HOST:PORT (the profile's bind) moves it, and with it every port not set on its own "
-               "(PORT+1, +2, +3)",
-    "trajectories": "--trajectory-port (the profile's trajectory_port) moves it; --bind tcp://HOST:PORT moves all "
-                    "four (PORT, PORT+1, +2, +3)",
-    "learners": "--learner-port (the profile's learner_port) moves it; --bind tcp://HOST:PORT moves all four "
-                "(PORT, PORT+1, +2, +3)",
-    "params": "--params-port (the profile's params_port) moves it; --bind tcp://HOST:PORT moves all four "
-              "(PORT, PORT+1, +2, +3)",
-}
-"""How to choose another port for each broker socket (the CLI option, the profile key)."""
-
-
-def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
-    """The one-line error of a socket that could not be bound: which port, whose, and how to choose another."""
-    why = "is in use by another process" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
-    return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
-
-
 def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tuple[tuple, dict[str, float]]:
     """(new mark, rates since ``mark``): messages and bytes per second in and out of the broker."""
     new = (now, counters["received"], counters["forwarded"], counters["bytes_in"], counters["bytes_out"])

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
@@ -28,6 +28,7 @@ def plain(value: Any) -> bool:
     if type(value) is dict and _STR.issuperset(map(type, value)) and _SCALARS.issuperset(map(type, value.values())):
         return True
     stack = [value]
+    items: Iterable[Any]
     while stack:
         v = stack.pop()
         if type(v) is dict:
@@ -117,7 +118,7 @@ def builder(cls: type) -> Callable[[dict[str, Any]], Any]:
         return lambda fields: cls(**fields)
 
     def build(fields: dict[str, Any]) -> Any:
-        obj = object.__new__(cls)
+        obj: Any = object.__new__(cls)
         obj.__dict__.update(fields)
         return obj
     return build

@@ -173,6 +173,7 @@ _RULED: dict[Any, dict[bytes, bool]] = {}
 _ENCODED: dict[tuple, bytes] = {}
 _DTYPE, _SHAPE, _NBYTES = attrgetter("dtype"), attrgetter("shape"), attrgetter("nbytes")
 _C_CONTIGUOUS = attrgetter("flags.c_contiguous")
+_NDARRAY: Callable[..., np.ndarray] = np.ndarray  # the constructor, typed as the callable that check_arrays maps
 _PLAIN_ARRAY = frozenset({np.ndarray})  # exactly ndarray: a subclass goes through wire_array's np.asarray
 _WIRE_DTYPES = frozenset(DTYPE_NAMES)
 _last_encoded: tuple = ((), b"")
@@ -369,4 +370,4 @@ def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views
     if not views:
         return layout.specs
     # np.ndarray over a buffer is np.frombuffer(buffer, dtype).reshape(shape) in one call.
-    return dict(zip(layout.names, map(np.ndarray, layout.shapes, layout.dtypes, buffers)))
+    return dict(zip(layout.names, map(_NDARRAY, layout.shapes, layout.dtypes, buffers)))

@@ -178,10 +178,9 @@ class BrokerLink:
                 self.log.exception("control link failed")
                 served = False
             finally:
-                # Fix: the control socket was closed with linger 0 even on purpose; linger 0
-                # discards whatever ZeroMQ has not written yet, so the bye that close() had just
-                # queued raced the close and could be lost, leaving the member (and a learner's
-                # credit) at the broker until heartbeat expiry. Closing on purpose now lingers.
+                # Closing on purpose lingers: linger 0 discards what ZeroMQ has not written yet, and the
+                # bye that close() just queued would race the close, leaving the member (and a learner's
+                # credit) at the broker until heartbeat expiry.
                 control.close(linger=BYE_LINGER_MS if self._stop.is_set() else 0)
                 if sub is not None:
                     sub.close(linger=0)
@@ -203,9 +202,9 @@ class BrokerLink:
 
     @staticmethod
     def _try_send(sock: zmq.Socket, msg: P.Message) -> bool:
-        """Fix: heartbeats and re-hellos used blocking sends; a DEALER whose queue to a dead broker
-        is full blocks in send, which froze the link thread (and close() with it). Control messages
-        are periodic: when one cannot be queued now, the next one will do."""
+        """Never blocks: a DEALER whose queue to a dead broker is full blocks in send, which would freeze the
+        link thread (and close() with it). Control messages are periodic: when one cannot be queued now, the
+        next one will do."""
         try:
             sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
             return True
@@ -219,8 +218,7 @@ class BrokerLink:
         try:
             return self._serve_loop(control, sub, poller)
         finally:
-            # Fix: a SUB opened inside _serve was only closed on the normal paths and leaked when
-            # an exception ended the session; _serve_loop keeps the current one in self._sub.
+            # The SUB opened inside _serve_loop (kept in self._sub) is closed however the session ends.
             if self._sub is not None:
                 self._sub.close(linger=0)
                 self._sub = None
@@ -233,7 +231,7 @@ class BrokerLink:
         self._sub = sub
         while not self._stop.is_set():
             self._flush_outbox(control)
-            events = dict(poller.poll(min(100, interval * 1000)))
+            events = dict(poller.poll(int(min(100, interval * 1000))))
             if control in events:
                 for msg in self._drain(control):
                     deadline = time.monotonic() + interval * liveness
@@ -241,13 +239,11 @@ class BrokerLink:
                         welcomed = True
                         interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
                         deadline = time.monotonic() + interval * liveness
-                        # Fix: the first beat stayed scheduled on the default 1 s interval; a broker
-                        # configured with interval x liveness under 1 s expired a healthy member
-                        # before it ever beat. Beat on the broker's schedule from the welcome on.
+                        # Beat on the broker's schedule from the welcome on: on the default 1 s, a broker
+                        # configured with interval x liveness under 1 s would expire a healthy member.
                         next_beat = min(next_beat, time.monotonic() + interval)
-                        # Fix: the SUB was opened on the first welcome only; when a restarted
-                        # broker re-welcomed this same session with another params port, the SUB
-                        # stayed on the old port and broadcasts never arrived again.
+                        # (Re)subscribe at every welcome that names another params port: a restarted broker
+                        # may re-welcome this same session on a new one.
                         if self.subscribe_params and (sub is None or self._sub_port != msg.ports.get("params")):
                             if sub is not None:
                                 poller.unregister(sub)
@@ -295,7 +291,7 @@ class BrokerLink:
         return sub
 
     def _drain(self, sock: zmq.Socket) -> list[P.Message]:
-        out = []
+        out: list[P.Message] = []
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -319,10 +315,9 @@ class BrokerLink:
 
     def _on_welcome(self, msg: P.Welcome) -> None:
         with self._cond:
-            # Versions restart with a new run: never compare across runs. Fix: a welcome without
-            # a run (a restarted broker, before the learner said hello again) used to count as a
-            # run change and drop the parameters held, so the same run coming back could hand the
-            # actor an older version than it had. Only a different, named run resets them now.
+            # Versions restart with a new run: never compare across runs. Only a different, named run resets
+            # them: a welcome without a run (a restarted broker, before the learner said hello again) is no
+            # run change, else the same run coming back could hand the actor an older version than it had.
             if self.params is not None and msg.run_id and msg.run_id != self.params.run_id:
                 self.params = None
             if self.welcome is not None and msg.run_id and msg.run_id != self.welcome.run_id:

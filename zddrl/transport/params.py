@@ -222,7 +222,7 @@ class _Pending:
     def feed(self) -> None:
         if self.whole is not None:
             while self.fed in self.parts:
-                self.whole.update(self.parts[self.fed][0])
+                self.whole.update(self.parts[self.fed][0].data)
                 self.fed += 1
 
     def whole_hash_ok(self) -> bool:

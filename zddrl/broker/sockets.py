@@ -1,0 +1,92 @@
+"""The broker's four sockets, made and bound in one place, and the one-line error of a port that cannot be bound.
+
+Ports: control at the bind port, the trajectories, learners and params sockets at the next three unless the
+profile or the CLI sets them (docs/protocol.md section 1).
+"""
+from __future__ import annotations
+
+import errno
+from typing import NamedTuple
+
+import zmq
+
+from zddrl import protocol as P
+from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+
+PORT_OPTIONS = {
+    "control": "--bind tcp://HOST:PORT (the profile's bind) moves it, and with it every port not set on its own "
+               "(PORT+1, +2, +3)",
+    "trajectories": "--trajectory-port (the profile's trajectory_port) moves it; --bind tcp://HOST:PORT moves all "
+                    "four (PORT, PORT+1, +2, +3)",
+    "learners": "--learner-port (the profile's learner_port) moves it; --bind tcp://HOST:PORT moves all four "
+                "(PORT, PORT+1, +2, +3)",
+    "params": "--params-port (the profile's params_port) moves it; --bind tcp://HOST:PORT moves all four "
+              "(PORT, PORT+1, +2, +3)",
+}
+"""How to choose another port for each broker socket (the CLI option, the profile key)."""
+
+
+class BindError(RuntimeError):
+    """A broker socket could not be bound. The message is one line: which port, whose, and how to choose others."""
+
+
+class BrokerSockets(NamedTuple):
+    control: zmq.Socket
+    """ROUTER: hello/welcome, heartbeats, stats, status, snapshots, fleet messages."""
+    trajectories: zmq.Socket
+    """PULL: the actors' trajectories."""
+    learners: zmq.Socket
+    """ROUTER: the learner shards' credit and parameters in, trajectories out."""
+    params: zmq.Socket
+    """PUB: parameter versions to every actor."""
+    ports: dict[str, int]
+    """The bound port of each socket, by name."""
+
+
+def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
+    """The one-line error of a socket that could not be bound: which port, whose, and how to choose another."""
+    why = "is in use by another process" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+    return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
+
+
+def open_sockets(ctx: zmq.Context, c: BrokerConfig) -> BrokerSockets:
+    """Every socket made, configured and bound; ConfigError for a bad bind port, BindError for a port that is taken
+    (the sockets made so far are closed first)."""
+    host, port = split_endpoint(c.bind)
+    # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
+    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ConfigError(f"broker.bind port must be 1..65535 or *, got {c.bind!r}")
+    made: list[zmq.Socket] = []
+
+    def socket(kind: int) -> zmq.Socket:
+        sock = ctx.socket(kind)
+        made.append(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        return sock
+
+    control = socket(zmq.ROUTER)
+    control.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    trajectories = socket(zmq.PULL)
+    trajectories.setsockopt(zmq.RCVHWM, c.trajectory_hwm)
+    learners = socket(zmq.ROUTER)
+    learners.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    learners.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting shard reuses its identity
+    learners.setsockopt(zmq.SNDHWM, 0)  # bounded by credit, not by HWM
+    learners.setsockopt(zmq.RCVHWM, 0)  # parameters and credits must never be lost
+    params = socket(zmq.PUB)
+    params.setsockopt(zmq.SNDHWM, c.params_hwm)
+    base = None if port == "*" else int(port)
+    plan = [("control", control, base), ("trajectories", trajectories, c.trajectory_port),
+            ("learners", learners, c.learner_port), ("params", params, c.params_port)]
+    ports: dict[str, int] = {}
+    for offset, (name, sock, wanted) in enumerate(plan):
+        port_text = str(wanted) if wanted else ("*" if base is None else str(base + offset))
+        try:
+            sock.bind(f"tcp://{host}:{port_text}")
+        except zmq.ZMQError as exc:  # one line that says which port, whose, and how to choose others
+            for made_sock in made:
+                made_sock.close(linger=0)
+            raise BindError(bind_error(name, host, port_text, exc)) from None
+        ports[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    return BrokerSockets(control, trajectories, learners, params, ports)

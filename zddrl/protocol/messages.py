@@ -1,0 +1,221 @@
+"""Every message of the zddrl wire protocol: one frozen dataclass per kind, whose fields are the header's keys
+and whose ``arrays`` are the frames (docs/protocol.md section 3 lists each kind's fields). The codec that turns
+them into frames and back is ``zddrl.protocol`` (``encode``, ``decode``), which re-exports all of this."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+ROLES = ("actor", "learner", "monitor")
+"""A hello's ``role``."""
+REFUSED_PREFIX = "hello refused: "
+"""Start of a reject's reason when the broker will not take this client at all (no retry)."""
+CRASH_PREFIX = "crashed: "
+"""A bye reason that starts with this is a crash report; the broker logs it as an error and lists it among
+the departures in the status body."""
+
+
+@dataclass(frozen=True)
+class Message:
+    KIND: ClassVar[str] = ""
+    HAS_ARRAYS: ClassVar[bool] = False
+
+    def encode(self) -> list[Any]:
+        """This message's frames (``zddrl.protocol.encode``)."""
+        from zddrl.protocol import encode  # the codec sits above the messages it encodes
+
+        return encode(self)
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Client -> broker control socket: join. Learners also announce the run they own."""
+
+    KIND: ClassVar[str] = "hello"
+    role: str  # "actor" | "learner" | "monitor"
+    peer_id: str
+    host: str = ""
+    pid: int = 0
+    num_envs: int = 0
+    run_id: str = ""
+    run: dict | None = None  # learner only: the run spec every actor receives in its welcome
+    shard: int = 0
+    num_shards: int = 1
+
+
+@dataclass(frozen=True)
+class Welcome(Message):
+    """Broker -> client: the data ports (same host as the control endpoint) and the run spec."""
+
+    KIND: ClassVar[str] = "welcome"
+    peer_id: str
+    run_id: str
+    run: dict | None
+    ports: dict  # {"trajectories": int, "learners": int, "params": int}
+    heartbeat_interval_s: float
+    heartbeat_liveness: int
+    max_message_bytes: int
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Both ways on the control socket. Clients report the policy version they act with."""
+
+    KIND: ClassVar[str] = "heartbeat"
+    peer_id: str
+    policy_version: int = -1
+
+
+@dataclass(frozen=True)
+class Reject(Message):
+    """Broker -> client: the request was refused; ``reason`` says why. Unknown peers must send hello again."""
+
+    KIND: ClassVar[str] = "reject"
+    reason: str
+    rehello: bool = False
+
+
+@dataclass(frozen=True)
+class Trajectory(Message):
+    """Actor -> broker -> one learner shard: one rollout, time-major ``[T, N, ...]`` arrays."""
+
+    KIND: ClassVar[str] = "trajectory"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    peer_id: str
+    seq: int
+    policy_version: int
+    param_hash: str
+    env_steps: int
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    ep_returns: list[float] = field(default_factory=list)
+    """Undiscounted return of each episode that ended in this rollout (small: header, not frames)."""
+    ep_lengths: list[int] = field(default_factory=list)
+    """Length in steps of each of those episodes."""
+
+
+@dataclass(frozen=True)
+class Parameters(Message):
+    """Learner -> broker -> every actor: one policy version, its layout, and its first chunk.
+
+    The version's flat buffer (``numel`` elements of ``param_dtype``) travels in chunks of
+    ``chunk_numel`` elements: chunk 0 is ``arrays["flat"]`` here, chunks 1.. are ``ParamChunk``
+    messages. ``chunk_hashes[i]`` is ``param_hash`` of chunk i; ``param_hash`` is the hash of the
+    whole buffer. With ``chunk_hashes`` empty, ``flat`` is the whole buffer. ``layout`` rows are
+    ``[name, dtype, shape, offset]`` with ``offset`` in elements of the whole buffer, as float32
+    (what the receiver converts it to). Other arrays (for example observation-normalisation
+    statistics) travel beside chunk 0. ``meta`` carries small per-version settings such as the
+    sync-mode rollout length.
+    """
+
+    KIND: ClassVar[str] = "params"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    peer_id: str
+    policy_version: int
+    param_hash: str
+    layout: list
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    param_dtype: str = "float32"
+    numel: int = 0
+    chunk_numel: int = 0
+    chunk_hashes: list = field(default_factory=list)
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, len(self.chunk_hashes))
+
+
+@dataclass(frozen=True)
+class ParamChunk(Message):
+    """Learner -> broker -> every actor: chunk ``index`` (>= 1) of the version that ``policy_version``
+    and ``param_hash`` name; ``arrays["data"]`` holds its elements, ``chunk_hash`` their hash."""
+
+    KIND: ClassVar[str] = "params_chunk"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    peer_id: str
+    policy_version: int
+    param_hash: str
+    index: int
+    chunk_hash: str
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ParamsRequest(Message):
+    """Actor -> broker control: send me the cached parameters if they are newer than ``policy_version``."""
+
+    KIND: ClassVar[str] = "params_request"
+    peer_id: str
+    policy_version: int = -1
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    """Learner shard -> broker learner socket: I can take ``credit`` more trajectories."""
+
+    KIND: ClassVar[str] = "credit"
+    peer_id: str
+    credit: int
+
+
+@dataclass(frozen=True)
+class Stats(Message):
+    """Any client -> broker control: a flat map of figures for ``zddrl status``."""
+
+    KIND: ClassVar[str] = "stats"
+    peer_id: str
+    role: str
+    stats: dict
+
+
+@dataclass(frozen=True)
+class StatusRequest(Message):
+    KIND: ClassVar[str] = "status_request"
+    peer_id: str = ""
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """Broker -> requester: counters, members and drops (see docs/protocol.md for the keys)."""
+
+    KIND: ClassVar[str] = "status"
+    body: dict
+
+
+@dataclass(frozen=True)
+class Fleet(Message):
+    """Broker -> learner shard, control: the actors joined now. Two frames: preamble, header.
+
+    ``actors`` maps each joined actor's peer id to ``{"num_envs": int, "host": str}`` (its hello's
+    figures; ``num_envs`` 0 means the run's ``env.num_envs``). ``seq`` grows by one with every change
+    of that map, per broker process (docs/protocol.md section 5.5). Sent right after a learner's
+    welcome and, coalesced, whenever actors join, leave or expire.
+    """
+
+    KIND: ClassVar[str] = "fleet"
+    run_id: str
+    seq: int
+    actors: dict
+
+
+@dataclass(frozen=True)
+class Bye(Message):
+    """Client -> broker control: I am leaving on purpose (no expiry needed)."""
+
+    KIND: ClassVar[str] = "bye"
+    peer_id: str
+    reason: str = ""
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.KIND: cls
+    for cls in (Hello, Welcome, Heartbeat, Reject, Trajectory, Parameters, ParamChunk, ParamsRequest, Credit,
+                Stats, StatusRequest, Status, Fleet, Bye)
+}
