@@ -3,6 +3,7 @@
 Learner shards and actors join with a ``BrokerLink`` (hello, heartbeats) and talk data over their own
 sockets (a DEALER whose identity is the peer id, a PUSH). Every wait is on a condition with a deadline.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,32 @@ def run_spec(**algo: Any) -> dict:
 def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
     """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``."""
     f32 = np.float32
-    arrays = {"obs": np.zeros((1, 1, max(nbytes // 4, 1)), f32), "actions": np.zeros((1, 1), np.int64),
-              "logp": np.zeros((1, 1), f32), "values": np.zeros((1, 1), f32), "rewards": np.full((1, 1), seq, f32),
-              "terminated": np.zeros((1, 1), bool), "truncated": np.zeros((1, 1), bool),
-              "next_obs": np.zeros((1, max(nbytes // 4, 1)), f32), "next_value": np.zeros(1, f32)}
-    return P.Trajectory(run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="h",
-                        env_steps=1, arrays=arrays)
+    arrays = {
+        "obs": np.zeros((1, 1, max(nbytes // 4, 1)), f32),
+        "actions": np.zeros((1, 1), np.int64),
+        "logp": np.zeros((1, 1), f32),
+        "values": np.zeros((1, 1), f32),
+        "rewards": np.full((1, 1), seq, f32),
+        "terminated": np.zeros((1, 1), bool),
+        "truncated": np.zeros((1, 1), bool),
+        "next_obs": np.zeros((1, max(nbytes // 4, 1)), f32),
+        "next_value": np.zeros(1, f32),
+    }
+    return P.Trajectory(
+        run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="h", env_steps=1, arrays=arrays
+    )
 
 
 def parameters(run_id: str, version: int, peer_id: str = "learner-0") -> P.Parameters:
     flat = np.arange(16, dtype=np.float32) + version
-    return P.Parameters(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=P.param_hash(flat),
-                        layout=[["w", "float32", [16], 0]], arrays={"flat": flat})
+    return P.Parameters(
+        run_id=run_id,
+        peer_id=peer_id,
+        policy_version=version,
+        param_hash=P.param_hash(flat),
+        layout=[["w", "float32", [16], 0]],
+        arrays={"flat": flat},
+    )
 
 
 class Shard:
@@ -105,8 +120,14 @@ def counters(broker: BrokerHandle, bus: Bus) -> dict:
 
 
 def cli(*args: str, timeout_s: float = 20.0) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True,
-                          timeout=timeout_s, stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 def collect(shards: list[Shard], until: int, regrant: bool = True, timeout_s: float = WAIT_S) -> None:
@@ -147,9 +168,22 @@ class ProfiledBroker(BrokerHandle):
     def start(self) -> ProfiledBroker:
         self.ready.unlink(missing_ok=True)
         _, traj_port, learner_port, params_port = self.ports
-        self.proc = self.procs.start("broker", "broker", "--profile", str(self.profile), "--bind", self.connect,
-                                     "--trajectory-port", str(traj_port), "--learner-port", str(learner_port),
-                                     "--params-port", str(params_port), "--ready-file", str(self.ready))
+        self.proc = self.procs.start(
+            "broker",
+            "broker",
+            "--profile",
+            str(self.profile),
+            "--bind",
+            self.connect,
+            "--trajectory-port",
+            str(traj_port),
+            "--learner-port",
+            str(learner_port),
+            "--params-port",
+            str(params_port),
+            "--ready-file",
+            str(self.ready),
+        )
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self

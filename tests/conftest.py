@@ -4,6 +4,7 @@ pytest's default (prepend) import mode puts tests/ on sys.path for this root con
 own folder for that file: test modules import the helpers here by plain name (``conftest``, ``samples``,
 ``broker_clients``, ``test_train``), and test file basenames must stay unique across the folders.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,13 @@ class Procs:
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "zddrl", *args], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "zddrl", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         log.close()
         proc.name = name  # type: ignore[attr-defined]
         self.procs.append(proc)
@@ -91,9 +97,20 @@ class BrokerHandle:
     def start(self) -> BrokerHandle:
         self.ready.unlink(missing_ok=True)
         _, traj_port, learner_port, params_port = self.ports
-        self.proc = self.procs.start("broker", "broker", "--bind", self.connect, "--trajectory-port", str(traj_port),
-                                     "--learner-port", str(learner_port), "--params-port", str(params_port),
-                                     "--ready-file", str(self.ready))
+        self.proc = self.procs.start(
+            "broker",
+            "broker",
+            "--bind",
+            self.connect,
+            "--trajectory-port",
+            str(traj_port),
+            "--learner-port",
+            str(learner_port),
+            "--params-port",
+            str(params_port),
+            "--ready-file",
+            str(self.ready),
+        )
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self

@@ -1,6 +1,7 @@
 """Test-side clients of a real `zddrl broker` for the contract tests (test_fleet.py, test_broker_contract.py,
 test_protocol_status_doc.py): raw pyzmq sockets that speak docs/protocol.md, so that every message the broker
 sends can be seen and counted. Every wait is on a condition with a deadline (conftest.wait_for)."""
+
 from __future__ import annotations
 
 import json
@@ -29,12 +30,20 @@ def run_spec(**algo: Any) -> dict:
 def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0) -> P.Trajectory:
     """A valid one-step, one-env trajectory."""
     f32 = np.float32
-    arrays = {"obs": np.zeros((1, 1, 2), f32), "actions": np.zeros((1, 1), np.int64),
-              "logp": np.zeros((1, 1), f32), "values": np.zeros((1, 1), f32), "rewards": np.full((1, 1), seq, f32),
-              "terminated": np.zeros((1, 1), bool), "truncated": np.zeros((1, 1), bool),
-              "next_obs": np.zeros((1, 2), f32), "next_value": np.zeros(1, f32)}
-    return P.Trajectory(run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="0" * 16,
-                        env_steps=1, arrays=arrays)
+    arrays = {
+        "obs": np.zeros((1, 1, 2), f32),
+        "actions": np.zeros((1, 1), np.int64),
+        "logp": np.zeros((1, 1), f32),
+        "values": np.zeros((1, 1), f32),
+        "rewards": np.full((1, 1), seq, f32),
+        "terminated": np.zeros((1, 1), bool),
+        "truncated": np.zeros((1, 1), bool),
+        "next_obs": np.zeros((1, 2), f32),
+        "next_value": np.zeros(1, f32),
+    }
+    return P.Trajectory(
+        run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="0" * 16, env_steps=1, arrays=arrays
+    )
 
 
 def wire(msg: P.Message) -> list[bytes]:
@@ -52,9 +61,22 @@ class ProfiledBroker(BrokerHandle):
     def start(self) -> ProfiledBroker:
         self.ready.unlink(missing_ok=True)
         _, t, learners, p = self.ports
-        self.proc = self.procs.start("broker", "broker", "--profile", str(self.profile), "--bind", self.connect,
-                                     "--trajectory-port", str(t), "--learner-port", str(learners),
-                                     "--params-port", str(p), "--ready-file", str(self.ready))
+        self.proc = self.procs.start(
+            "broker",
+            "broker",
+            "--profile",
+            str(self.profile),
+            "--bind",
+            self.connect,
+            "--trajectory-port",
+            str(t),
+            "--learner-port",
+            str(learners),
+            "--params-port",
+            str(p),
+            "--ready-file",
+            str(self.ready),
+        )
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")
         return self
@@ -112,11 +134,13 @@ class Control:
 class Learner:
     """A learner shard by hand: a control DEALER (hello with the run) and a data DEALER (identity = peer id)."""
 
-    def __init__(self, bus: Bus, broker: BrokerHandle, peer_id: str = "learner-0", run_id: str = "run-a",
-                 run: dict | None = None) -> None:
+    def __init__(
+        self, bus: Bus, broker: BrokerHandle, peer_id: str = "learner-0", run_id: str = "run-a", run: dict | None = None
+    ) -> None:
         self.peer_id, self.run_id = peer_id, run_id
-        self.control = Control(bus, broker, P.Hello(role="learner", peer_id=peer_id, run_id=run_id,
-                                                    run=run_spec() if run is None else run))
+        self.control = Control(
+            bus, broker, P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run_spec() if run is None else run)
+        )
         self.data = bus.socket(zmq.DEALER, identity=peer_id.encode(), rcvhwm=0)
         self.data.connect(f"tcp://127.0.0.1:{self.control.welcome.ports['learners']}")
 

@@ -3,6 +3,7 @@
 ``FakeChannel`` stands for ``transport.channel.DataChannel`` (prepared messages in, sent messages recorded);
 ``FakeLink`` for ``transport.link.BrokerLink`` (a welcome, a generation, the newest fleet message).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace

@@ -1,4 +1,5 @@
 """Typed config: one source of defaults, TOML loading, dotted overrides, clear errors."""
+
 from __future__ import annotations
 
 import math
@@ -27,15 +28,18 @@ def test_defaults_and_overrides() -> None:
     assert Config.from_dict(Config().to_dict()) == Config()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"algo.lrr": 1.0}, "unknown config key"),
-    ({"algo.mode": "turbo"}, "algo.mode must be one of"),
-    ({"env.num_envs": 0}, "env.num_envs must be >= 1"),
-    ({"algo.lr": "fast"}, "algo.lr must be a number"),
-    ({"algo.norm_adv": 1}, "must be true or false"),
-    ({"nosuch.key": 1}, "unknown config section"),
-    ({"model.hidden": [64, "x"]}, "model.hidden must be a list of integers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"algo.lrr": 1.0}, "unknown config key"),
+        ({"algo.mode": "turbo"}, "algo.mode must be one of"),
+        ({"env.num_envs": 0}, "env.num_envs must be >= 1"),
+        ({"algo.lr": "fast"}, "algo.lr must be a number"),
+        ({"algo.norm_adv": 1}, "must be true or false"),
+        ({"nosuch.key": 1}, "unknown config section"),
+        ({"model.hidden": [64, "x"]}, "model.hidden must be a list of integers"),
+    ],
+)
 def test_bad_values_name_the_key(overrides: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)

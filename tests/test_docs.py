@@ -1,4 +1,5 @@
 """The docs stay true: every config key is documented with its default; README commands exist."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +15,9 @@ from zddrl.learner.runlog import METRIC_COLUMNS, SUMMARY_KEYS
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("cls", [C.Config, C.EnvConfig, C.ModelConfig, C.AlgoConfig, C.TrainConfig, C.LearnerConfig,
-                                 C.BrokerConfig])
+@pytest.mark.parametrize(
+    "cls", [C.Config, C.EnvConfig, C.ModelConfig, C.AlgoConfig, C.TrainConfig, C.LearnerConfig, C.BrokerConfig]
+)
 def test_every_config_key_is_documented_with_its_default(cls: type) -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(cls):

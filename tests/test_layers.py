@@ -1,5 +1,6 @@
 """The package layout's one rule: imports run one way (docs/architecture.md). A package imports only the
 layers below it; nothing in the learning maths imports sockets or wire messages."""
+
 from __future__ import annotations
 
 import ast
@@ -59,7 +60,8 @@ def test_the_maths_and_the_wire_never_touch_sockets() -> None:
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         if path.parent.name == "algos":
-            assert "zmq" not in names and not any(m.startswith(("zmq", "zddrl.protocol", "zddrl.transport"))
-                                                  for m in modules), path
+            assert "zmq" not in names and not any(
+                m.startswith(("zmq", "zddrl.protocol", "zddrl.transport")) for m in modules
+            ), path
         else:  # the protocol reads zmq.Frame objects but never a socket
             assert "zmq" not in names, path

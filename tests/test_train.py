@@ -1,4 +1,5 @@
 """End to end: `zddrl train` and hand-started broker/learner/actor processes learning CartPole for real."""
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,9 @@ CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
 
 
 def zddrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def train(run_dir: Path, *args: str) -> dict:
@@ -74,16 +76,27 @@ def nan_every_third_episode() -> gym.Env:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_an_env_that_returns_nan_costs_rollouts_not_actors(mode: str, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_env_that_returns_nan_costs_rollouts_not_actors(
+    mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """NaN rewards reach the learner, which drops those rollouts as invalid (counted per actor); the actors
     (which leave NaN episode returns out of their headers) live on, and in sync mode a round whose rollouts
     were all unusable still ends (the next version keeps the weights), so the run goes on updating."""
     paths = [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(paths))  # the actors import the env factory from here
     run_dir = tmp_path / "run"
-    done = zddrl("train", CARTPOLE, "--run-dir", str(run_dir), "--max-seconds", "10", "--mode", mode,
-                 "--set", "env.id=tests.test_train:nan_every_third_episode")
+    done = zddrl(
+        "train",
+        CARTPOLE,
+        "--run-dir",
+        str(run_dir),
+        "--max-seconds",
+        "10",
+        "--mode",
+        mode,
+        "--set",
+        "env.id=tests.test_train:nan_every_third_episode",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert sum(summary["dropped_invalid"].values()) >= 2 and summary["updates"] >= 8, summary
@@ -133,8 +146,17 @@ def test_scaling_1_2_4_actors_learn_alike_at_a_fixed_total_batch(tmp_path: Path)
     """
     steps = {}
     for actors in (1, 2, 4):
-        summary = train(tmp_path / f"a{actors}", "--actors", str(actors), "--set", f"env.num_envs={8 // actors}",
-                        "--until-return", "195", "--max-steps", "80000")
+        summary = train(
+            tmp_path / f"a{actors}",
+            "--actors",
+            str(actors),
+            "--set",
+            f"env.num_envs={8 // actors}",
+            "--until-return",
+            "195",
+            "--max-steps",
+            "80000",
+        )
         assert summary["reached"], f"{actors} actors did not reach 195: {summary}"
         batches = sorted(int(r["batch_steps"]) for r in metrics(tmp_path / f"a{actors}"))
         # 256 once the whole fleet is known; while actors are still joining, rollouts round up a little
@@ -153,9 +175,24 @@ def test_bad_config_and_env_are_clear_cli_errors(tmp_path: Path) -> None:
 
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
-                             "--max-steps", "10000000", "--max-seconds", "600"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            CARTPOLE,
+            "--run-dir",
+            str(run_dir),
+            "--max-steps",
+            "10000000",
+            "--max-seconds",
+            "600",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) > 3, 60, "training to start")
         proc.send_signal(signal.SIGINT)
@@ -168,8 +205,19 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
 
 def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--run-dir", str(run_dir),
-                          "--set", "train.max_steps=12000", "--set", "train.until_return=1e9")
+    learner = procs.start(
+        "learner",
+        "learner",
+        CARTPOLE,
+        "--connect",
+        broker.connect,
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "train.max_steps=12000",
+        "--set",
+        "train.until_return=1e9",
+    )
     for i in range(2):
         procs.start(f"actor-{i}", "actor", "--connect", broker.connect, "--actor-id", str(i))
     procs.start("slow", "actor", "--connect", broker.connect, "--actor-id", "2", "--slowdown", "100")
@@ -195,8 +243,20 @@ def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker:
 @pytest.mark.parametrize("mode, config", [("async", "cartpole_ppo.toml"), ("impala", "cartpole_impala.toml")])
 def test_async_modes_learn_through_the_real_processes(mode: str, config: str, tmp_path: Path) -> None:
     run_dir = tmp_path / mode
-    done = zddrl("train", str(ROOT / "examples" / config), "--mode", mode, "--run-dir", str(run_dir),
-                 "--until-return", "195", "--max-steps", "150000", "--max-seconds", "90")
+    done = zddrl(
+        "train",
+        str(ROOT / "examples" / config),
+        "--mode",
+        mode,
+        "--run-dir",
+        str(run_dir),
+        "--until-return",
+        "195",
+        "--max-steps",
+        "150000",
+        "--max-seconds",
+        "90",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["reached"] and summary["mode"] == mode, summary
@@ -218,13 +278,28 @@ def test_run_directories_are_protected(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mode, shards", [("sync", "1"), ("impala", "1"), ("sync", "2")])
-def test_learning_goes_on_after_the_broker_is_killed_and_restarted(mode: str, shards: str, procs: Procs,
-                                                                   broker: BrokerHandle, tmp_path: Path) -> None:
+def test_learning_goes_on_after_the_broker_is_killed_and_restarted(
+    mode: str, shards: str, procs: Procs, broker: BrokerHandle, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     config = CARTPOLE if mode == "sync" else str(ROOT / "examples" / "cartpole_impala.toml")
-    learner = procs.start("learner", "learner", config, "--connect", broker.connect, "--run-dir", str(run_dir),
-                          "--shards", shards, "--set", "train.until_return=1e9", "--set", "train.max_seconds=120",
-                          "--set", "train.max_steps=100000000")
+    learner = procs.start(
+        "learner",
+        "learner",
+        config,
+        "--connect",
+        broker.connect,
+        "--run-dir",
+        str(run_dir),
+        "--shards",
+        shards,
+        "--set",
+        "train.until_return=1e9",
+        "--set",
+        "train.max_seconds=120",
+        "--set",
+        "train.max_steps=100000000",
+    )
     procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
     wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 10, 60, "10 updates")
     broker.proc.send_signal(signal.SIGKILL)

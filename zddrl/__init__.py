@@ -5,6 +5,7 @@ Roles: ``zddrl broker`` (routing), ``zddrl actor`` (sampling), ``zddrl learner``
 are importable from here; torch is only imported when they are first used, so actor hosts start
 without it.
 """
+
 from __future__ import annotations
 
 import time as _time

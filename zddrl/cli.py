@@ -1,4 +1,5 @@
 """The ``zddrl`` command line (click). Every command has ``--help``; ZDDRL_* env vars give defaults."""
+
 from __future__ import annotations
 
 import importlib
@@ -62,8 +63,13 @@ def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
         raise click.UsageError(str(exc)) from None
 
 
-set_option = click.option("--set", "sets", multiple=True, metavar="SECTION.KEY=VALUE",
-                          help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).")
+set_option = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).",
+)
 
 
 class _LazyGroup(click.Group):
@@ -93,22 +99,36 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
 
 
 @main.command()
-@click.option("--bind", default=None, help="Public control endpoint, tcp://ADDR:PORT (port * = random).  "
-                                           "[default: profile's, else tcp://127.0.0.1:5555]")
+@click.option(
+    "--bind",
+    default=None,
+    help="Public control endpoint, tcp://ADDR:PORT (port * = random).  [default: profile's, else tcp://127.0.0.1:5555]",
+)
 @click.option("--profile", type=click.Path(dir_okay=False), default=None, help="Broker profile TOML (see brokers/).")
 @click.option("--trajectory-port", type=int, default=None, help="Trajectory PULL port (default control+1).")
 @click.option("--learner-port", type=int, default=None, help="Learner ROUTER port (default control+2).")
 @click.option("--params-port", type=int, default=None, help="Parameter PUB port (default control+3).")
-@click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
-              help="Write the bound ports as JSON here once serving (for scripts and tests).")
+@click.option(
+    "--ready-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the bound ports as JSON here once serving (for scripts and tests).",
+)
 def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
     """Run the broker: routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
     from zddrl.broker.sockets import BindError
 
     try:
-        config = load_broker_config(profile, {"bind": bind, "trajectory_port": trajectory_port,
-                                              "learner_port": learner_port, "params_port": params_port})
+        config = load_broker_config(
+            profile,
+            {
+                "bind": bind,
+                "trajectory_port": trajectory_port,
+                "learner_port": learner_port,
+                "params_port": params_port,
+            },
+        )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()
@@ -129,8 +149,13 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
 @click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
 @click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
-@click.option("--slowdown", type=float, default=1.0, show_default=True,
-              help="Testing knob: make this host FACTOR times slower per env step.")
+@click.option(
+    "--slowdown",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Testing knob: make this host FACTOR times slower per env step.",
+)
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
 def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
@@ -144,36 +169,85 @@ def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-GPUS_HELP = ("Learner shards: 'auto' (one; GPU 0 if any, else CPU), GPU indices '0,1' (a shard each), or 'cpu:N'. "
-             "Overrides learner.gpus.")
+GPUS_HELP = (
+    "Learner shards: 'auto' (one; GPU 0 if any, else CPU), GPU indices '0,1' (a shard each), or 'cpu:N'. "
+    "Overrides learner.gpus."
+)
 
 
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
-@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: train.run_dir/NAME-TIME).")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: train.run_dir/NAME-TIME).",
+)
 @click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
 @click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
 @click.option("--shards", type=click.IntRange(1, 64), default=None, help="N CPU shards: the same as --gpus cpu:N.")
-@click.option("--nnodes", type=click.IntRange(1), default=1, show_default=True, envvar="ZDDRL_NNODES",
-              help="Nodes in the learner group (multi-node: the same command on every node).")
-@click.option("--node-rank", type=click.IntRange(0), default=0, show_default=True, envvar="ZDDRL_NODE_RANK",
-              help="This node's index, 0..nnodes-1.")
-@click.option("--master-addr", default="127.0.0.1", show_default=True, envvar="ZDDRL_MASTER_ADDR",
-              help="Rendezvous host (node 0's address) for torch.distributed.")
-@click.option("--master-port", type=click.IntRange(0, 65535), default=0, envvar="ZDDRL_MASTER_PORT",
-              help="Rendezvous port; 0 picks a free one (one node only).")
+@click.option(
+    "--nnodes",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    envvar="ZDDRL_NNODES",
+    help="Nodes in the learner group (multi-node: the same command on every node).",
+)
+@click.option(
+    "--node-rank",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    envvar="ZDDRL_NODE_RANK",
+    help="This node's index, 0..nnodes-1.",
+)
+@click.option(
+    "--master-addr",
+    default="127.0.0.1",
+    show_default=True,
+    envvar="ZDDRL_MASTER_ADDR",
+    help="Rendezvous host (node 0's address) for torch.distributed.",
+)
+@click.option(
+    "--master-port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    envvar="ZDDRL_MASTER_PORT",
+    help="Rendezvous port; 0 picks a free one (one node only).",
+)
 @click.option("--t0", type=float, default=None, hidden=True, help="Epoch time the whole command started.")
 @click.option("--resume", is_flag=True, help="Continue the run in --run-dir from its newest checkpoint.")
-@click.option("--restart", type=click.IntRange(0), default=0, show_default=True, metavar="N",
-              help="When the learner (or a shard of it) dies, restart it from the newest checkpoint in --run-dir "
-                   "(afresh if none yet), at most N times, with back-off. This process then supervises the "
-                   "learner as a child process; it restarts nothing if it is killed itself.")
+@click.option(
+    "--restart",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    metavar="N",
+    help="When the learner (or a shard of it) dies, restart it from the newest checkpoint in --run-dir "
+    "(afresh if none yet), at most N times, with back-off. This process then supervises the "
+    "learner as a child process; it restarts nothing if it is killed itself.",
+)
 @set_option
-def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, node_rank, master_addr, master_port,
-            t0, resume, restart, sets) -> None:
+def learner(
+    config_path,
+    connect,
+    run_dir,
+    mode,
+    seed,
+    gpus,
+    shards,
+    nnodes,
+    node_rank,
+    master_addr,
+    master_port,
+    t0,
+    resume,
+    restart,
+    sets,
+) -> None:
     """Run the learner on CONFIG: publish the run, train, publish parameters.
 
     With several devices (--gpus 0,1, --gpus cpu:2, --shards 2) or nodes (--nnodes), this process
@@ -187,8 +261,10 @@ def learner(config_path, connect, run_dir, mode, seed, gpus, shards, nnodes, nod
     if gpus is not None and shards is not None:
         raise click.UsageError("give --gpus or --shards, not both")
     if restart and launched_as_shard():
-        raise click.UsageError("--restart supervises a learner this command starts; under torchrun use its "
-                               "--max-restarts (each restart then needs --resume)")
+        raise click.UsageError(
+            "--restart supervises a learner this command starts; under torchrun use its "
+            "--max-restarts (each restart then needs --resume)"
+        )
     if restart and nnodes > 1:
         raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
     if shards is not None:
@@ -287,17 +363,35 @@ def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Exact run directory to write.")
 @click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
-@click.option("--resume", "resume_dir", type=click.Path(exists=True, file_okay=False), default=None,
-              help="Continue this run directory from its newest checkpoint (metrics append).")
+@click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    help="Continue this run directory from its newest checkpoint (metrics append).",
+)
 @set_option
-def train(config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir,
-          sets) -> None:
+def train(
+    config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir, sets
+) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
     from zddrl.ops.train import run_training
 
-    config = _load(config_path, _overrides(sets, **{
-        "train.actors": actors, "env.seed": seed, "algo.mode": mode, "train.until_return": until_return,
-        "train.max_steps": max_steps, "train.max_seconds": max_seconds, "learner.gpus": gpus}))
+    config = _load(
+        config_path,
+        _overrides(
+            sets,
+            **{
+                "train.actors": actors,
+                "env.seed": seed,
+                "algo.mode": mode,
+                "train.until_return": until_return,
+                "train.max_steps": max_steps,
+                "train.max_seconds": max_seconds,
+                "learner.gpus": gpus,
+            },
+        ),
+    )
     _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir))
     click.echo(json.dumps(summary))
@@ -317,9 +411,11 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
     except Exception as exc:  # not a zddrl checkpoint, or an env that cannot be built here
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise click.ClickException(f"cannot evaluate {checkpoint}: {type(exc).__name__}: {first_line}") from None
-    click.echo(json.dumps(result) if as_json else
-               f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} "
-               f"+- {result['std']:.2f}")
+    click.echo(
+        json.dumps(result)
+        if as_json
+        else f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} +- {result['std']:.2f}"
+    )
 
 
 @main.command()

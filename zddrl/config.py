@@ -10,6 +10,7 @@ and validates everything; an unknown key or a bad value is a :class:`ConfigError
 the key. The run spec that actors receive from the broker is ``config.to_dict()`` and is rebuilt
 on their side with ``Config.from_dict`` (same validation).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -142,8 +143,10 @@ class AlgoConfig:
         _require(0.0 <= self.gae_lambda <= 1.0, "algo.gae_lambda must be in [0, 1]")
         _require(self.epochs >= 1 and self.minibatches >= 1, "algo.epochs and algo.minibatches must be >= 1")
         _require(self.lr > 0, "algo.lr must be > 0")
-        _require(self.lr_schedule in SCHEDULES and self.clip_schedule in SCHEDULES,
-                 f"algo.lr_schedule and algo.clip_schedule must be one of {SCHEDULES}")
+        _require(
+            self.lr_schedule in SCHEDULES and self.clip_schedule in SCHEDULES,
+            f"algo.lr_schedule and algo.clip_schedule must be one of {SCHEDULES}",
+        )
         _require(self.clip > 0, "algo.clip must be > 0")
         _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
         _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
@@ -152,10 +155,12 @@ class AlgoConfig:
         _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
         _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
         _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
-        _require(self.mode == "sync" or self.publish_every <= self.max_staleness + 1,
-                 f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
-                 f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
-                 "too stale to train on before the next version is published")
+        _require(
+            self.mode == "sync" or self.publish_every <= self.max_staleness + 1,
+            f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
+            f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
+            "too stale to train on before the next version is published",
+        )
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
 
 
@@ -188,8 +193,10 @@ class TrainConfig:
         _require(self.actors >= 1, "train.actors must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0 (0: a learner that dies ends the run)")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
-        _require(self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,
-                 "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1")
+        _require(
+            self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,
+            "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1",
+        )
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
 
 
@@ -291,8 +298,10 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     if origin is tuple:
         item = typing.get_args(hint)[0]
         ok = (int,) if item is int else (int, float)
-        _require(isinstance(value, (list, tuple)) and all(isinstance(v, ok) and not isinstance(v, bool) for v in value),
-                 f"{key} must be a list of {'integers' if item is int else 'numbers'}")
+        _require(
+            isinstance(value, (list, tuple)) and all(isinstance(v, ok) and not isinstance(v, bool) for v in value),
+            f"{key} must be a list of {'integers' if item is int else 'numbers'}",
+        )
         return tuple(item(v) for v in value)
     return value
 
@@ -302,8 +311,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known)
-    _require(not unknown, f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
-                          f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}")
+    _require(
+        not unknown,
+        f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+        f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}",
+    )
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -342,7 +354,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
-        return repr(value) if math.isfinite(value) else ('inf' if value > 0 else '-inf')
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
@@ -397,14 +409,18 @@ class BrokerConfig:
     """Beats a peer may miss before it is expired."""
 
     def __post_init__(self) -> None:
-        _require(self.bind.startswith("tcp://") and ":" in self.bind[6:],
-                 f"broker.bind must look like tcp://HOST:PORT, got {self.bind!r}")
+        _require(
+            self.bind.startswith("tcp://") and ":" in self.bind[6:],
+            f"broker.bind must look like tcp://HOST:PORT, got {self.bind!r}",
+        )
         for name in ("trajectory_port", "learner_port", "params_port"):
             _require(0 <= getattr(self, name) < 65536, f"broker.{name} must be a port number or 0")
         _require(self.trajectory_hwm >= 1 and self.params_hwm >= 1, "broker HWMs must be >= 1")
         _require(self.max_message_bytes >= 1024, "broker.max_message_bytes must be >= 1024")
-        _require(self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
-                 "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1")
+        _require(
+            self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
+            "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1",
+        )
 
 
 def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | None = None) -> BrokerConfig:

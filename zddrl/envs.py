@@ -3,6 +3,7 @@
 Env ids are registered gymnasium ids or ``package.module:callable`` factories. Only Box and
 Discrete observation/action spaces are supported; anything else is a clear error at start-up.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -62,8 +63,13 @@ def env_spec(env: gym.Env) -> EnvSpec:
     if isinstance(act, gym.spaces.Discrete):
         return EnvSpec(obs_shape=tuple(obs.shape), discrete=True, action_dim=int(act.n))
     if isinstance(act, gym.spaces.Box) and len(act.shape) == 1:
-        return EnvSpec(obs_shape=tuple(obs.shape), discrete=False, action_dim=int(act.shape[0]),
-                       action_low=tuple(float(x) for x in act.low), action_high=tuple(float(x) for x in act.high))
+        return EnvSpec(
+            obs_shape=tuple(obs.shape),
+            discrete=False,
+            action_dim=int(act.shape[0]),
+            action_low=tuple(float(x) for x in act.low),
+            action_high=tuple(float(x) for x in act.high),
+        )
     raise EnvError(f"action space {act} is not supported (Discrete or 1-D Box only)")
 
 

@@ -1,5 +1,6 @@
 """Logging set-up (configured once, in the CLI entry point; library code only binds context) and
 rate-limited warnings for events that can repeat at the rate of messages."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,10 @@ from loguru import logger
 
 LOG_EVERY_S = 5.0
 """A repeated warning's key is logged at most once per this many seconds (with a count)."""
-FORMAT = ("<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
-          "<cyan>{extra[role]}</cyan>@{extra[host]}:{process} <level>{message}</level>")
+FORMAT = (
+    "<green>{time:HH:mm:ss.SSS}</green> <level>{level: <7}</level> "
+    "<cyan>{extra[role]}</cyan>@{extra[host]}:{process} <level>{message}</level>"
+)
 
 
 def configure(level: str = "INFO", log_file: str | None = None, role: str = "main") -> None:

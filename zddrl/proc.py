@@ -1,4 +1,5 @@
 """Process helpers: memory every role reports, free ports, children that die with their parent."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """The one rule for reading a figure that may be missing or malformed (a metrics.csv cell, a stats value
 from the wire, a summary field): a finite float, or None."""
+
 from __future__ import annotations
 
 import math

@@ -4,17 +4,24 @@ Run from the repository root after changing a message format:
     python docs/src/gen_protocol.py fill docs/src/protocol.md.in > docs/protocol.md
 tests/protocol/test_protocol_docs.py fails until the examples match the code again.
 """
+
 import json, sys
 from pathlib import Path
 import numpy as np
 import msgpack
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from zddrl import protocol as P
 from zddrl.transport.params import split
 
-RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2, "rollout_len": 2},
-       "model": {"hidden": [1], "activation": "tanh"}, "algo": {"mode": "sync", "batch_size": 4}}
+RUN = {
+    "name": "demo",
+    "env": {"id": "CartPole-v1", "num_envs": 2, "rollout_len": 2},
+    "model": {"hidden": [1], "activation": "tanh"},
+    "algo": {"mode": "sync", "batch_size": 4},
+}
 RUN_ID = "demo-1a2b3c4d"
+
 
 def traj():
     f32 = np.float32
@@ -32,37 +39,102 @@ def traj():
         "trunc_obs": np.array([[-1.5, 2.5]], f32),
         "trunc_value": np.array([0.75], f32),
     }
-    return P.Trajectory(run_id=RUN_ID, peer_id="actor-0", seq=7, policy_version=3, param_hash="0123456789abcdef",
-                        env_steps=4, arrays=arrays, info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32},
-                        ep_returns=[3.0, 500.0], ep_lengths=[3, 500])
+    return P.Trajectory(
+        run_id=RUN_ID,
+        peer_id="actor-0",
+        seq=7,
+        policy_version=3,
+        param_hash="0123456789abcdef",
+        env_steps=4,
+        arrays=arrays,
+        info={"actor_id": 0, "num_envs": 2, "total_env_steps": 32},
+        ep_returns=[3.0, 500.0],
+        ep_lengths=[3, 500],
+    )
+
 
 def params(chunk_bytes=4 << 20, dtype="float32"):
     # obs [2], model.hidden [1], Discrete(2): pi 2 -> 1 -> 2 logits, v 2 -> 1 -> 1
     flat = np.array([0.5, -0.5, 0.0, 1.0, -1.0, 0.0, 0.0, 0.25, 0.75, 0.0, 2.0, 0.5], np.float32)
-    layout = [["pi.0.weight", "float32", [1, 2], 0], ["pi.0.bias", "float32", [1], 2],
-              ["pi.2.weight", "float32", [2, 1], 3], ["pi.2.bias", "float32", [2], 5],
-              ["v.0.weight", "float32", [1, 2], 7], ["v.0.bias", "float32", [1], 9],
-              ["v.2.weight", "float32", [1, 1], 10], ["v.2.bias", "float32", [1], 11]]
-    return split(run_id=RUN_ID, peer_id="learner-0", version=3, flat=flat, layout=layout,
-                 extras={"obs_mean": np.array([0.0, 0.5], np.float32), "obs_var": np.array([1.0, 4.0], np.float32)},
-                 meta={"rollout_len": 2}, chunk_bytes=chunk_bytes, dtype=dtype)
+    layout = [
+        ["pi.0.weight", "float32", [1, 2], 0],
+        ["pi.0.bias", "float32", [1], 2],
+        ["pi.2.weight", "float32", [2, 1], 3],
+        ["pi.2.bias", "float32", [2], 5],
+        ["v.0.weight", "float32", [1, 2], 7],
+        ["v.0.bias", "float32", [1], 9],
+        ["v.2.weight", "float32", [1, 1], 10],
+        ["v.2.bias", "float32", [1], 11],
+    ]
+    return split(
+        run_id=RUN_ID,
+        peer_id="learner-0",
+        version=3,
+        flat=flat,
+        layout=layout,
+        extras={"obs_mean": np.array([0.0, 0.5], np.float32), "obs_var": np.array([1.0, 4.0], np.float32)},
+        meta={"rollout_len": 2},
+        chunk_bytes=chunk_bytes,
+        dtype=dtype,
+    )
 
-STATUS = {"broker": {"uptime_s": 12.5, "host": "node0", "run_id": RUN_ID, "policy_version": 3,
-                     "ports": {"control": 5555, "trajectories": 5556, "learners": 5557, "params": 5558},
-                     "received": 10, "forwarded": 9,
-                     "dropped": {"malformed": 0, "unknown_sender": 0, "unknown_run": 0, "stale": 1, "unknown_version": 0, "no_route": 0},
-                     "in_flight": 0, "bytes_in": 14000, "bytes_out": 12600, "accounted": True,
-                     "params_published": 4},
-          "members": {"actor-0": {"role": "actor", "host": "node1", "pid": 4242, "num_envs": 2, "policy_version": 3,
-                                  "last_seen_s": 0.25, "credit": 0, "messages": 9, "bytes": 12600, "env_steps": 36,
-                                  "dropped_stale": 1, "stats": {"sps": 900.0}}}}
+
+STATUS = {
+    "broker": {
+        "uptime_s": 12.5,
+        "host": "node0",
+        "run_id": RUN_ID,
+        "policy_version": 3,
+        "ports": {"control": 5555, "trajectories": 5556, "learners": 5557, "params": 5558},
+        "received": 10,
+        "forwarded": 9,
+        "dropped": {
+            "malformed": 0,
+            "unknown_sender": 0,
+            "unknown_run": 0,
+            "stale": 1,
+            "unknown_version": 0,
+            "no_route": 0,
+        },
+        "in_flight": 0,
+        "bytes_in": 14000,
+        "bytes_out": 12600,
+        "accounted": True,
+        "params_published": 4,
+    },
+    "members": {
+        "actor-0": {
+            "role": "actor",
+            "host": "node1",
+            "pid": 4242,
+            "num_envs": 2,
+            "policy_version": 3,
+            "last_seen_s": 0.25,
+            "credit": 0,
+            "messages": 9,
+            "bytes": 12600,
+            "env_steps": 36,
+            "dropped_stale": 1,
+            "stats": {"sps": 900.0},
+        }
+    },
+}
 
 EXAMPLES = [
     ("hello", P.Hello(role="actor", peer_id="actor-0", host="node1", pid=4242, num_envs=2)),
     ("hello-learner", P.Hello(role="learner", peer_id="learner-0", host="node0", pid=4100, run_id=RUN_ID, run=RUN)),
-    ("welcome", P.Welcome(peer_id="actor-0", run_id=RUN_ID, run=RUN,
-                          ports={"trajectories": 5556, "learners": 5557, "params": 5558},
-                          heartbeat_interval_s=1.0, heartbeat_liveness=3, max_message_bytes=1 << 28)),
+    (
+        "welcome",
+        P.Welcome(
+            peer_id="actor-0",
+            run_id=RUN_ID,
+            run=RUN,
+            ports={"trajectories": 5556, "learners": 5557, "params": 5558},
+            heartbeat_interval_s=1.0,
+            heartbeat_liveness=3,
+            max_message_bytes=1 << 28,
+        ),
+    ),
     ("heartbeat", P.Heartbeat(peer_id="actor-0", policy_version=3)),
     ("reject", P.Reject(reason="unknown peer: send hello first", rehello=True)),
     ("credit", P.Credit(peer_id="learner-0", credit=16)),
@@ -71,26 +143,49 @@ EXAMPLES = [
     ("params", params()[0]),
     ("params-bf16", params(chunk_bytes=16, dtype="bfloat16")[0]),
     ("params_chunk", params(chunk_bytes=16, dtype="bfloat16")[1]),
-    ("trajectory-empty", P.Trajectory(
-        run_id=RUN_ID, peer_id="actor-1", seq=0, policy_version=0, param_hash="f160f70460b5fe44", env_steps=1,
-        arrays={"obs": np.zeros((1, 1, 2), np.float32), "actions": np.zeros((1, 1), np.int64),
-                "logp": np.full((1, 1), -0.5, np.float32), "values": np.zeros((1, 1), np.float32),
-                "rewards": np.ones((1, 1), np.float32), "terminated": np.zeros((1, 1), bool),
-                "truncated": np.zeros((1, 1), bool), "next_obs": np.zeros((1, 2), np.float32),
-                "next_value": np.zeros(1, np.float32)},
-        info={"actor_id": 1, "num_envs": 1, "total_env_steps": 1})),
+    (
+        "trajectory-empty",
+        P.Trajectory(
+            run_id=RUN_ID,
+            peer_id="actor-1",
+            seq=0,
+            policy_version=0,
+            param_hash="f160f70460b5fe44",
+            env_steps=1,
+            arrays={
+                "obs": np.zeros((1, 1, 2), np.float32),
+                "actions": np.zeros((1, 1), np.int64),
+                "logp": np.full((1, 1), -0.5, np.float32),
+                "values": np.zeros((1, 1), np.float32),
+                "rewards": np.ones((1, 1), np.float32),
+                "terminated": np.zeros((1, 1), bool),
+                "truncated": np.zeros((1, 1), bool),
+                "next_obs": np.zeros((1, 2), np.float32),
+                "next_value": np.zeros(1, np.float32),
+            },
+            info={"actor_id": 1, "num_envs": 1, "total_env_steps": 1},
+        ),
+    ),
     ("stats", P.Stats(peer_id="actor-0", role="actor", stats={"env_steps": 36, "sps": 900.0, "comm_share": 0.125})),
     ("status_request", P.StatusRequest(peer_id="status")),
     ("status", P.Status(body=STATUS)),
-    ("fleet", P.Fleet(run_id=RUN_ID, seq=1764547200042, actors={"actor-0": {"num_envs": 2, "host": "node1"},
-                                                                "actor-1": {"num_envs": 0, "host": "node2"}})),
+    (
+        "fleet",
+        P.Fleet(
+            run_id=RUN_ID,
+            seq=1764547200042,
+            actors={"actor-0": {"num_envs": 2, "host": "node1"}, "actor-1": {"num_envs": 0, "host": "node2"}},
+        ),
+    ),
     ("bye", P.Bye(peer_id="actor-0", reason="actor stopping")),
 ]
 
+
 def wrap(h, first_prefix, width=64):
-    lines = [h[i:i + width] for i in range(0, len(h), width)] or ["(empty)"]
+    lines = [h[i : i + width] for i in range(0, len(h), width)] or ["(empty)"]
     pad = " " * len(first_prefix)
     return [first_prefix + lines[0]] + [pad + l for l in lines[1:]]
+
 
 def block(name, msg):
     frames = [bytes(P._buffer(f)) for f in P.encode(msg)]
@@ -101,11 +196,10 @@ def block(name, msg):
     for k, v in header.items():
         if k in ("arrays", "layout") and v:
             inner = ",\n".join("    " + json.dumps(r) for r in v)
-            rows.append(f'  {json.dumps(k)}: [\n{inner}\n  ]')
+            rows.append(f"  {json.dumps(k)}: [\n{inner}\n  ]")
         else:
             rows.append(f"  {json.dumps(k)}: {json.dumps(v)}")
-    out = [f"```json {name}", "{\n" + ",\n".join(rows) + "\n}", "```", "",
-           f"```frames {name}"]
+    out = [f"```json {name}", "{\n" + ",\n".join(rows) + "\n}", "```", "", f"```frames {name}"]
     labels = ["preamble", "header"] + [f"array:{s[0]}" for s in header.get("arrays", [])]
     w = max(len(l) for l in labels) + 2
     for label, f in zip(labels, frames):
@@ -113,10 +207,13 @@ def block(name, msg):
     out.append("```")
     return "\n".join(out)
 
+
 def fill(template):
     blocks = {n: block(n, m) for n, m in EXAMPLES}
     import re
+
     return re.sub(r"<!-- EXAMPLE ([\w-]+) -->", lambda m: blocks[m.group(1)], template)
+
 
 if __name__ == "__main__" and sys.argv[1:2] == ["fill"]:
     sys.stdout.write(fill(open(sys.argv[2]).read()))
@@ -126,4 +223,6 @@ if __name__ == "__main__":
     which = sys.argv[1:] or [n for n, _ in EXAMPLES]
     for n, m in EXAMPLES:
         if n in which:
-            print(f"<!-- {n} -->"); print(block(n, m)); print()
+            print(f"<!-- {n} -->")
+            print(block(n, m))
+            print()

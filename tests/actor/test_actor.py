@@ -1,4 +1,5 @@
 """Actor-side sampling: seed streams, reproducibility, trajectory arrays, env errors."""
+
 from __future__ import annotations
 
 import gymnasium as gym
@@ -61,15 +62,33 @@ def test_trajectory_arrays_are_time_major_and_truncation_is_recorded() -> None:
     np.testing.assert_array_equal(np.sort(out["trunc_idx"]), flat)
     assert len(rollout.ep_returns) == len(rollout.ep_lengths) == (out["terminated"] | out["truncated"]).sum()
     assert all(1 <= n <= 10 for n in rollout.ep_lengths)
-    msg = P.Trajectory(run_id="r", peer_id="a", seq=0, policy_version=0, param_hash="", env_steps=T * N,
-                       arrays=out, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    msg = P.Trajectory(
+        run_id="r",
+        peer_id="a",
+        seq=0,
+        policy_version=0,
+        param_hash="",
+        env_steps=T * N,
+        arrays=out,
+        ep_returns=rollout.ep_returns,
+        ep_lengths=rollout.ep_lengths,
+    )
     P.decode(P.encode(msg))  # follows the protocol's trajectory rules
 
 
 def test_an_actor_refuses_to_send_what_the_broker_would_drop() -> None:
     rollout = _rollout(1, 0, T=4)
-    msg = P.Trajectory(run_id="r", peer_id="a", seq=0, policy_version=0, param_hash="", env_steps=12,
-                       arrays=rollout.arrays, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    msg = P.Trajectory(
+        run_id="r",
+        peer_id="a",
+        seq=0,
+        policy_version=0,
+        param_hash="",
+        env_steps=12,
+        arrays=rollout.arrays,
+        ep_returns=rollout.ep_returns,
+        ep_lengths=rollout.ep_lengths,
+    )
     assert P.decode(encode_rollout(msg)).env_steps == 12
     with pytest.raises(ValueError, match="exceeds the broker's max_message_bytes 100"):
         encode_rollout(msg, limit=100)
@@ -114,8 +133,10 @@ def test_actor_and_broker_processes_do_not_import_torch() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, zddrl.actor.host, zddrl.broker.broker, zddrl.cli, zddrl.ops.status, zddrl.ops.train, "
-            "zddrl.learner.runlog; print('torch' in sys.modules)")
+    code = (
+        "import sys, zddrl.actor.host, zddrl.broker.broker, zddrl.cli, zddrl.ops.status, zddrl.ops.train, "
+        "zddrl.learner.runlog; print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -133,8 +154,17 @@ def test_a_non_finite_episode_return_is_left_out_and_the_rollout_still_encodes()
     vec = VecEnv(make, env_seeds(0, 0, 2))
     rollout = collect(vec, _policy(), action_rng(0, 0), 12)
     assert rollout.nonfinite_episodes >= 4 and rollout.ep_returns == [] and rollout.ep_lengths == []
-    msg = P.Trajectory(run_id="r", peer_id="a", seq=0, policy_version=0, param_hash="", env_steps=24,
-                       arrays=rollout.arrays, ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+    msg = P.Trajectory(
+        run_id="r",
+        peer_id="a",
+        seq=0,
+        policy_version=0,
+        param_hash="",
+        env_steps=24,
+        arrays=rollout.arrays,
+        ep_returns=rollout.ep_returns,
+        ep_lengths=rollout.ep_lengths,
+    )
     frames = encode_rollout(msg)  # valid on the wire: the broker forwards it and returns the credit
     decoded = P.decode(frames)
     assert np.isnan(decoded.arrays["rewards"]).all()

@@ -1,4 +1,5 @@
 """The numpy actor policy must compute exactly what the torch learner model computes."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,5 @@
 """Async PPO and IMPALA: importance weights, V-trace batches, and the learner's staleness rule."""
+
 from __future__ import annotations
 
 import threading
@@ -25,9 +26,15 @@ from zddrl.learner.rounds import AsyncStream
 SPEC = EnvSpec((4,), True, 2)
 
 
-
-def trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0, version: int = 0, logp: float = -0.69,
-               trunc_at: tuple[int, int] | None = (1, 0)) -> P.Trajectory:
+def trajectory(
+    T: int,
+    N: int,
+    peer_id: str = "a",
+    seq: int = 0,
+    version: int = 0,
+    logp: float = -0.69,
+    trunc_at: tuple[int, int] | None = (1, 0),
+) -> P.Trajectory:
     rng = np.random.default_rng(seq)
     truncated = np.zeros((T, N), dtype=bool)
     trunc_idx = np.zeros(0, dtype=np.int64)
@@ -35,15 +42,34 @@ def trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0, version: int = 
         truncated[trunc_at] = True
         trunc_idx = np.array([trunc_at[0] * N + trunc_at[1]])
     arrays = {
-        "obs": rng.standard_normal((T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
-        "logp": np.full((T, N), logp, np.float32), "values": np.zeros((T, N), np.float32),
-        "rewards": np.ones((T, N), np.float32), "terminated": np.zeros((T, N), bool), "truncated": truncated,
-        "next_obs": np.zeros((N, 4), np.float32), "next_value": np.zeros(N, np.float32)}
+        "obs": rng.standard_normal((T, N, 4)).astype(np.float32),
+        "actions": rng.integers(0, 2, (T, N)),
+        "logp": np.full((T, N), logp, np.float32),
+        "values": np.zeros((T, N), np.float32),
+        "rewards": np.ones((T, N), np.float32),
+        "terminated": np.zeros((T, N), bool),
+        "truncated": truncated,
+        "next_obs": np.zeros((N, 4), np.float32),
+        "next_value": np.zeros(N, np.float32),
+    }
     if len(trunc_idx):
-        arrays.update(trunc_idx=trunc_idx, trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
-                      trunc_value=np.zeros(len(trunc_idx), np.float32))
-    return P.Trajectory(run_id="r", peer_id=peer_id, seq=seq, policy_version=version, param_hash="", env_steps=T * N,
-                        arrays=arrays, info={"total_env_steps": (seq + 1) * T * N}, ep_returns=[10.0], ep_lengths=[10])
+        arrays.update(
+            trunc_idx=trunc_idx,
+            trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
+            trunc_value=np.zeros(len(trunc_idx), np.float32),
+        )
+    return P.Trajectory(
+        run_id="r",
+        peer_id=peer_id,
+        seq=seq,
+        policy_version=version,
+        param_hash="",
+        env_steps=T * N,
+        arrays=arrays,
+        info={"total_env_steps": (seq + 1) * T * N},
+        ep_returns=[10.0],
+        ep_lengths=[10],
+    )
 
 
 def test_stack_time_major_maps_truncation_indices_to_global_columns() -> None:
@@ -86,20 +112,32 @@ def stream(config: Config, messages: list[P.Trajectory]) -> tuple[AsyncStream, L
     """The async collector of a single learner, fed ``messages`` through a fake data channel."""
     channel, ledger = FakeChannel(messages), Ledger(config, logger, time.time())
     T = config.env.rollout_len if config.algo.mode == "impala" else None
-    poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(),
-                         lambda m: mismatch(m.arrays, SPEC, T), logger)
+    poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(), lambda m: mismatch(m.arrays, SPEC, T), logger)
     return AsyncStream(poller, config.algo, ledger), ledger, channel
 
 
 @pytest.mark.parametrize("mode", ["async", "impala"])
 def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str) -> None:
-    config = Config().replace({"algo.mode": mode, "algo.batch_size": 64, "algo.max_staleness": 2,
-                               "train.max_steps": 10_000, "env.rollout_len": 8})
+    config = Config().replace(
+        {
+            "algo.mode": mode,
+            "algo.batch_size": 64,
+            "algo.max_staleness": 2,
+            "train.max_steps": 10_000,
+            "env.rollout_len": 8,
+        }
+    )
     wrong_obs = trajectory(8, 4, "wrong-obs", 0, version=5)
     wrong_obs.arrays["obs"] = np.zeros((8, 4, 3), np.float32)  # CartPole observations have 4 numbers
     other_length = [trajectory(16, 4, "other-length", 0, version=5)] if mode == "impala" else []
-    msgs = [trajectory(8, 4, "fresh", 0, version=5), wrong_obs, trajectory(8, 4, "old", 1, version=2),
-            trajectory(8, 4, "future", 3, version=7), *other_length, trajectory(8, 4, "ok", 2, version=3)]
+    msgs = [
+        trajectory(8, 4, "fresh", 0, version=5),
+        wrong_obs,
+        trajectory(8, 4, "old", 1, version=2),
+        trajectory(8, 4, "future", 3, version=7),
+        *other_length,
+        trajectory(8, 4, "ok", 2, version=3),
+    ]
     collector, ledger, channel = stream(config, msgs)
     got = collector.collect(threading.Event(), version=5)
     assert not got.stopped and sorted(t.peer_id for t in got.batch) == ["fresh", "ok"]

@@ -1,4 +1,5 @@
 """PPO maths and the learner core: loss gradients by hand, optimizer equivalence, batches, normalisers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -18,8 +19,16 @@ def _loss_grads(logp, old_logp, adv, value, returns, entropy, **kw):
     logp = torch.tensor(logp, requires_grad=True)
     value = torch.tensor(value, requires_grad=True)
     entropy = torch.tensor(entropy, requires_grad=True)
-    loss, parts = ppo_loss(logp, torch.tensor(old_logp), torch.tensor(adv), value, torch.zeros_like(value),
-                           torch.tensor(returns), entropy, **kw)
+    loss, parts = ppo_loss(
+        logp,
+        torch.tensor(old_logp),
+        torch.tensor(adv),
+        value,
+        torch.zeros_like(value),
+        torch.tensor(returns),
+        entropy,
+        **kw,
+    )
     loss.backward()
     return loss, parts, logp.grad, value.grad, entropy.grad
 
@@ -28,8 +37,8 @@ def test_ppo_loss_gradients_by_hand() -> None:
     # Two samples. Sample 0: ratio e^0.1 = 1.105 (inside the 0.2 clip), adv +2 -> d/dlogp = -2 * 1.105 / 2.
     # Sample 1: ratio e^0.5 = 1.649 > 1.2 with adv +1 -> clipped branch is the max: gradient 0.
     loss, parts, g_logp, g_value, g_ent = _loss_grads(
-        [0.1, 0.5], [0.0, 0.0], [2.0, 1.0], [1.0, 3.0], [2.0, 0.0], [0.5, 0.7],
-        clip=0.2, vf_coef=0.5, ent_coef=0.01)
+        [0.1, 0.5], [0.0, 0.0], [2.0, 1.0], [1.0, 3.0], [2.0, 0.0], [0.5, 0.7], clip=0.2, vf_coef=0.5, ent_coef=0.01
+    )
     r0 = np.exp(0.1)
     np.testing.assert_allclose(g_logp.numpy(), [-2.0 * r0 / 2, 0.0], rtol=1e-6)
     # value loss 0.5 * mean((v - R)^2) * vf_coef -> d/dv = vf_coef * (v - R) / 2
@@ -132,8 +141,11 @@ def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: s
     T, N = 16, 8
     whole = cartpole_trajectory(T, N)
     for key in ("rewards", "terminated"):
-        whole.arrays[key][:] = np.random.default_rng(1).random((T, N)) < 0.3 if key == "terminated" else \
-            np.random.default_rng(2).standard_normal((T, N))
+        whole.arrays[key][:] = (
+            np.random.default_rng(1).random((T, N)) < 0.3
+            if key == "terminated"
+            else np.random.default_rng(2).standard_normal((T, N))
+        )
     config = Config().replace({"algo.mode": mode, "algo.minibatches": 1, "algo.epochs": 3})
     results = []
     for parts in (1, 2, 4):
@@ -155,7 +167,11 @@ def _split(traj: Trajectory, lo: int, hi: int, peer_id: str) -> Trajectory:
     arrays = {k: v[:, lo:hi] for k, v in x.items() if v.ndim >= 2 and v.shape[:2] == (T, N)}
     arrays.update(next_obs=x["next_obs"][lo:hi], next_value=x["next_value"][lo:hi])
     if keep.any():  # the truncation arrays travel only when some episode was truncated
-        arrays.update(trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo, trunc_obs=x["trunc_obs"][keep],
-                      trunc_value=x["trunc_value"][keep])
-    return Trajectory(run_id="r", peer_id=peer_id, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo),
-                      arrays=arrays)
+        arrays.update(
+            trunc_idx=t_idx[keep] * (hi - lo) + n_idx[keep] - lo,
+            trunc_obs=x["trunc_obs"][keep],
+            trunc_value=x["trunc_value"][keep],
+        )
+    return Trajectory(
+        run_id="r", peer_id=peer_id, seq=0, policy_version=0, param_hash="", env_steps=T * (hi - lo), arrays=arrays
+    )

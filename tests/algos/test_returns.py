@@ -1,4 +1,5 @@
 """Behavioural tests for zddrl.algos.returns (GAE, V-trace, truncated importance weights)."""
+
 import math
 
 import numpy as np
@@ -76,16 +77,28 @@ def test_gae_several_episodes_in_one_rollout_two_envs():
 
 
 def random_rollout(rng, T, B, p_end=0.2):
-    return dict(rewards=rng.normal(size=(T, B)), values=rng.normal(size=(T, B)),
-                terminated=rng.random((T, B)) < p_end, truncated=rng.random((T, B)) < p_end,
-                bootstrap_value=rng.normal(size=B), truncation_value=rng.normal(size=(T, B)))
+    return dict(
+        rewards=rng.normal(size=(T, B)),
+        values=rng.normal(size=(T, B)),
+        terminated=rng.random((T, B)) < p_end,
+        truncated=rng.random((T, B)) < p_end,
+        bootstrap_value=rng.normal(size=B),
+        truncation_value=rng.normal(size=(T, B)),
+    )
 
 
 def test_gae_lambda_one_is_discounted_monte_carlo_return_plus_bootstrap():
     rng, gamma = np.random.default_rng(0), 0.9
     ro = random_rollout(rng, 7, 3)
-    out = gae(ro["rewards"], ro["values"], np.zeros((7, 3)), np.zeros((7, 3)),
-              ro["bootstrap_value"], gamma=gamma, gae_lambda=1.0)
+    out = gae(
+        ro["rewards"],
+        ro["values"],
+        np.zeros((7, 3)),
+        np.zeros((7, 3)),
+        ro["bootstrap_value"],
+        gamma=gamma,
+        gae_lambda=1.0,
+    )
     for t in range(7):
         mc = sum(gamma ** (k - t) * ro["rewards"][k] for k in range(t, 7))
         assert_close(out.returns[t], mc + gamma ** (7 - t) * ro["bootstrap_value"], atol=1e-4)
@@ -101,8 +114,7 @@ def test_gae_lambda_zero_is_one_step_td():
     assert_close(out.advantages, ro["rewards"] + gamma * nxt - ro["values"])
 
 
-def slow_gae(rewards, values, terminated, truncated, bootstrap_value, truncation_value,
-             gamma, lam):
+def slow_gae(rewards, values, terminated, truncated, bootstrap_value, truncation_value, gamma, lam):
     T, B = rewards.shape
     adv = np.zeros((T, B))
     for b in range(B):
@@ -136,19 +148,26 @@ def test_gae_matches_slow_loop(T, B, seed, gamma, lam):
     assert_close(out.advantages, expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(values=np.zeros((3, 2))), "values"),
-    (dict(terminated=np.zeros((4, 3))), "terminated"),
-    (dict(rewards=np.zeros(4), values=np.zeros(4), terminated=np.zeros(4),
-          truncated=np.zeros(4)), "rewards"),
-    (dict(bootstrap_value=np.zeros((1, 2))), "bootstrap_value"),
-    (dict(bootstrap_value=np.zeros(3)), "bootstrap_value"),
-    (dict(truncation_value=np.zeros((4, 1))), "truncation_value"),
-    (dict(gamma=1.5), "gamma"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(values=np.zeros((3, 2))), "values"),
+        (dict(terminated=np.zeros((4, 3))), "terminated"),
+        (dict(rewards=np.zeros(4), values=np.zeros(4), terminated=np.zeros(4), truncated=np.zeros(4)), "rewards"),
+        (dict(bootstrap_value=np.zeros((1, 2))), "bootstrap_value"),
+        (dict(bootstrap_value=np.zeros(3)), "bootstrap_value"),
+        (dict(truncation_value=np.zeros((4, 1))), "truncation_value"),
+        (dict(gamma=1.5), "gamma"),
+    ],
+)
 def test_gae_bad_inputs_raise_value_error(change, match):
-    args = dict(rewards=np.zeros((4, 2)), values=np.zeros((4, 2)), terminated=np.zeros((4, 2)),
-                truncated=np.zeros((4, 2)), bootstrap_value=np.zeros(2))
+    args = dict(
+        rewards=np.zeros((4, 2)),
+        values=np.zeros((4, 2)),
+        terminated=np.zeros((4, 2)),
+        truncated=np.zeros((4, 2)),
+        bootstrap_value=np.zeros(2),
+    )
     with pytest.raises(ValueError, match=match):
         gae(**{**args, **change})
 
@@ -175,14 +194,18 @@ def slow_vtrace(mu, pi, r, d, v, boot, rho_bar, c_bar):
 
 
 def random_offpolicy(rng, T, B, gamma=0.9):
-    return dict(behaviour_logp=rng.normal(size=(T, B)), target_logp=rng.normal(size=(T, B)),
-                rewards=rng.normal(size=(T, B)), discounts=gamma * (rng.random((T, B)) > 0.2),
-                values=rng.normal(size=(T, B)), bootstrap_value=rng.normal(size=B))
+    return dict(
+        behaviour_logp=rng.normal(size=(T, B)),
+        target_logp=rng.normal(size=(T, B)),
+        rewards=rng.normal(size=(T, B)),
+        discounts=gamma * (rng.random((T, B)) > 0.2),
+        values=rng.normal(size=(T, B)),
+        bootstrap_value=rng.normal(size=B),
+    )
 
 
 @pytest.mark.parametrize("T,B,seed", [(1, 1, 0), (4, 1, 1), (7, 5, 2), (32, 4, 3)])
-@pytest.mark.parametrize("rho_bar,c_bar", [(1.0, 1.0), (0.5, 0.5), (10.0, 10.0), (2.0, 0.5),
-                                           (math.inf, math.inf)])
+@pytest.mark.parametrize("rho_bar,c_bar", [(1.0, 1.0), (0.5, 0.5), (10.0, 10.0), (2.0, 0.5), (math.inf, math.inf)])
 def test_vtrace_matches_slow_paper_formula(T, B, seed, rho_bar, c_bar):
     x = random_offpolicy(np.random.default_rng(seed), T, B)
     out = vtrace(**x, rho_bar=rho_bar, c_bar=c_bar)  # float64 in: computed in float64
@@ -203,13 +226,23 @@ def test_float32_and_float64_inputs_keep_their_dtype_and_mixing_them_is_an_error
     for dtype in (torch.float32, torch.float64):
         out = vtrace(**{k: torch.as_tensor(v, dtype=dtype) for k, v in x.items()})
         assert {t.dtype for t in out} == {dtype}
-        r2, d = vtrace_discounts_and_rewards(torch.as_tensor(x["rewards"], dtype=dtype), np.zeros((6, 2), bool),
-                                             np.ones((6, 2), bool), torch.ones(6, 2, dtype=dtype), 0.9)
+        r2, d = vtrace_discounts_and_rewards(
+            torch.as_tensor(x["rewards"], dtype=dtype),
+            np.zeros((6, 2), bool),
+            np.ones((6, 2), bool),
+            torch.ones(6, 2, dtype=dtype),
+            0.9,
+        )
         assert r2.dtype == d.dtype == dtype
         w = truncated_importance_weights(torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=dtype), clip=1.0)
         assert w.dtype == dtype
-        g = gae(torch.zeros(3, 2, dtype=dtype), torch.zeros(3, 2, dtype=dtype), torch.zeros(3, 2, dtype=torch.bool),
-                np.zeros((3, 2)), torch.zeros(2, dtype=dtype))  # a mask's dtype does not count
+        g = gae(
+            torch.zeros(3, 2, dtype=dtype),
+            torch.zeros(3, 2, dtype=dtype),
+            torch.zeros(3, 2, dtype=torch.bool),
+            np.zeros((3, 2)),
+            torch.zeros(2, dtype=dtype),
+        )  # a mask's dtype does not count
         assert g.advantages.dtype == g.returns.dtype == dtype
     # Inputs without a dtype of their own (lists, numbers) take the others', else torch's default.
     assert gae([[1.0]], np.zeros((1, 1)), [[0]], [[0]], [0.0]).advantages.dtype == torch.float64
@@ -239,8 +272,7 @@ def test_vtrace_on_policy_is_bootstrapped_discounted_return():
     assert_close(out.pg_advantages, expected - x["values"], atol=1e-4)
     # and it equals GAE with lambda = 1 on the same episode ends
     term = x["discounts"] == 0
-    g = gae(x["rewards"], x["values"], term, np.zeros_like(term), x["bootstrap_value"],
-            gamma=0.9, gae_lambda=1.0)
+    g = gae(x["rewards"], x["values"], term, np.zeros_like(term), x["bootstrap_value"], gamma=0.9, gae_lambda=1.0)
     assert_close(out.vs, g.returns, atol=1e-4)
 
 
@@ -251,8 +283,9 @@ def test_vtrace_hand_computed_with_episode_end():
     # vs2 = 3 + .25 = 3.25;  vs1 = 2 - .5 = 1.5 (discount 0: nothing from vs2 leaks back)
     # vs0 = 1 + 1 + .5*1*(1.5 - 2) = 1.75
     # pg0 = 1*(1 + .5*1.5 - 1) = .75;  pg1 = .5*(1 + 0 - 2) = -.5;  pg2 = .25*(2 + .5*4 - 3) = .25
-    out = vtrace(col(0, 0, 0), torch.log(col(2, 0.5, 0.25)), col(1, 1, 2), col(0.5, 0, 0.5),
-                 col(1, 2, 3), torch.tensor([4.0]))
+    out = vtrace(
+        col(0, 0, 0), torch.log(col(2, 0.5, 0.25)), col(1, 1, 2), col(0.5, 0, 0.5), col(1, 2, 3), torch.tensor([4.0])
+    )
     assert_close(out.vs, [1.75, 1.5, 3.25])
     assert_close(out.pg_advantages, [0.75, -0.5, 0.25])
     assert_close(out.rhos, [1, 0.5, 0.25])
@@ -261,8 +294,9 @@ def test_vtrace_hand_computed_with_episode_end():
 def test_vtrace_discounts_and_rewards_truncation():
     # gamma = .5; step 0 truncated (V(final) = 10 -> r' = 1 + 5), step 1 terminated, step 2 both
     # (termination wins: no bootstrap), step 3 ongoing.
-    r2, d = vtrace_discounts_and_rewards(col(1, 2, 3, 4), col(0, 1, 1, 0), col(1, 0, 1, 0),
-                                         col(10, NAN, NAN, NAN), gamma=0.5)
+    r2, d = vtrace_discounts_and_rewards(
+        col(1, 2, 3, 4), col(0, 1, 1, 0), col(1, 0, 1, 0), col(10, NAN, NAN, NAN), gamma=0.5
+    )
     assert_close(r2, [6, 2, 3, 4])
     assert_close(d, [0, 0, 0, 0.5])
     r2, d = vtrace_discounts_and_rewards(col(1, 2), col(0, 0), col(1, 0), None, gamma=0.5)
@@ -279,28 +313,38 @@ def test_vtrace_truncation_equals_rollout_ending_at_final_obs():
     trunc[3] = True
     tv = rng.normal(size=(T, 2))
     r2, d = vtrace_discounts_and_rewards(x["rewards"], term, trunc, tv, gamma)
-    full = vtrace(x["behaviour_logp"], x["target_logp"], r2, d, x["values"],
-                  x["bootstrap_value"], rho_bar=2.0, c_bar=1.0)
-    head = vtrace(x["behaviour_logp"][:4], x["target_logp"][:4], x["rewards"][:4],
-                  np.full((4, 2), gamma), x["values"][:4], tv[3], rho_bar=2.0, c_bar=1.0)
+    full = vtrace(
+        x["behaviour_logp"], x["target_logp"], r2, d, x["values"], x["bootstrap_value"], rho_bar=2.0, c_bar=1.0
+    )
+    head = vtrace(
+        x["behaviour_logp"][:4],
+        x["target_logp"][:4],
+        x["rewards"][:4],
+        np.full((4, 2), gamma),
+        x["values"][:4],
+        tv[3],
+        rho_bar=2.0,
+        c_bar=1.0,
+    )
     assert_close(full.vs[:4], head.vs)
     assert_close(full.pg_advantages[:4], head.pg_advantages)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(behaviour_logp=np.zeros((3, 3))), "behaviour_logp"),
-    (dict(discounts=np.zeros((4, 3, 1))), "discounts"),
-    (dict(bootstrap_value=np.zeros((3, 1))), "bootstrap_value"),
-    (dict(rho_bar=0.0), "rho_bar"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(behaviour_logp=np.zeros((3, 3))), "behaviour_logp"),
+        (dict(discounts=np.zeros((4, 3, 1))), "discounts"),
+        (dict(bootstrap_value=np.zeros((3, 1))), "bootstrap_value"),
+        (dict(rho_bar=0.0), "rho_bar"),
+    ],
+)
 def test_vtrace_bad_inputs_raise_value_error(change, match):
-    args = {k: np.zeros((4, 3)) for k in ("behaviour_logp", "target_logp", "rewards",
-                                          "discounts", "values")}
+    args = {k: np.zeros((4, 3)) for k in ("behaviour_logp", "target_logp", "rewards", "discounts", "values")}
     with pytest.raises(ValueError, match=match):
         vtrace(**{**args, "bootstrap_value": np.zeros(3), **change})
     with pytest.raises(ValueError, match="truncation_value"):
-        vtrace_discounts_and_rewards(np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 3)),
-                                     np.zeros((4, 2)), 0.9)
+        vtrace_discounts_and_rewards(np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 3)), np.zeros((4, 2)), 0.9)
 
 
 # ---------------------------------------------------------------- truncated importance weights
@@ -309,8 +353,7 @@ def test_truncated_importance_weights_clip_and_no_grad():
     w = truncated_importance_weights(target, torch.zeros(2, 2), clip=2.0)
     assert_close(w, [[0.5, 1.0], [2.0, 2.0]])
     assert not w.requires_grad
-    assert_close(truncated_importance_weights(target, torch.zeros(2, 2), clip=100.0),
-                 [[0.5, 1.0], [2.0, 8.0]])
+    assert_close(truncated_importance_weights(target, torch.zeros(2, 2), clip=100.0), [[0.5, 1.0], [2.0, 8.0]])
     with pytest.raises(ValueError, match="shape"):
         truncated_importance_weights(torch.zeros(3), torch.zeros(2), clip=1.0)
     with pytest.raises(ValueError, match="clip"):

@@ -1,5 +1,6 @@
 """What a learner checks of a decoded trajectory before training on it (zddrl.algos.rollout), and the
 optimizer step a poisoned batch can no longer take (LearnerCore.step_optimizer)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -37,23 +38,26 @@ def test_valid_trajectories_fit() -> None:
 F32 = np.float32
 
 
-@pytest.mark.parametrize("arrays,spec,why", [
-    (with_(obs=np.zeros((2, 2, 4), F32), next_obs=np.zeros((2, 4), F32)), CARTPOLE, "observations of shape [4]"),
-    (with_(discrete=False), CARTPOLE, "continuous actions [2, 2, 2] for a discrete action space"),
-    (with_(actions=np.array([[0, 1], [2, 0]])), CARTPOLE, "actions outside 0..1"),
-    (with_(actions=np.array([[0, -1], [1, 0]])), CARTPOLE, "actions outside 0..1"),
-    (with_(logp=np.full((2, 2), 0.5, F32)), CARTPOLE, "positive log-probabilities"),
-    (with_(), BOX, "actions of shape [2, 2], the run's env needs [T, N, 2]"),
-    (with_(discrete=False, actions=np.zeros((2, 2, 3), F32)), BOX, "needs [T, N, 2]"),
-    (with_(rewards=np.array([[1, np.nan], [1, 1]], F32)), CARTPOLE, "non-finite values in 'rewards'"),
-    (with_(obs=np.full((2, 2, 3), np.inf, F32)), CARTPOLE, "non-finite values in 'obs'"),
-    (with_(discrete=False, actions=np.full((2, 2, 2), np.nan, F32)), BOX, "non-finite values in 'actions'"),
-    (with_(K=1, trunc_value=np.array([np.nan], F32)), CARTPOLE, "non-finite values in 'trunc_value'"),
-    (with_(K=1, trunc_idx=np.array([4])), CARTPOLE, "truncation indices outside 0..3"),
-    (with_(K=1, trunc_idx=np.array([-1])), CARTPOLE, "truncation indices outside 0..3"),
-    (with_(K=2, trunc_idx=np.array([1, 1])), CARTPOLE, "or repeated"),
-    (with_(K=1, truncated=np.zeros((2, 2), bool)), CARTPOLE, "of steps that were not truncated"),
-])
+@pytest.mark.parametrize(
+    "arrays,spec,why",
+    [
+        (with_(obs=np.zeros((2, 2, 4), F32), next_obs=np.zeros((2, 4), F32)), CARTPOLE, "observations of shape [4]"),
+        (with_(discrete=False), CARTPOLE, "continuous actions [2, 2, 2] for a discrete action space"),
+        (with_(actions=np.array([[0, 1], [2, 0]])), CARTPOLE, "actions outside 0..1"),
+        (with_(actions=np.array([[0, -1], [1, 0]])), CARTPOLE, "actions outside 0..1"),
+        (with_(logp=np.full((2, 2), 0.5, F32)), CARTPOLE, "positive log-probabilities"),
+        (with_(), BOX, "actions of shape [2, 2], the run's env needs [T, N, 2]"),
+        (with_(discrete=False, actions=np.zeros((2, 2, 3), F32)), BOX, "needs [T, N, 2]"),
+        (with_(rewards=np.array([[1, np.nan], [1, 1]], F32)), CARTPOLE, "non-finite values in 'rewards'"),
+        (with_(obs=np.full((2, 2, 3), np.inf, F32)), CARTPOLE, "non-finite values in 'obs'"),
+        (with_(discrete=False, actions=np.full((2, 2, 2), np.nan, F32)), BOX, "non-finite values in 'actions'"),
+        (with_(K=1, trunc_value=np.array([np.nan], F32)), CARTPOLE, "non-finite values in 'trunc_value'"),
+        (with_(K=1, trunc_idx=np.array([4])), CARTPOLE, "truncation indices outside 0..3"),
+        (with_(K=1, trunc_idx=np.array([-1])), CARTPOLE, "truncation indices outside 0..3"),
+        (with_(K=2, trunc_idx=np.array([1, 1])), CARTPOLE, "or repeated"),
+        (with_(K=1, truncated=np.zeros((2, 2), bool)), CARTPOLE, "of steps that were not truncated"),
+    ],
+)
 def test_what_a_run_cannot_train_on_is_named(arrays: dict, spec: EnvSpec, why: str) -> None:
     assert why in mismatch(arrays, spec)
 

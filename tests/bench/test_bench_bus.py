@@ -1,4 +1,5 @@
 """`zddrl bench bus` end to end with tiny settings: real worker processes, real broker, JSON out."""
+
 from __future__ import annotations
 
 import json
@@ -8,16 +9,32 @@ import time
 
 import pytest
 
-TINY = ["--json", "--seconds", "0.3", "--rounds", "1", "--payloads", "4096,65536",
-        "--broadcast-sizes", "100000", "--subscribers", "1"]
+TINY = [
+    "--json",
+    "--seconds",
+    "0.3",
+    "--rounds",
+    "1",
+    "--payloads",
+    "4096,65536",
+    "--broadcast-sizes",
+    "100000",
+    "--subscribers",
+    "1",
+]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_bench_bus_smoke() -> None:
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "bus", *TINY], capture_output=True, text=True,
-                          timeout=80, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "bus", *TINY],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        stdin=subprocess.DEVNULL,
+    )
     wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -25,7 +42,8 @@ def test_bench_bus_smoke() -> None:
 
     rows = report["results"]
     assert sorted((r["payload_bytes"], r["path"]) for r in rows) == [
-        (size, path) for size in (4096, 65536) for path in ("broker", "direct", "proxy")]
+        (size, path) for size in (4096, 65536) for path in ("broker", "direct", "proxy")
+    ]
     assert all(row["msgs_per_s"] > 0 and row["mb_per_s"] > 0 for row in rows)
 
     small, large = report["ratios"]
@@ -39,12 +57,14 @@ def test_bench_bus_smoke() -> None:
     codecs = {(r["codec"], r["payload_bytes"], r["data"]) for r in report["codec"]}
     assert {(c, 1 << 20, d) for c in ("zddrl", "pickle", "msgpack-numpy") for d in ("fresh", "hot")} <= codecs
     assert all(r["encode_us"] > 0 and r["decode_us"] > 0 for r in report["codec"])
-    assert all(r["encode_decode_us"] == pytest.approx(r["encode_us"] + r["decode_us"], abs=0.02)
-               for r in report["codec"])
+    assert all(
+        r["encode_decode_us"] == pytest.approx(r["encode_us"] + r["decode_us"], abs=0.02) for r in report["codec"]
+    )
 
     target = report["targets"]["codec_vs_pickle"]
     assert isinstance(target["met"], bool) and target["data"] == "fresh" and target["hot_ratio"] > 0
     from zddrl.transport.channel import CREDIT_WINDOW, WINDOW_BYTES  # the bench learner is a shard's DataChannel
+
     assert report["settings"]["credit_window"] == CREDIT_WINDOW and report["settings"]["window_bytes"] == WINDOW_BYTES
     counters = report["broker_counters"]
     # each round of each payload (one each here) ran on its own processes and broker, each one accounted for
@@ -59,8 +79,13 @@ def test_summed_broker_counters() -> None:
 
     a = {"received": 10, "forwarded": 9, "dropped": {"malformed": 1, "stale": 0}, "accounted": True}
     b = {"received": 5, "forwarded": 5, "dropped": {"malformed": 0, "stale": 0}, "accounted": True}
-    assert _summed([a, b]) == {"brokers": 2, "received": 15, "forwarded": 14,
-                               "dropped": {"malformed": 1, "stale": 0}, "accounted": True}
+    assert _summed([a, b]) == {
+        "brokers": 2,
+        "received": 15,
+        "forwarded": 14,
+        "dropped": {"malformed": 1, "stale": 0},
+        "accounted": True,
+    }
     assert _summed([a, {**b, "accounted": False}])["accounted"] is False
     assert _summed([a, {"received": None, "forwarded": None, "dropped": None, "accounted": None}])["accounted"] is False
     assert _summed([])["accounted"] is False
@@ -68,16 +93,26 @@ def test_summed_broker_counters() -> None:
 
 @pytest.mark.slow
 def test_bench_bus_rejects_bad_payloads() -> None:
-    proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "bus", "--payloads", "12"], capture_output=True,
-                          text=True, timeout=60, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "bus", "--payloads", "12"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 2
     assert "--payloads" in proc.stderr
 
 
 @pytest.mark.slow
 def test_bench_codec_json() -> None:
-    proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "codec", "--json", "--passes", "1"],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "codec", "--json", "--passes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["bench"] == "codec" and report["target"]["ratio"] > 1 and report["target"]["hot_ratio"] > 1

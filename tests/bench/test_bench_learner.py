@@ -1,4 +1,5 @@
 """`zddrl bench learner` end to end with tiny settings: real shard processes, a real broker, JSON out."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,40 @@ import pytest
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 
-TINY = ["--json", "--shards", "1,2", "--hidden", "16,16", "--batch", "1024", "--updates", "1", "--epochs", "1",
-        "--minibatches", "2", "--subscribers", "1,2", "--dtypes", "float32,bfloat16", "--broadcast-hidden", "256,256",
-        "--chunk-bytes", "65536"]
+TINY = [
+    "--json",
+    "--shards",
+    "1,2",
+    "--hidden",
+    "16,16",
+    "--batch",
+    "1024",
+    "--updates",
+    "1",
+    "--epochs",
+    "1",
+    "--minibatches",
+    "2",
+    "--subscribers",
+    "1,2",
+    "--dtypes",
+    "float32,bfloat16",
+    "--broadcast-hidden",
+    "256,256",
+    "--chunk-bytes",
+    "65536",
+]
 
 
 @pytest.mark.timeout(150)
 def test_bench_learner_smoke() -> None:
-    proc = subprocess.run([sys.executable, "-m", "zddrl", "bench", "learner", *TINY], capture_output=True, text=True,
-                          timeout=140, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "learner", *TINY],
+        capture_output=True,
+        text=True,
+        timeout=140,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {(r["shards"], r["threads_per_shard"]): r for r in report["throughput"]}

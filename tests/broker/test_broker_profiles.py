@@ -1,4 +1,5 @@
 """Broker profiles in brokers/: they load, the CLI flags override them, and bad ones are clear errors."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,9 +61,22 @@ def test_profiles_spell_out_and_comment_every_setting(profile: Path) -> None:
 def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: Path) -> None:
     c, t, lp, p = free_ports(4)
     ready = tmp_path / "ready.json"
-    proc = procs.start("broker", "broker", "--profile", str(profile), "--bind", f"tcp://127.0.0.1:{c}",
-                       "--trajectory-port", str(t), "--learner-port", str(lp), "--params-port", str(p),
-                       "--ready-file", str(ready))
+    proc = procs.start(
+        "broker",
+        "broker",
+        "--profile",
+        str(profile),
+        "--bind",
+        f"tcp://127.0.0.1:{c}",
+        "--trajectory-port",
+        str(t),
+        "--learner-port",
+        str(lp),
+        "--params-port",
+        str(p),
+        "--ready-file",
+        str(ready),
+    )
     wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
     assert json.loads(ready.read_text()) == {"control": c, "trajectories": t, "learners": lp, "params": p}
@@ -90,8 +104,9 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
 @pytest.mark.slow
 def test_a_random_port_bind_overrides_the_profiles_fixed_one(procs: Procs, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
-    proc = procs.start("broker", "broker", "--profile", str(LOCAL), "--bind", "tcp://127.0.0.1:*",
-                       "--ready-file", str(ready))
+    proc = procs.start(
+        "broker", "broker", "--profile", str(LOCAL), "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready)
+    )
     wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
     ports = json.loads(ready.read_text())
@@ -99,10 +114,10 @@ def test_a_random_port_bind_overrides_the_profiles_fixed_one(procs: Procs, tmp_p
 
 
 BAD_PROFILES = {
-    "unknown-key": ("[broker]\nbind = \"tcp://127.0.0.1:5555\"\nbogus_hwm = 3\n", "broker.bogus_hwm"),
-    "bad-bind": ("[broker]\nbind = \"127.0.0.1:5555\"\n", "broker.bind"),
-    "bad-scheme": ("[broker]\nbind = \"udp://127.0.0.1:5555\"\n", "broker.bind"),
-    "bad-type": ("[broker]\ntrajectory_hwm = \"many\"\n", "broker.trajectory_hwm"),
+    "unknown-key": ('[broker]\nbind = "tcp://127.0.0.1:5555"\nbogus_hwm = 3\n', "broker.bogus_hwm"),
+    "bad-bind": ('[broker]\nbind = "127.0.0.1:5555"\n', "broker.bind"),
+    "bad-scheme": ('[broker]\nbind = "udp://127.0.0.1:5555"\n', "broker.bind"),
+    "bad-type": ('[broker]\ntrajectory_hwm = "many"\n', "broker.trajectory_hwm"),
     "bad-value": ("[broker]\nheartbeat_liveness = 0\n", "heartbeat_liveness"),
     "bad-port": ("[broker]\nparams_port = 70000\n", "broker.params_port"),
     "other-table": ("[broker]\n[actor]\nenvs = 4\n", "one [broker] table"),
@@ -111,8 +126,14 @@ BAD_PROFILES = {
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=20,
-                          stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", *args],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
 
 
 @pytest.mark.slow
@@ -139,7 +160,7 @@ def test_a_missing_profile_is_a_clear_cli_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_non_numeric_bind_port_names_the_setting(tmp_path: Path) -> None:
     profile = tmp_path / "port.toml"
-    profile.write_text("[broker]\nbind = \"tcp://127.0.0.1:fivefive\"\n")
+    profile.write_text('[broker]\nbind = "tcp://127.0.0.1:fivefive"\n')
     out = run_cli("broker", "--profile", str(profile))
     assert out.returncode != 0
     assert "broker.bind port must be 1..65535 or *" in out.stderr

@@ -5,6 +5,7 @@
 * parameters are published and kept only once every hash checked out; the last good version survives;
 * a port that is taken stops the broker with one line that names it, its role and how to choose others.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,14 @@ from zddrl.transport.params import Assembler, FrameCache, split
 def version(v: int, n: int = 64, chunk_bytes: int = 1 << 20, run: str = "run-a") -> list[P.Message]:
     """The messages of version ``v`` (``n`` float32 weights; chunks of ``chunk_bytes``)."""
     flat = np.random.default_rng(v).normal(size=n).astype(np.float32)
-    return split(run_id=run, peer_id="learner-0", version=v, flat=flat, layout=[["w", "float32", [n], 0]],
-                 chunk_bytes=chunk_bytes)
+    return split(
+        run_id=run,
+        peer_id="learner-0",
+        version=v,
+        flat=flat,
+        layout=[["w", "float32", [n], 0]],
+        chunk_bytes=chunk_bytes,
+    )
 
 
 def publish(learner: Learner, msgs: list) -> None:
@@ -120,13 +127,17 @@ def anonymous(run_id: str) -> dict[str, list[bytes]]:
         "a header that is not msgpack": [good[0], b"\xc1", *good[2:]],
         "a header that is a list": [good[0], msgpack.packb([header]), *good[2:]],
         "peer_id not a str": [good[0], msgpack.packb({**header, "peer_id": b"actor-0"}), *good[2:]],
-        "peer_id of no joined actor": [good[0], msgpack.packb({**header, "peer_id": "stranger", "bogus": 1}),
-                                       *good[2:]],
+        "peer_id of no joined actor": [
+            good[0],
+            msgpack.packb({**header, "peer_id": "stranger", "bogus": 1}),
+            *good[2:],
+        ],
     }
 
 
-def test_attributable_malformed_trajectories_are_charged_and_their_credit_returned(procs: Procs, tmp_path,
-                                                                                   bus: Bus) -> None:
+def test_attributable_malformed_trajectories_are_charged_and_their_credit_returned(
+    procs: Procs, tmp_path, bus: Bus
+) -> None:
     """Issue 18 item 2: each case is counted malformed, charged to actor-0 and its credit comes back."""
     broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()
     learner = Learner(bus, broker, run=run_spec(max_in_flight=2))
@@ -146,6 +157,7 @@ def test_attributable_malformed_trajectories_are_charged_and_their_credit_return
     def credited() -> bool:
         actor.poll(50)
         return actor.credits() >= len(charged) + 1
+
     wait_for(credited, WAIT_S, "the credit of every attributable trajectory")
     body = status(broker, bus)
     b = body["broker"]
@@ -185,19 +197,26 @@ def forged_versions(first: int) -> dict[str, list[P.Message]]:
     bad_data = v[1].arrays["data"] + 1
     out["chunk data does not hash to its chunk_hash"] = [v[0], corrupt(v[1], arrays={"data": bad_data}), v[2]]
     v = version(first + 1, n=96, chunk_bytes=128)
-    out["chunk_hash is not the table's"] = [v[0], corrupt(v[1], arrays={"data": bad_data},
-                                                          chunk_hash=P.param_hash(bad_data)), v[2]]
+    out["chunk_hash is not the table's"] = [
+        v[0],
+        corrupt(v[1], arrays={"data": bad_data}, chunk_hash=P.param_hash(bad_data)),
+        v[2],
+    ]
     v = version(first + 2, n=96, chunk_bytes=128)
     flat = v[0].arrays["flat"] + 1
     out["chunk 0 does not hash to chunk_hashes[0]"] = [corrupt(v[0], arrays={"flat": flat}), v[1], v[2]]
     v = version(first + 3)
-    out["an unchunked buffer that does not hash to param_hash"] = [corrupt(v[0],
-                                                                           arrays={"flat": v[0].arrays["flat"] + 1})]
+    out["an unchunked buffer that does not hash to param_hash"] = [
+        corrupt(v[0], arrays={"flat": v[0].arrays["flat"] + 1})
+    ]
     v = version(first + 4, n=96, chunk_bytes=128)  # every chunk matches the table; the table does not match param_hash
     out["the whole buffer does not hash to param_hash"] = [corrupt(m, param_hash="0123456789abcdef") for m in v]
     v = version(first + 5, n=96, chunk_bytes=128)
-    out["a chunk of the wrong size"] = [v[0], corrupt(v[1], arrays={"data": v[1].arrays["data"][:-1]},
-                                                      chunk_hash=P.param_hash(v[1].arrays["data"][:-1])), v[2]]
+    out["a chunk of the wrong size"] = [
+        v[0],
+        corrupt(v[1], arrays={"data": v[1].arrays["data"][:-1]}, chunk_hash=P.param_hash(v[1].arrays["data"][:-1])),
+        v[2],
+    ]
     return out
 
 
@@ -207,10 +226,14 @@ def test_the_frame_cache_keeps_nothing_that_fails_a_hash() -> None:
     assert [cache.add(m, [i]) for i, m in enumerate(good)] == ["building", "building", "complete"]
     forged = forged_versions(2)["the whole buffer does not hash to param_hash"]
     assert [cache.add(m, ["x"]) for m in forged] == ["building", "building", "whole_hash"]  # the last is held
-    expected = {"chunk data does not hash to its chunk_hash": "chunk_hash", "chunk_hash is not the table's":
-                "chunk_hash", "chunk 0 does not hash to chunk_hashes[0]": "chunk_hash",
-                "an unchunked buffer that does not hash to param_hash": "chunk_hash",
-                "the whole buffer does not hash to param_hash": "whole_hash", "a chunk of the wrong size": "bad_chunk"}
+    expected = {
+        "chunk data does not hash to its chunk_hash": "chunk_hash",
+        "chunk_hash is not the table's": "chunk_hash",
+        "chunk 0 does not hash to chunk_hashes[0]": "chunk_hash",
+        "an unchunked buffer that does not hash to param_hash": "chunk_hash",
+        "the whole buffer does not hash to param_hash": "whole_hash",
+        "a chunk of the wrong size": "bad_chunk",
+    }
     for what, msgs in forged_versions(2).items():
         outcomes = [cache.add(m, ["bad"]) for m in msgs]
         assert expected[what] in outcomes and "complete" not in outcomes, (what, outcomes)
@@ -289,8 +312,15 @@ def test_a_corrupt_version_leaves_the_last_good_snapshot(broker: BrokerHandle, b
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("offset,role,option", [(0, "control", "--bind"), (1, "trajectories", "--trajectory-port"),
-                                                (2, "learners", "--learner-port"), (3, "params", "--params-port")])
+@pytest.mark.parametrize(
+    "offset,role,option",
+    [
+        (0, "control", "--bind"),
+        (1, "trajectories", "--trajectory-port"),
+        (2, "learners", "--learner-port"),
+        (3, "params", "--params-port"),
+    ],
+)
 def test_a_taken_port_is_one_line_naming_it(offset: int, role: str, option: str) -> None:
     taken = None
     for _ in range(50):  # four consecutive free ports; the one of ``role`` stays taken
@@ -311,9 +341,14 @@ def test_a_taken_port_is_one_line_naming_it(offset: int, role: str, option: str)
     assert taken is not None, "no four consecutive free ports"
     try:
         taken.listen()
-        out = subprocess.run([sys.executable, "-m", "zddrl", "broker", "--bind", f"tcp://127.0.0.1:{base}"],
-                             capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out = subprocess.run(
+            [sys.executable, "-m", "zddrl", "broker", "--bind", f"tcp://127.0.0.1:{base}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     finally:
         taken.close()
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]

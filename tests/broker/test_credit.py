@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -127,8 +128,9 @@ class ControlClient:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("max_in_flight,batch", [(2, 1), (8, 4)])
-def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Procs, tmp_path: Path, bus: Bus,
-                                                                      max_in_flight: int, batch: int) -> None:
+def test_actors_get_their_credit_back_in_batches_of_half_their_limit(
+    procs: Procs, tmp_path: Path, bus: Bus, max_in_flight: int, batch: int
+) -> None:
     """The run's algo.max_in_flight sets the batch; what a batch leaves pending goes back with the next
     heartbeat, so every trajectory's credit returns and no actor waits more than a beat for it."""
     broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()
@@ -149,8 +151,7 @@ def test_actors_get_their_credit_back_in_batches_of_half_their_limit(procs: Proc
 
 
 @pytest.mark.slow
-def test_an_actor_gets_the_credit_of_its_malformed_trajectories_back(procs: Procs, tmp_path: Path,
-                                                                     bus: Bus) -> None:
+def test_an_actor_gets_the_credit_of_its_malformed_trajectories_back(procs: Procs, tmp_path: Path, bus: Bus) -> None:
     """A malformed trajectory still used one of its sender's credits: without it back, an actor allowed 2 in
     flight would stall for good after its second bad message (a NaN episode return, say)."""
     broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()

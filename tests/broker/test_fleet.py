@@ -5,6 +5,7 @@ broker, what a learner's BrokerLink sees when actors join, leave and expire, tha
 coalesced, that a learner gets the fleet right after its welcome, and that only the current run's learners
 get it.
 """
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,11 @@ from zddrl.transport.link import BrokerLink
 # The message
 # ------------------------------------------------------------------------------------------------
 
-FLEET = P.Fleet(run_id="run-a", seq=1764547200000, actors={"actor-0": {"num_envs": 8, "host": "node1"},
-                                                            "actor-1": {"num_envs": 0, "host": ""}})
+FLEET = P.Fleet(
+    run_id="run-a",
+    seq=1764547200000,
+    actors={"actor-0": {"num_envs": 8, "host": "node1"}, "actor-1": {"num_envs": 0, "host": ""}},
+)
 
 
 def test_fleet_round_trips_byte_identical() -> None:
@@ -32,8 +36,12 @@ def test_fleet_round_trips_byte_identical() -> None:
     assert len(frames) == 2 and frames[0] == P.PREAMBLE
     back = P.decode(frames)
     assert back == FLEET and wire(back) == frames
-    assert msgpack.unpackb(frames[1]) == {"kind": "fleet", "run_id": "run-a", "seq": 1764547200000,
-                                          "actors": FLEET.actors}
+    assert msgpack.unpackb(frames[1]) == {
+        "kind": "fleet",
+        "run_id": "run-a",
+        "seq": 1764547200000,
+        "actors": FLEET.actors,
+    }
 
 
 def fleet_header(**changes) -> list[bytes]:
@@ -41,19 +49,22 @@ def fleet_header(**changes) -> list[bytes]:
     return [P.PREAMBLE, msgpack.packb(header)]
 
 
-@pytest.mark.parametrize("frames,error", [
-    (fleet_header(seq=-1), "seq must be >= 0"),
-    (fleet_header(seq=True), "field 'seq' has the wrong type"),
-    (fleet_header(actors=[["a", 2, "h"]]), "field 'actors' has the wrong type"),
-    (fleet_header(actors={"a": [2, "h"]}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": 2}}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": 2, "host": "h", "gpu": 1}}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": True, "host": "h"}}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": -1, "host": "h"}}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": 2, "host": b"h"}}), "actor 'a' must map to"),
-    (fleet_header(actors={"a": {"num_envs": 2, "envs": "h"}}), "actor 'a' must map to"),
-    ([*fleet_header(), b"an array frame"], "fleet carries no arrays"),
-])
+@pytest.mark.parametrize(
+    "frames,error",
+    [
+        (fleet_header(seq=-1), "seq must be >= 0"),
+        (fleet_header(seq=True), "field 'seq' has the wrong type"),
+        (fleet_header(actors=[["a", 2, "h"]]), "field 'actors' has the wrong type"),
+        (fleet_header(actors={"a": [2, "h"]}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": 2}}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": 2, "host": "h", "gpu": 1}}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": True, "host": "h"}}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": -1, "host": "h"}}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": 2, "host": b"h"}}), "actor 'a' must map to"),
+        (fleet_header(actors={"a": {"num_envs": 2, "envs": "h"}}), "actor 'a' must map to"),
+        ([*fleet_header(), b"an array frame"], "fleet carries no arrays"),
+    ],
+)
 def test_malformed_fleets_are_refused(frames: list[bytes], error: str) -> None:
     with pytest.raises(P.ProtocolError, match=error):
         P.decode(frames)
@@ -63,8 +74,11 @@ def test_a_fleet_of_10000_actors_fits_a_header_and_the_broker_bounds_the_worst_c
     """docs/protocol.md section 5.5: 10,000 actors with ids like actor-1234 on hosts like node-0123 take about
     a third of MAX_HEADER_BYTES; the broker refuses the actor whose entry would not fit, so the longest ids
     allowed (MAX_ID_BYTES, MAX_HOST_BYTES) still make a message every decoder accepts."""
-    typical = P.Fleet(run_id="x" * P.MAX_ID_BYTES, seq=2**62,
-                      actors={f"actor-{i}": {"num_envs": 16, "host": f"node-{i // 8:04d}"} for i in range(10_000)})
+    typical = P.Fleet(
+        run_id="x" * P.MAX_ID_BYTES,
+        seq=2**62,
+        actors={f"actor-{i}": {"num_envs": 16, "host": f"node-{i // 8:04d}"} for i in range(10_000)},
+    )
     size = len(P.encode(typical)[1])
     assert size < 0.4 * P.MAX_HEADER_BYTES, size
     assert P.decode(P.encode(typical)) == typical
@@ -108,9 +122,15 @@ def test_fleet_seq_grows_by_one_per_announced_change_and_not_for_a_round_trip() 
 
 
 def welcome(run_id: str) -> P.Welcome:
-    return P.Welcome(peer_id="learner-0", run_id=run_id, run={}, ports={"trajectories": 2, "learners": 3,
-                                                                         "params": 4},
-                     heartbeat_interval_s=1.0, heartbeat_liveness=3, max_message_bytes=1 << 20)
+    return P.Welcome(
+        peer_id="learner-0",
+        run_id=run_id,
+        run={},
+        ports={"trajectories": 2, "learners": 3, "params": 4},
+        heartbeat_interval_s=1.0,
+        heartbeat_liveness=3,
+        max_message_bytes=1 << 20,
+    )
 
 
 def test_the_link_keeps_the_newest_fleet_of_its_run_only() -> None:
@@ -141,10 +161,12 @@ def fast_broker(procs: Procs, tmp_path) -> ProfiledBroker:
 
 def wait_fleet(link: BrokerLink, actors: dict, what: str, keep_alive: Control | None = None) -> int:
     """Wait until the link's fleet is ``actors`` (``keep_alive`` heartbeating meanwhile); returns its seq."""
+
     def seen() -> bool:
         if keep_alive is not None:
             keep_alive.heartbeat("early", -1)
         return link.fleet() is not None and link.fleet()[1] == actors
+
     wait_for(seen, WAIT_S, what)
     return link.fleet()[0]
 
@@ -202,12 +224,13 @@ def test_only_the_current_runs_learners_get_the_fleet(broker: BrokerHandle, bus:
 
 
 def test_hellos_with_names_too_long_for_the_fleet_are_refused(broker: BrokerHandle, bus: Bus) -> None:
-    for hello, why in [(P.Hello(role="actor", peer_id="a" * (P.MAX_ID_BYTES + 1)), "peer_id must be 1..128 bytes"),
-                       (P.Hello(role="actor", peer_id=""), "peer_id must be 1..128 bytes"),
-                       (P.Hello(role="actor", peer_id="a", host="h" * 256), "host must be at most 255 bytes"),
-                       (P.Hello(role="actor", peer_id="a", num_envs=-1), "num_envs must be in 0..1048576"),
-                       (P.Hello(role="learner", peer_id="l", run_id="r" * 129, run=run_spec()),
-                        "run_id must be at most 128 bytes")]:
+    for hello, why in [
+        (P.Hello(role="actor", peer_id="a" * (P.MAX_ID_BYTES + 1)), "peer_id must be 1..128 bytes"),
+        (P.Hello(role="actor", peer_id=""), "peer_id must be 1..128 bytes"),
+        (P.Hello(role="actor", peer_id="a", host="h" * 256), "host must be at most 255 bytes"),
+        (P.Hello(role="actor", peer_id="a", num_envs=-1), "num_envs must be in 0..1048576"),
+        (P.Hello(role="learner", peer_id="l", run_id="r" * 129, run=run_spec()), "run_id must be at most 128 bytes"),
+    ]:
         sock = bus.socket(zmq.DEALER)
         sock.connect(broker.connect)
         sock.send_multipart(P.encode(hello))

@@ -7,6 +7,7 @@ and a real actor process that crashes (its env raises) while a real learner trai
 This module is also the env factory of the end-to-end crash test (``tests.broker.test_health:exploding_cartpole``,
 imported by the learner and actor processes), so it imports nothing heavy at module level.
 """
+
 from __future__ import annotations
 
 import json
@@ -216,8 +217,14 @@ def test_a_new_run_clears_what_belonged_to_the_old_one_and_forget_clears_all() -
 
 def test_malformed_figures_are_ignored() -> None:
     mon = HealthMonitor()
-    stats = {"sps": True, "comm_share": "high", "rss_mb": None, "policy_version": True, "param_hash": 3,
-             "first_obs_hash": ""}
+    stats = {
+        "sps": True,
+        "comm_share": "high",
+        "rss_mb": None,
+        "policy_version": True,
+        "param_hash": 3,
+        "first_obs_hash": "",
+    }
     for i in range(40):
         mon.observe("a", "actor", stats, i * 10.0)
     assert not mon.active()
@@ -276,9 +283,22 @@ def test_report_crash_sends_the_bye_with_the_exception() -> None:
         assert router.poll(int(WAIT_S * 1000))
         identity, *frames = router.recv_multipart()
         assert isinstance(P.decode(frames), P.Hello)
-        router.send_multipart([identity, *P.encode(P.Welcome(
-            peer_id="actor-0", run_id="", run=None, ports={"trajectories": 1, "learners": 2, "params": 3},
-            heartbeat_interval_s=1.0, heartbeat_liveness=3, max_message_bytes=1 << 20))])
+        router.send_multipart(
+            [
+                identity,
+                *P.encode(
+                    P.Welcome(
+                        peer_id="actor-0",
+                        run_id="",
+                        run=None,
+                        ports={"trajectories": 1, "learners": 2, "params": 3},
+                        heartbeat_interval_s=1.0,
+                        heartbeat_liveness=3,
+                        max_message_bytes=1 << 20,
+                    )
+                ),
+            ]
+        )
         assert link.wait_welcome(WAIT_S) is not None
         try:
             {}["missing"]
@@ -334,8 +354,9 @@ class TestLearner:
         from zddrl.config import Config
 
         self.run_id = run_id
-        self.link = clients.link(broker, P.Hello(role="learner", peer_id="learner-0", run_id=run_id,
-                                                 run=Config().to_dict()))
+        self.link = clients.link(
+            broker, P.Hello(role="learner", peer_id="learner-0", run_id=run_id, run=Config().to_dict())
+        )
         self.sock = clients.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, b"learner-0")
@@ -344,9 +365,18 @@ class TestLearner:
     def publish(self, version: int) -> str:
         flat = np.arange(8, dtype=np.float32) + version
         digest = P.param_hash(flat)
-        self.sock.send_multipart(P.encode(P.Parameters(run_id=self.run_id, peer_id="learner-0", policy_version=version,
-                                                       param_hash=digest, layout=[["w", "float32", [8], 0]],
-                                                       arrays={"flat": flat})))
+        self.sock.send_multipart(
+            P.encode(
+                P.Parameters(
+                    run_id=self.run_id,
+                    peer_id="learner-0",
+                    policy_version=version,
+                    param_hash=digest,
+                    layout=[["w", "float32", [8], 0]],
+                    arrays={"flat": flat},
+                )
+            )
+        )
         return digest
 
 
@@ -355,8 +385,9 @@ def health_of(body: dict, member: str) -> dict[str, dict]:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=30,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
+    )
 
 
 @pytest.mark.slow
@@ -386,8 +417,11 @@ def test_broker_warns_about_unknown_params_and_stuck_versions(broker: Any, procs
         hashes[v] = learner.publish(v)
     wait_for(lambda: clients.status(broker)["broker"]["policy_version"] == H.STUCK_VERSIONS + 1, WAIT_S, "the versions")
     behind_since = time.monotonic()
-    body = wait_for(lambda: (b := clients.status(broker)) and "stuck_version" in health_of(b, "actor-0") and b,
-                    H.STUCK_AFTER_S + 20, "the stuck_version warning")
+    body = wait_for(
+        lambda: (b := clients.status(broker)) and "stuck_version" in health_of(b, "actor-0") and b,
+        H.STUCK_AFTER_S + 20,
+        "the stuck_version warning",
+    )
     assert time.monotonic() - behind_since > H.STUCK_AFTER_S - 1.5  # the broker's tick is 1 s
     stuck = health_of(body, "actor-0")["stuck_version"]
     assert f"acts with version 0, {H.STUCK_VERSIONS + 1} behind" in stuck["message"]
@@ -406,8 +440,9 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
     stranger = clients.ctx.socket(zmq.DEALER)  # never said hello
     stranger.setsockopt(zmq.LINGER, 0)
     stranger.connect(broker.connect)
-    bogus = P.Stats(peer_id="actor-9", role="actor",
-                    stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9})
+    bogus = P.Stats(
+        peer_id="actor-9", role="actor", stats={"policy_version": 0, "param_hash": "bogus", "comm_share": 0.9}
+    )
     for _ in range(H.COMM_SHARE_REPORTS + 1):
         stranger.send_multipart(P.encode(bogus))
     rejects = 0
@@ -426,16 +461,30 @@ def test_stats_of_an_unknown_peer_are_ignored(broker: Any, clients: Clients) -> 
 
 
 @pytest.mark.slow
-def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any, clients: Clients,
-                                                         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crashing_actor_leaves_its_exception_in_status(
+    broker: Any, procs: Any, clients: Clients, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from conftest import wait_for
 
     # Learner and actors import this module as the run's env factory (and it imports conftest).
-    monkeypatch.setenv("PYTHONPATH",
-                       os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
-    procs.start("learner", "learner", "--connect", broker.connect, str(ROOT / "examples" / "cartpole_ppo.toml"),
-                "--run-dir", str(tmp_path / "run"), "--mode", "async", "--set", "env.rollout_len=8",
-                "--set", "env.id=tests.broker.test_health:exploding_cartpole")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    )
+    procs.start(
+        "learner",
+        "learner",
+        "--connect",
+        broker.connect,
+        str(ROOT / "examples" / "cartpole_ppo.toml"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--mode",
+        "async",
+        "--set",
+        "env.rollout_len=8",
+        "--set",
+        "env.id=tests.broker.test_health:exploding_cartpole",
+    )
     procs.start("actor-1", "actor", "--connect", broker.connect, "--actor-id", "1", "--envs", "2")
     monkeypatch.setenv(EXPLODE_ENV, "20")
     crashing = procs.start("actor-0", "actor", "--connect", broker.connect, "--actor-id", "0", "--envs", "2")
@@ -447,16 +496,22 @@ def test_a_crashing_actor_leaves_its_exception_in_status(broker: Any, procs: Any
     (dep,) = body["departures"]
     assert dep["member"] == "actor-0" and dep["role"] == "actor" and dep["crashed"] is True
     assert dep["host"] == socket.gethostname() and dep["pid"] == crashing.pid
-    assert dep["reason"].startswith("crashed: RuntimeError: exploding_cartpole failed at step 21, on purpose\n"
-                                    "Traceback (most recent call last):"), dep["reason"]
+    assert dep["reason"].startswith(
+        "crashed: RuntimeError: exploding_cartpole failed at step 21, on purpose\nTraceback (most recent call last):"
+    ), dep["reason"]
     assert "in step" in dep["reason"] and "test_health.py" in dep["reason"], "the frames of the failure"
     log = procs.log("broker")
     line = next(ln for ln in log.splitlines() if "crashed: RuntimeError" in ln)
     assert "ERROR" in line and f"actor actor-0 on {socket.gethostname()} (pid {crashing.pid}) crashed" in line
 
     # The rest of the fleet is live, with the actor-side figures; the crashed actor is not a member.
-    body = wait_for(lambda: (b := clients.status(broker)) and "first_obs_hash" in
-                    b["members"].get("actor-1", {}).get("stats", {}) and b, 60, "actor-1's stats")
+    body = wait_for(
+        lambda: (
+            (b := clients.status(broker)) and "first_obs_hash" in b["members"].get("actor-1", {}).get("stats", {}) and b
+        ),
+        60,
+        "actor-1's stats",
+    )
     assert set(body["members"]) == {"learner-0", "actor-1"}
     stats = body["members"]["actor-1"]["stats"]
     assert re.fullmatch(r"[0-9a-f]{16}", stats["first_obs_hash"]) and stats["rss_mb"] > 10

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,11 @@ def test_clients_reconnect_after_broker_sigkill_and_restart(broker: BrokerHandle
     broker.proc.wait(timeout=WAIT_S)
     broker.start()  # same ports
 
-    wait_for(lambda: actor.generation > gen_actor and learner.link.generation > gen_learner, 20,
-             "both links to be welcomed by the new broker")
+    wait_for(
+        lambda: actor.generation > gen_actor and learner.link.generation > gen_learner,
+        20,
+        "both links to be welcomed by the new broker",
+    )
     wait_for(lambda: counters(broker, bus)["run_id"] == "run-k", WAIT_S, "the learner's re-hello to restore the run")
     assert actor.welcome.run_id == "run-k"
     assert actor.latest_params().policy_version == 0, "same run: the actor keeps what it holds"

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py; malformed input is crafted frame by frame. Every wait is on a condition with a deadline;
 the fixtures clean up every socket, link and process.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,26 +46,29 @@ def bad_trajectories(run_id: str) -> dict[str, list[list[bytes]]]:
 
     return {
         "malformed": [
-            [b"\x00garbage"],                                          # one frame of junk
-            [b"garbage", b"more garbage"],                             # two frames of junk
-            [b"XXXX\x01", good[1], good[2]],                           # wrong signature
-            [P.SIGNATURE + b"\x09", good[1], good[2]],                 # unknown protocol version
-            [good[0], b"\xc1not msgpack", good[2]],                    # header not msgpack
-            with_header(arrays=[["rewards", "complex64", [8]]]),       # dtype not allowed
-            [good[0], good[1], good[2][:-3]],                          # frame size != shape x dtype
-            [good[0], good[1]],                                        # array frame missing
-            with_header(seq="seven"),                                  # field of the wrong type
-            [bytes(f) for f in P.encode(P.Heartbeat(peer_id="x"))],    # not a trajectory
+            [b"\x00garbage"],  # one frame of junk
+            [b"garbage", b"more garbage"],  # two frames of junk
+            [b"XXXX\x01", good[1], good[2]],  # wrong signature
+            [P.SIGNATURE + b"\x09", good[1], good[2]],  # unknown protocol version
+            [good[0], b"\xc1not msgpack", good[2]],  # header not msgpack
+            with_header(arrays=[["rewards", "complex64", [8]]]),  # dtype not allowed
+            [good[0], good[1], good[2][:-3]],  # frame size != shape x dtype
+            [good[0], good[1]],  # array frame missing
+            with_header(seq="seven"),  # field of the wrong type
+            [bytes(f) for f in P.encode(P.Heartbeat(peer_id="x"))],  # not a trajectory
         ],
         "unknown_sender": [[bytes(f) for f in P.encode(trajectory(run_id, "never-said-hello", 999))]],
         "unknown_run": [[bytes(f) for f in P.encode(trajectory("no-such-run", "actor-0", 998))]],
-        "unknown_version": [[bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 997, version=7))],
-                            [bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 996, version=-1))]],
+        "unknown_version": [
+            [bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 997, version=7))],
+            [bytes(f) for f in P.encode(trajectory(run_id, "actor-0", 996, version=-1))],
+        ],
     }
 
 
 def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
-        broker: BrokerHandle, procs: Procs, bus: Bus) -> None:
+    broker: BrokerHandle, procs: Procs, bus: Bus
+) -> None:
     shard = start_run(bus, broker)
     shard.grant(1000)
     actor = Pusher(bus, broker, "actor-0")
@@ -88,8 +92,14 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     wait_for(lambda: counters(broker, bus)["received"] == total, WAIT_S, "every message to be read")
     body = status(broker, bus)
     b = body["broker"]
-    assert b["dropped"] == {"malformed": expected["malformed"], "unknown_sender": 1, "unknown_run": 1, "stale": 0,
-                            "unknown_version": 2, "no_route": 0}
+    assert b["dropped"] == {
+        "malformed": expected["malformed"],
+        "unknown_sender": 1,
+        "unknown_run": 1,
+        "stale": 0,
+        "unknown_version": 2,
+        "no_route": 0,
+    }
     assert b["forwarded"] == seq and b["accounted"] is True
     assert b["received"] == b["forwarded"] + sum(b["dropped"].values()) + b["in_flight"]
     actor_row = body["members"]["actor-0"]  # drops with a readable peer_id are charged to it
@@ -109,8 +119,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
 def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: BrokerHandle, bus: Bus) -> None:
     shard = start_run(bus, broker)
     hello = P.encode(P.Hello(role="actor", peer_id="a"))
-    mixed_keys = msgpack.packb({"kind": "hello", "role": "actor", "peer_id": "a", b"x": 1, "y": 2},
-                               use_bin_type=True)
+    mixed_keys = msgpack.packb({"kind": "hello", "role": "actor", "peer_id": "a", b"x": 1, "y": 2}, use_bin_type=True)
 
     control = bus.socket(zmq.DEALER)
     control.connect(broker.connect)
@@ -121,10 +130,10 @@ def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: B
         [b"XXXX\x01", hello[1]],
         [P.PREAMBLE, b"\xc1"],
         [P.PREAMBLE, msgpack.packb({"kind": "no-such-kind"})],
-        [P.PREAMBLE, mixed_keys],                                      # bytes and str keys together
+        [P.PREAMBLE, mixed_keys],  # bytes and str keys together
         [*hello, b"an extra frame"],
-        [bytes(f) for f in P.encode(trajectory("run-a", "a", 0))],    # data on the control socket
-        P.encode(P.Hello(role="overlord", peer_id="x")),              # unknown role
+        [bytes(f) for f in P.encode(trajectory("run-a", "a", 0))],  # data on the control socket
+        P.encode(P.Hello(role="overlord", peer_id="x")),  # unknown role
         P.encode(P.Hello(role="learner", peer_id="y", run_id="other-run")),  # new run without spec
         P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": [1, 2]})),
         P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": {"max_in_flight": 0}})),
@@ -156,16 +165,21 @@ def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: B
         P.encode(P.Credit(peer_id="learner-0", credit=0)),
         P.encode(P.Credit(peer_id="learner-0", credit=-5)),
         P.encode(P.Credit(peer_id="learner-0", credit=1 << 30)),
-        P.encode(P.Hello(role="learner", peer_id="learner-0")),      # control message on the data socket
-        [bytes(f) for f in P.encode(parameters("run-a", 1))][:-1],   # params without its array frame
+        P.encode(P.Hello(role="learner", peer_id="learner-0")),  # control message on the data socket
+        [bytes(f) for f in P.encode(parameters("run-a", 1))][:-1],  # params without its array frame
     ]
     for frames in bad_learner:
         shard.sock.send_multipart(frames)
 
     expect_control = len(bad_control) + 2
-    wait_for(lambda: counters(broker, bus).get("control_malformed") == expect_control
-             and counters(broker, bus).get("learner_malformed") == len(bad_learner), WAIT_S,
-             "every bad control and learner message to be counted")
+    wait_for(
+        lambda: (
+            counters(broker, bus).get("control_malformed") == expect_control
+            and counters(broker, bus).get("learner_malformed") == len(bad_learner)
+        ),
+        WAIT_S,
+        "every bad control and learner message to be counted",
+    )
     body = status(broker, bus)
     assert body["broker"]["run_id"] == "run-a", "a refused hello must not change the run"
     assert body["broker"]["policy_version"] == 0

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -77,5 +78,8 @@ def test_actor_link_never_goes_back_to_an_older_version(broker: BrokerHandle, bu
     wait_for(lambda: counters(broker, bus).get("params_stale") == 3, WAIT_S, "three stale versions counted")
     assert link.latest_params().policy_version == 5 and link.params_rejected == 0
     # The broker sees the version the actor acts with through its heartbeats.
-    wait_for(lambda: status(broker, bus)["members"]["actor-0"]["policy_version"] == 5, WAIT_S,
-             "the actor's heartbeat to report version 5")
+    wait_for(
+        lambda: status(broker, bus)["members"]["actor-0"]["policy_version"] == 5,
+        WAIT_S,
+        "the actor's heartbeat to report version 5",
+    )

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,7 @@ pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(broker: BrokerHandle,
-                                                                                bus: Bus) -> None:
+def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(broker: BrokerHandle, bus: Bus) -> None:
     """DataChannel grants at most ``window`` trajectories ahead, and once they are big, as many as fit in
     WINDOW_BYTES (never fewer than MIN_WINDOW): everything still arrives, exactly once, in order."""
     from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
@@ -62,13 +62,15 @@ def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(
         assert got == list(range(16))
         assert channel.window == MIN_WINDOW == max(MIN_WINDOW, WINDOW_BYTES // channel.last_bytes)
         assert ahead[0] == 7 and max(ahead[7:]) <= MIN_WINDOW  # the first window runs out, no new one is as big
-        wait_for(lambda: status(broker, bus)["members"]["learner-0"]["credit"] == channel.outstanding, WAIT_S,
-                 "the broker to hold exactly the credit the channel granted and has not used")
+        wait_for(
+            lambda: status(broker, bus)["members"]["learner-0"]["credit"] == channel.outstanding,
+            WAIT_S,
+            "the broker to hold exactly the credit the channel granted and has not used",
+        )
         b = counters(broker, bus)
         assert b["received"] == b["forwarded"] == 16 and b["accounted"] is True
     finally:
         channel.close()
-
 
 
 def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: BrokerHandle, bus: Bus) -> None:
@@ -78,8 +80,11 @@ def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: Bro
     actors = [Pusher(bus, broker, "actor-0"), Pusher(bus, broker, "actor-1")]
     for shard in (l0, l1):
         shard.grant(4)
-    wait_for(lambda: [status(broker, bus)["members"][s.peer_id]["credit"] for s in (l0, l1)] == [4, 4], WAIT_S,
-             "both grants to reach the broker")
+    wait_for(
+        lambda: [status(broker, bus)["members"][s.peer_id]["credit"] for s in (l0, l1)] == [4, 4],
+        WAIT_S,
+        "both grants to reach the broker",
+    )
     for seq in range(n):
         for a in actors:
             assert a.send(trajectory("run-a", a.peer_id, seq))
@@ -118,8 +123,14 @@ def test_the_shard_that_grants_more_gets_more(broker: BrokerHandle, bus: Bus) ->
     slow = Shard(bus, broker, "learner-1", "run-a")
     fast.grant(10)
     slow.grant(2)  # and never again: a shard busy training
-    wait_for(lambda: {p: m["credit"] for p, m in status(broker, bus)["members"].items() if m["role"] == "learner"}
-             == {"learner-0": 10, "learner-1": 2}, WAIT_S, "both grants to reach the broker")
+    wait_for(
+        lambda: (
+            {p: m["credit"] for p, m in status(broker, bus)["members"].items() if m["role"] == "learner"}
+            == {"learner-0": 10, "learner-1": 2}
+        ),
+        WAIT_S,
+        "both grants to reach the broker",
+    )
     actor = Pusher(bus, broker, "actor-0")
     for seq in range(40):
         assert actor.send(trajectory("run-a", "actor-0", seq))

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ The broker runs as a real `zddrl broker` process, driven over raw pyzmq sockets 
 tests/broker_clients.py. Every wait is on a condition with a deadline; the fixtures clean up every socket, link
 and process.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,14 @@ def test_status_cli_table_json_and_dead_broker(broker: BrokerHandle, bus: Bus) -
     actor.link.send(P.Stats(peer_id="actor-0", role="actor", stats={"sps": 1234.0, "comm_share": 0.25}))
     learner_stats = {"policy_version": 0, "updates": 0, "return_mean_20": None, "lag/actor-0": 1, "dropped_late": 0}
     learner.link.send(P.Stats(peer_id="learner-0", role="learner", stats=learner_stats))
-    wait_for(lambda: status(broker, bus)["members"]["actor-0"]["stats"].get("sps") == 1234.0
-             and status(broker, bus)["members"]["learner-0"]["stats"] == learner_stats, WAIT_S, "both stats")
+    wait_for(
+        lambda: (
+            status(broker, bus)["members"]["actor-0"]["stats"].get("sps") == 1234.0
+            and status(broker, bus)["members"]["learner-0"]["stats"] == learner_stats
+        ),
+        WAIT_S,
+        "both stats",
+    )
 
     table = cli("status", "--connect", broker.connect)
     assert table.returncode == 0, table.stderr
@@ -58,8 +65,11 @@ def test_status_cli_table_json_and_dead_broker(broker: BrokerHandle, bus: Bus) -
 def test_a_second_live_process_with_the_same_peer_id_is_refused(procs: Procs, broker: BrokerHandle) -> None:
     """Two actors started with the same --actor-id: the second exits with a clear error, the first keeps its id."""
     first = procs.start("actor-a", "actor", "--connect", broker.connect, "--actor-id", "0")
-    wait_for(lambda: "actor-0" in json.loads(cli("status", "--connect", broker.connect, "--json").stdout)["members"],
-             WAIT_S, "the first actor to join")
+    wait_for(
+        lambda: "actor-0" in json.loads(cli("status", "--connect", broker.connect, "--json").stdout)["members"],
+        WAIT_S,
+        "the first actor to join",
+    )
     second = procs.start("actor-b", "actor", "--connect", broker.connect, "--actor-id", "0")
     assert second.wait(timeout=WAIT_S) != 0
     assert "peer id 'actor-0' is in use by pid" in procs.log("actor-b")

@@ -1,4 +1,5 @@
 """Checkpoints and resume: atomic writes, pruning, exact state round trip, SIGKILL mid-run then resume."""
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,10 @@ def test_checkpoints_are_atomic_pruned_and_loaded_safely(tmp_path: Path, monkeyp
     log = RunLog(tmp_path, Config().to_dict())
     for version in range(5):
         log.checkpoint({"policy_version": version, "w": torch.ones(3) * version}, f"ckpt-{version:08d}.pt", keep=2)
-    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))] == \
-        ["ckpt-00000003.pt", "ckpt-00000004.pt"]
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("ckpt-*.pt"))] == [
+        "ckpt-00000003.pt",
+        "ckpt-00000004.pt",
+    ]
     (tmp_path / "checkpoints" / "ckpt-00000009.pt.tmp").write_bytes(b"half a checkpoint")  # a write cut short
 
     def crash_mid_write(obj, f, *args, **kwargs):
@@ -56,12 +59,31 @@ def test_checkpoints_are_atomic_pruned_and_loaded_safely(tmp_path: Path, monkeyp
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_reaches_the_target_with_monotonic_counters(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
-                             "--set", "train.checkpoint_every=10", "--set", "train.until_return=1e9"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            CARTPOLE,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "train.checkpoint_every=10",
+            "--set",
+            "train.until_return=1e9",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
-        wait_for(lambda: latest_checkpoint(run_dir) is not None and len(metrics(run_dir)) >= 25, 90,
-                 "checkpoints and 25 updates")
+        wait_for(
+            lambda: latest_checkpoint(run_dir) is not None and len(metrics(run_dir)) >= 25,
+            90,
+            "checkpoints and 25 updates",
+        )
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the orchestrator and everything in its session, no warning
         proc.wait(timeout=10)

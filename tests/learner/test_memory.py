@@ -3,6 +3,7 @@
 The per-update path (collect through the poller, the PPO update, splitting a version for publishing, the
 ledger's row) runs a few hundred times to warm up, then tracemalloc compares the heap after many more.
 Before the ledger's hashes were bounded, each update kept ~170 bytes (~11 MB after 63k updates)."""
+
 from __future__ import annotations
 
 import gc
@@ -40,8 +41,17 @@ def test_the_update_path_keeps_no_memory_per_update() -> None:
         channel.messages.extend([rollout_of("a", v, v, T=8, N=4), rollout_of("b", v, v, T=8, N=4)])
         core.update(rounds.collect(threading.Event(), v).batch)
         flat, layout, extra = core.params()
-        head, *_ = split(run_id="r", peer_id="learner-0", version=v + 1, flat=flat, layout=layout, extras=extra,
-                         meta={}, chunk_bytes=1 << 20, dtype="float32")
+        head, *_ = split(
+            run_id="r",
+            peer_id="learner-0",
+            version=v + 1,
+            flat=flat,
+            layout=layout,
+            extras=extra,
+            meta={},
+            chunk_bytes=1 << 20,
+            dtype="float32",
+        )
         ledger.published(v + 1, head.param_hash)
         poller.send_params([head])
         channel.sent.clear()

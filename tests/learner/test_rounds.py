@@ -1,5 +1,6 @@
 """Sync rounds against a fake link and data channel: when a round closes, who becomes a straggler and
 when it is back, how rollouts are sized from the fleet, and how straggler events are logged."""
+
 from __future__ import annotations
 
 import threading
@@ -30,8 +31,9 @@ class Rig:
         self.ledger = Ledger(self.config, logger, time.time())
         self.fleet = Fleet(1, batch_size, 8, logger)
         poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), lambda m: "", logger)
-        self.rounds = SyncRounds(poller, self.config.algo, logger, self.fleet, self.ledger,
-                                 lambda: self.fleet.refresh(self.link.fleet()))
+        self.rounds = SyncRounds(
+            poller, self.config.algo, logger, self.fleet, self.ledger, lambda: self.fleet.refresh(self.link.fleet())
+        )
 
     def round(self, version: int, *messages: P.Trajectory):
         self.channel.messages.extend(messages)

@@ -1,4 +1,5 @@
 """TensorBoard events: namespaced scalars under RUN_DIR/tb, empty and NaN values skipped, optional dependency."""
+
 from __future__ import annotations
 
 import math
@@ -19,8 +20,10 @@ def _row(step: int, **changes: object) -> dict[str, object]:
 
 
 def _read(tb_dir: Path):
-    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator",
-                                            reason="tensorboard is not installed (pip install 'zddrl[tensorboard]')")
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (pip install 'zddrl[tensorboard]')",
+    )
     acc = event_accumulator.EventAccumulator(str(tb_dir), size_guidance={event_accumulator.SCALARS: 0})
     acc.Reload()
     return acc
@@ -37,8 +40,10 @@ def test_writer_logs_namespaced_scalars_and_skips_empty_and_nan_values(tmp_path:
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'zddrl[tensorboard]')")
     with TensorBoardWriter(tmp_path) as tb:
         # first updates: no return yet (NaN from the learner, or an empty CSV cell), no rho outside impala
-        assert tb.write(256, _row(256, return_mean_20=math.nan, grad_norm=None, clipfrac="")) == \
-            sum(map(len, TAGS.values())) - 3
+        assert (
+            tb.write(256, _row(256, return_mean_20=math.nan, grad_norm=None, clipfrac=""))
+            == sum(map(len, TAGS.values())) - 3
+        )
         tb.write(512, _row(512, return_mean_20=21.5, value_loss=math.inf))
         tb.write(768, _row(768, return_mean_20=30.0))
     files = list((tmp_path / "tb").glob("events.out.tfevents.*"))
@@ -74,8 +79,9 @@ def test_make_writer_returns_a_writer_when_tensorboard_is_installed(tmp_path: Pa
     assert (tmp_path / "run" / "tb").is_dir()
 
 
-def test_make_writer_returns_none_with_one_info_line_without_tensorboard(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_make_writer_returns_none_with_one_info_line_without_tensorboard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from loguru import logger
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import raise ImportError

@@ -1,4 +1,5 @@
 """`zddrl plot`: a PNG from real run directories (one short `zddrl train`, reused), and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ NEEDS_MPL = "matplotlib is not installed (pip install 'zddrl[plot]')"
 
 
 def zddrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -96,19 +98,24 @@ def test_plot_of_a_dir_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
     assert not out.exists()
 
 
-@pytest.mark.parametrize("content, message", [("", "empty or not a zddrl metrics file"),
-                                               ("wall_s,env_steps,return_mean_20\n", "has no rows yet"),
-                                               ("a,b\n1,2\n", "no column wall_s, env_steps")])
-def test_plot_of_an_empty_or_foreign_metrics_file_is_a_clear_error(tmp_path: Path, content: str,
-                                                                   message: str) -> None:
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("", "empty or not a zddrl metrics file"),
+        ("wall_s,env_steps,return_mean_20\n", "has no rows yet"),
+        ("a,b\n1,2\n", "no column wall_s, env_steps"),
+    ],
+)
+def test_plot_of_an_empty_or_foreign_metrics_file_is_a_clear_error(tmp_path: Path, content: str, message: str) -> None:
     (tmp_path / "metrics.csv").write_text(content)
     with pytest.raises(PlotError, match=message):
         plot_runs([tmp_path], tmp_path / "out.png")
 
 
 @pytest.mark.slow
-def test_plot_without_matplotlib_says_how_to_install_it(run_dir: Path, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_without_matplotlib_says_how_to_install_it(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # makes the import raise ImportError
     with pytest.raises(PlotError, match=r"pip install 'zddrl\[plot\]'"):

@@ -1,5 +1,6 @@
 """Self-healing runs: a learner that dies is restarted from its newest checkpoint (`zddrl train`, and
 `zddrl learner --restart N`), with back-off, at most N times; real processes, SIGKILL included."""
+
 from __future__ import annotations
 
 import json
@@ -163,9 +164,28 @@ def test_train_heals_a_sigkilled_learner_and_still_reaches_its_target(tmp_path: 
     the kill to the restarted learner's first publish and to its first new version (run with -s)."""
     run_dir = tmp_path / "run"
     stderr = open(tmp_path / "train.stderr", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
-                             "--until-return", "200", "--max-seconds", "150", "--set", "train.checkpoint_every=1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            CARTPOLE,
+            "--run-dir",
+            str(run_dir),
+            "--until-return",
+            "200",
+            "--max-seconds",
+            "150",
+            "--set",
+            "train.checkpoint_every=1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
     ctx = zmq.Context()
     try:
         wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 10, 90, "10 updates")
@@ -192,8 +212,10 @@ def test_train_heals_a_sigkilled_learner_and_still_reaches_its_target(tmp_path: 
         resumed_s, resumed_version = time.monotonic() - killed, seen[-1]
         wait_for(lambda: published(resumed_version), 60, "a new version from the restarted learner")
         trained_s = time.monotonic() - killed
-        print(f"\nkill -> restarted learner published version {resumed_version}: {resumed_s:.2f} s; "
-              f"-> first new version: {trained_s:.2f} s")
+        print(
+            f"\nkill -> restarted learner published version {resumed_version}: {resumed_s:.2f} s; "
+            f"-> first new version: {trained_s:.2f} s"
+        )
         out, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -224,10 +246,30 @@ def test_train_restarts_the_whole_shard_group_when_one_shard_dies(tmp_path: Path
     """`--gpus cpu:2`: shard 1 SIGKILLed; its launcher stops shard 0 and fails; `zddrl train` restarts the group."""
     run_dir = tmp_path / "run"
     stderr = open(tmp_path / "train.stderr", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
-                             "--gpus", "cpu:2", "--until-return", "150", "--max-seconds", "150",
-                             "--set", "train.checkpoint_every=1"],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            CARTPOLE,
+            "--run-dir",
+            str(run_dir),
+            "--gpus",
+            "cpu:2",
+            "--until-return",
+            "150",
+            "--max-seconds",
+            "150",
+            "--set",
+            "train.checkpoint_every=1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 10, 90, "10 updates")
         (shard1,) = [pid for pid, _ in learner_processes(run_dir) if rank_of(pid) == "1"]
@@ -251,9 +293,27 @@ def test_train_restarts_the_whole_shard_group_when_one_shard_dies(tmp_path: Path
 @pytest.mark.slow
 def test_train_gives_up_on_a_learner_that_keeps_crashing(tests_on_path: None, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--run-dir", str(run_dir),
-                           "--max-seconds", "120", "--set", f"env.id={CRASHING_ENV}", "--set", "train.max_restarts=2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=150)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            CARTPOLE,
+            "--run-dir",
+            str(run_dir),
+            "--max-seconds",
+            "120",
+            "--set",
+            f"env.id={CRASHING_ENV}",
+            "--set",
+            "train.max_restarts=2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "restart 1 of 2 in 1.0 s" in done.stderr and "restart 2 of 2 in 2.0 s" in done.stderr
     assert "restart 3" not in done.stderr
@@ -266,14 +326,27 @@ def test_train_gives_up_on_a_learner_that_keeps_crashing(tests_on_path: None, tm
 # ---------------------------------------------------------------- `zddrl learner --restart N`
 @pytest.mark.slow
 def test_standalone_learner_restarts_a_killed_child_afresh_before_its_first_checkpoint(
-        procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
+    procs: Procs, broker: BrokerHandle, tmp_path: Path
+) -> None:
     """No actor yet, so no update and no checkpoint: the killed learner is restarted afresh in the same run
     directory, and the run then trains to its step limit."""
     run_dir = tmp_path / "run"
-    supervisor = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--run-dir", str(run_dir),
-                             "--restart", "1", "--set", "train.max_steps=2000")
+    supervisor = procs.start(
+        "learner",
+        "learner",
+        CARTPOLE,
+        "--connect",
+        broker.connect,
+        "--run-dir",
+        str(run_dir),
+        "--restart",
+        "1",
+        "--set",
+        "train.max_steps=2000",
+    )
     ctx = zmq.Context()
     try:
+
         def version() -> int:
             body = request_status(broker.connect, 1.0, ctx)
             return body["broker"]["policy_version"] if body else -1
@@ -298,9 +371,27 @@ def test_standalone_learner_restarts_a_killed_child_afresh_before_its_first_chec
 def test_standalone_learner_gives_up_after_n_restarts(tests_on_path: None, tmp_path: Path) -> None:
     connect = f"tcp://127.0.0.1:{free_ports(1)[0]}"  # it crashes before it looks for a broker
     run_dir = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "zddrl", "learner", CARTPOLE, "--connect", connect,
-                           "--run-dir", str(run_dir), "--restart", "2", "--set", f"env.id={CRASHING_ENV}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "learner",
+            CARTPOLE,
+            "--connect",
+            connect,
+            "--run-dir",
+            str(run_dir),
+            "--restart",
+            "2",
+            "--set",
+            f"env.id={CRASHING_ENV}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr.count("RuntimeError: a learner that always crashes (test)") == 3
     assert "restart 1 of 2 in 1.0 s" in done.stderr and "restart 2 of 2 in 2.0 s" in done.stderr
@@ -310,8 +401,19 @@ def test_standalone_learner_gives_up_after_n_restarts(tests_on_path: None, tmp_p
 
 @pytest.mark.slow
 def test_restart_is_refused_where_it_cannot_work(tmp_path: Path) -> None:
-    common = [sys.executable, "-m", "zddrl", "learner", CARTPOLE, "--connect", "tcp://127.0.0.1:1",
-              "--run-dir", str(tmp_path / "run"), "--restart", "1"]
+    common = [
+        sys.executable,
+        "-m",
+        "zddrl",
+        "learner",
+        CARTPOLE,
+        "--connect",
+        "tcp://127.0.0.1:1",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--restart",
+        "1",
+    ]
     done = subprocess.run([*common, "--nnodes", "2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--restart supports one node" in done.stderr
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}

@@ -4,6 +4,7 @@ Units render hand-made status bodies; the rest runs a real broker process with r
 members, and ``--watch`` as a real `zddrl status` process, piped (plain text) or on a pseudo-terminal
 (rich), stopped with SIGINT as Ctrl-C would.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -38,23 +39,68 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 def body(**extra: Any) -> dict[str, Any]:
     """A status body as the broker sends it (docs/protocol.md, section 9)."""
-    member = {"role": "actor", "host": "node1", "pid": 42, "num_envs": 4, "policy_version": 3, "last_seen_s": 0.2,
-              "credit": 0, "messages": 9, "bytes": 100, "env_steps": 36,
-              "stats": {"sps": 900.0, "comm_share": 0.5, "rss_mb": 123.4}}
-    return {"broker": {"uptime_s": 12.5, "host": "node0", "run_id": "run-a", "policy_version": 3,
-                       "ports": {}, "received": 10, "forwarded": 10, "dropped": {"malformed": 0}, "in_flight": 0,
-                       "bytes_in": 100, "bytes_out": 100, "accounted": True},
-            "members": {"actor-0": member, "actor-1": {**member, "stats": {}}}, **extra}
+    member = {
+        "role": "actor",
+        "host": "node1",
+        "pid": 42,
+        "num_envs": 4,
+        "policy_version": 3,
+        "last_seen_s": 0.2,
+        "credit": 0,
+        "messages": 9,
+        "bytes": 100,
+        "env_steps": 36,
+        "stats": {"sps": 900.0, "comm_share": 0.5, "rss_mb": 123.4},
+    }
+    return {
+        "broker": {
+            "uptime_s": 12.5,
+            "host": "node0",
+            "run_id": "run-a",
+            "policy_version": 3,
+            "ports": {},
+            "received": 10,
+            "forwarded": 10,
+            "dropped": {"malformed": 0},
+            "in_flight": 0,
+            "bytes_in": 100,
+            "bytes_out": 100,
+            "accounted": True,
+        },
+        "members": {"actor-0": member, "actor-1": {**member, "stats": {}}},
+        **extra,
+    }
 
 
 def test_format_status_lists_health_warnings_and_departures() -> None:
     crash = "crashed: RuntimeError: " + "x" * 300 + "\nTraceback (most recent call last):\n  File ..."
-    text = format_status(body(
-        health=[{"member": "actor-0", "check": "comm_share", "message": "spends 50% of its time", "since_s": 4.0}],
-        departures=[{"member": "actor-7", "role": "actor", "host": "node7", "pid": 7, "reason": crash,
-                     "crashed": True, "time": 0.0, "ago_s": 3.0},
-                    {"member": "actor-8", "role": "actor", "host": "node8", "pid": 8,
-                     "reason": "expired: silent for 3.1 s", "crashed": False, "time": 0.0, "ago_s": 9.0}]))
+    text = format_status(
+        body(
+            health=[{"member": "actor-0", "check": "comm_share", "message": "spends 50% of its time", "since_s": 4.0}],
+            departures=[
+                {
+                    "member": "actor-7",
+                    "role": "actor",
+                    "host": "node7",
+                    "pid": 7,
+                    "reason": crash,
+                    "crashed": True,
+                    "time": 0.0,
+                    "ago_s": 3.0,
+                },
+                {
+                    "member": "actor-8",
+                    "role": "actor",
+                    "host": "node8",
+                    "pid": 8,
+                    "reason": "expired: silent for 3.1 s",
+                    "crashed": False,
+                    "time": 0.0,
+                    "ago_s": 9.0,
+                },
+            ],
+        )
+    )
     rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.startswith("actor-")}
     assert set(rows) == {"actor-0", "actor-1"}, "only members' rows start at the margin"
     assert rows["actor-0"][-3:] == ["123", "1", "0.2"], "rss_mb, warnings, seen"
@@ -125,10 +171,22 @@ def fast_broker(procs: Procs, tmp_path: Path) -> BrokerHandle:
     profile = tmp_path / "broker.toml"
     profile.write_text("[broker]\nheartbeat_interval_s = 0.2\nheartbeat_liveness = 3\n")
     _, traj_port, learner_port, params_port = handle.ports
-    handle.proc = procs.start("broker", "broker", "--profile", str(profile), "--bind", handle.connect,
-                              "--trajectory-port", str(traj_port), "--learner-port", str(learner_port),
-                              "--params-port", str(params_port),
-                              "--ready-file", str(handle.ready))
+    handle.proc = procs.start(
+        "broker",
+        "broker",
+        "--profile",
+        str(profile),
+        "--bind",
+        handle.connect,
+        "--trajectory-port",
+        str(traj_port),
+        "--learner-port",
+        str(learner_port),
+        "--params-port",
+        str(params_port),
+        "--ready-file",
+        str(handle.ready),
+    )
     wait_for(lambda: handle.ready.exists() or handle.proc.poll() is not None, 20, "the broker to bind")
     assert handle.proc.poll() is None, procs.log("broker")
     return handle
@@ -154,15 +212,23 @@ def test_status_shows_every_live_member_and_drops_expired_ones(fast_broker: Brok
         ghost.send_multipart(P.encode(P.Hello(role="actor", peer_id="ghost")))
         assert ghost.poll(int(WAIT_S * 1000)) and isinstance(P.decode(ghost.recv_multipart()), P.Welcome)
         leaver.close("maintenance")
-        got = wait_for(lambda: (b := members.status()) and {d["member"] for d in b["departures"]} == {"ghost", "leaver"}
-                       and b, WAIT_S, "the expiry and the bye")
+        got = wait_for(
+            lambda: (b := members.status()) and {d["member"] for d in b["departures"]} == {"ghost", "leaver"} and b,
+            WAIT_S,
+            "the expiry and the bye",
+        )
         assert set(got["members"]) == {"learner-0", "actor-0", "actor-1"}
         reasons = {d["member"]: d["reason"] for d in got["departures"]}
         assert reasons["leaver"] == "maintenance" and re.fullmatch(r"expired: silent for \d+\.\d s", reasons["ghost"])
         assert not any(d["crashed"] for d in got["departures"])
 
-        out = subprocess.run([sys.executable, "-m", "zddrl", "status", "--connect", fast_broker.connect],
-                             capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+        out = subprocess.run(
+            [sys.executable, "-m", "zddrl", "status", "--connect", fast_broker.connect],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
         assert out.returncode == 0, out.stderr
         rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if re.match(r"(actor|learner)-\d", ln)}
         assert set(rows) == {"learner-0", "actor-0", "actor-1"}
@@ -179,19 +245,34 @@ def test_status_shows_every_live_member_and_drops_expired_ones(fast_broker: Brok
 
 
 def watch_cmd(connect: str) -> list[str]:
-    return [sys.executable, "-m", "zddrl", "status", "--connect", connect, "--watch", "--interval", "0.2",
-            "--timeout", "0.5"]
+    return [
+        sys.executable,
+        "-m",
+        "zddrl",
+        "status",
+        "--connect",
+        connect,
+        "--watch",
+        "--interval",
+        "0.2",
+        "--timeout",
+        "0.5",
+    ]
 
 
 @pytest.mark.slow
 def test_watch_piped_prints_frames_survives_a_dead_broker_and_quits_on_sigint(
-        broker: BrokerHandle, members: Members, tmp_path: Path) -> None:
+    broker: BrokerHandle, members: Members, tmp_path: Path
+) -> None:
     log = tmp_path / "watch.out"
     with open(log, "w") as f:
         proc = subprocess.Popen(watch_cmd(broker.connect), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
-        wait_for(lambda: all(re.search(rf"^{m} ", log.read_text(), re.M) for m in ("learner-0", "actor-0", "actor-1")),
-                 20, "a frame listing every member")
+        wait_for(
+            lambda: all(re.search(rf"^{m} ", log.read_text(), re.M) for m in ("learner-0", "actor-0", "actor-1")),
+            20,
+            "a frame listing every member",
+        )
         assert "\x1b[" not in log.read_text(), "no terminal codes in a file"
         broker.proc.kill()
         broker.proc.wait(timeout=WAIT_S)
@@ -255,8 +336,13 @@ def test_watch_on_a_terminal_draws_rich_tables_and_quits_on_ctrl_c(broker: Broke
 
 @pytest.mark.slow
 def test_status_json_has_the_new_keys(broker: BrokerHandle, members: Members) -> None:
-    out = subprocess.run([sys.executable, "-m", "zddrl", "status", "--connect", broker.connect, "--json"],
-                         capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    out = subprocess.run(
+        [sys.executable, "-m", "zddrl", "status", "--connect", broker.connect, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
     got = json.loads(out.stdout)
     assert got["health"] == [] and got["departures"] == []
     assert set(got["members"]) == {"learner-0", "actor-0", "actor-1"}

@@ -1,4 +1,5 @@
 """The wire protocol (zddrl.protocol): round trips, zero-copy receipt, and every validation failure."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,29 +29,60 @@ def carrier(arrays: dict, **kw) -> P.Parameters:
 def params(flat=None, layout=None, **kw) -> P.Parameters:
     flat = np.arange(6, dtype=np.float32) if flat is None else flat
     layout = [["w", "float32", [2, 2], 0], ["b", "float32", [2], 4]] if layout is None else layout
-    fields = dict(run_id="r-1", peer_id="learner-0", policy_version=1, param_hash=P.param_hash(flat), layout=layout,
-                  arrays={"flat": flat, "obs_mean": np.zeros(3, np.float32)}, meta={"rollout_len": 8})
+    fields = dict(
+        run_id="r-1",
+        peer_id="learner-0",
+        policy_version=1,
+        param_hash=P.param_hash(flat),
+        layout=layout,
+        arrays={"flat": flat, "obs_mean": np.zeros(3, np.float32)},
+        meta={"rollout_len": 8},
+    )
     return P.Parameters(**{**fields, **kw})
 
 
 EXAMPLES = [
     P.Hello(role="actor", peer_id="actor-0", host="h", pid=1, num_envs=2),
     P.Hello(role="learner", peer_id="learner-0", run_id="r-1", run=RUN, shard=1, num_shards=2),
-    P.Welcome(peer_id="actor-0", run_id="r-1", run=RUN, ports={"trajectories": 5556, "learners": 5557, "params": 5558},
-              heartbeat_interval_s=0.5, heartbeat_liveness=3, max_message_bytes=1 << 28),
-    P.Welcome(peer_id="a", run_id="", run=None, ports={}, heartbeat_interval_s=1, heartbeat_liveness=1,
-              max_message_bytes=0),
-    P.Heartbeat(peer_id="actor-0", policy_version=7), P.Heartbeat(peer_id="broker"),
-    P.Reject(reason="unknown peer: send hello first", rehello=True), P.Reject(reason="no"),
-    traj(), traj(arrays=traj_arrays(T=3, N=1, obs_shape=(2, 2), discrete=False, K=2), ep_returns=[3.0, 500],
-                 ep_lengths=[3, 500]), params(),
-    *split_params(run_id="r-1", peer_id="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
-                  layout=[["w", "float32", [10], 0]], extras={"obs_mean": np.zeros(2, np.float32)},
-                  chunk_bytes=16, dtype="bfloat16"),
-    P.ParamsRequest(peer_id="actor-0", policy_version=3), P.Credit(peer_id="learner-0", credit=16),
+    P.Welcome(
+        peer_id="actor-0",
+        run_id="r-1",
+        run=RUN,
+        ports={"trajectories": 5556, "learners": 5557, "params": 5558},
+        heartbeat_interval_s=0.5,
+        heartbeat_liveness=3,
+        max_message_bytes=1 << 28,
+    ),
+    P.Welcome(
+        peer_id="a", run_id="", run=None, ports={}, heartbeat_interval_s=1, heartbeat_liveness=1, max_message_bytes=0
+    ),
+    P.Heartbeat(peer_id="actor-0", policy_version=7),
+    P.Heartbeat(peer_id="broker"),
+    P.Reject(reason="unknown peer: send hello first", rehello=True),
+    P.Reject(reason="no"),
+    traj(),
+    traj(
+        arrays=traj_arrays(T=3, N=1, obs_shape=(2, 2), discrete=False, K=2), ep_returns=[3.0, 500], ep_lengths=[3, 500]
+    ),
+    params(),
+    *split_params(
+        run_id="r-1",
+        peer_id="learner-0",
+        version=2,
+        flat=np.arange(10, dtype=np.float32),
+        layout=[["w", "float32", [10], 0]],
+        extras={"obs_mean": np.zeros(2, np.float32)},
+        chunk_bytes=16,
+        dtype="bfloat16",
+    ),
+    P.ParamsRequest(peer_id="actor-0", policy_version=3),
+    P.Credit(peer_id="learner-0", credit=16),
     P.Stats(peer_id="actor-0", role="actor", stats={"sps": 1.5, "nested": {"a": [1, None, True, "x", b"\x00"]}}),
-    P.StatusRequest(), P.StatusRequest(peer_id="status"), P.Status(body={"broker": {"dropped": {"stale": 1}}}),
-    P.Bye(peer_id="actor-0"), P.Bye(peer_id="actor-0", reason="done"),
+    P.StatusRequest(),
+    P.StatusRequest(peer_id="status"),
+    P.Status(body={"broker": {"dropped": {"stale": 1}}}),
+    P.Bye(peer_id="actor-0"),
+    P.Bye(peer_id="actor-0", reason="done"),
     P.Fleet(run_id="r-1", seq=1, actors={"actor-0": {"num_envs": 2, "host": "h"}}),
 ]
 
@@ -119,7 +151,9 @@ names = st.text(min_size=1, max_size=12)
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.dictionaries(names.filter(lambda n: n != "flat"), wire_arrays(), max_size=6), st.integers(-2**63, 2**63 - 1))
+@given(
+    st.dictionaries(names.filter(lambda n: n != "flat"), wire_arrays(), max_size=6), st.integers(-(2**63), 2**63 - 1)
+)
 def test_arrays_round_trip_property(arrays: dict, version: int) -> None:
     msg = carrier(arrays, policy_version=version)
     decoded = P.decode(wire(msg.encode()))
@@ -131,23 +165,38 @@ def test_arrays_round_trip_property(arrays: dict, version: int) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 5), st.integers(1, 4), hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
-       st.booleans(), st.integers(0, 3), st.lists(st.tuples(st.floats(-1e9, 1e9), st.integers(1, 10**6)), max_size=4))
-def test_trajectory_round_trip_property(T: int, N: int, obs_shape: tuple, discrete: bool, K: int,
-                                       episodes: list) -> None:
-    episodes = episodes[:T * N]  # at most one episode ends per env step
-    msg = traj(arrays=traj_arrays(T, N, obs_shape, discrete, K), ep_returns=[r for r, _ in episodes],
-               ep_lengths=[n for _, n in episodes])
+@given(
+    st.integers(1, 5),
+    st.integers(1, 4),
+    hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
+    st.booleans(),
+    st.integers(0, 3),
+    st.lists(st.tuples(st.floats(-1e9, 1e9), st.integers(1, 10**6)), max_size=4),
+)
+def test_trajectory_round_trip_property(
+    T: int, N: int, obs_shape: tuple, discrete: bool, K: int, episodes: list
+) -> None:
+    episodes = episodes[: T * N]  # at most one episode ends per env step
+    msg = traj(
+        arrays=traj_arrays(T, N, obs_shape, discrete, K),
+        ep_returns=[r for r, _ in episodes],
+        ep_lengths=[n for _, n in episodes],
+    )
     decoded = P.decode(wire(msg.encode()))
     assert_same(msg, decoded)
     assert ("trunc_idx" in decoded.arrays) == (K > 0) and decoded.env_steps == T * N
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4), st.integers(0, 3)),
-                max_size=6, unique_by=lambda r: r),
-       st.dictionaries(st.sampled_from(["obs_mean", "obs_var", "x"]), wire_arrays(), max_size=2),
-       st.booleans())
+@given(
+    st.lists(
+        st.tuples(hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=4), st.integers(0, 3)),
+        max_size=6,
+        unique_by=lambda r: r,
+    ),
+    st.dictionaries(st.sampled_from(["obs_mean", "obs_var", "x"]), wire_arrays(), max_size=2),
+    st.booleans(),
+)
 def test_params_round_trip_property(rows: list, extra: dict, big_endian: bool) -> None:
     layout, offset = [], 0
     for i, (shape, gap) in enumerate(rows):
@@ -160,13 +209,22 @@ def test_params_round_trip_property(rows: list, extra: dict, big_endian: bool) -
     assert_same(msg, decoded)
     assert P.param_hash(decoded.arrays["flat"]) == msg.param_hash == P.param_hash(flat.astype("<f4").tobytes())
     for _, _, shape, off in decoded.layout:
-        np.testing.assert_array_equal(decoded.arrays["flat"][off:off + math.prod(shape)].reshape(shape),
-                                      flat[off:off + math.prod(shape)].reshape(shape))
+        np.testing.assert_array_equal(
+            decoded.arrays["flat"][off : off + math.prod(shape)].reshape(shape),
+            flat[off : off + math.prod(shape)].reshape(shape),
+        )
 
 
 def test_wire_array() -> None:
-    for bad in (np.array([object()]), np.array([1j]), np.array([1 + 2j], np.complex64), np.array(["a"]),
-                np.zeros(2, dtype=[("a", "<f4")]), np.array([1], "M8[s]"), np.zeros((1,) * 9)):
+    for bad in (
+        np.array([object()]),
+        np.array([1j]),
+        np.array([1 + 2j], np.complex64),
+        np.array(["a"]),
+        np.zeros(2, dtype=[("a", "<f4")]),
+        np.array([1], "M8[s]"),
+        np.zeros((1,) * 9),
+    ):
         with pytest.raises(P.ProtocolError, match="cannot travel"):
             P.wire_array(bad)
     big = np.arange(6, dtype=">i4").reshape(2, 3)
@@ -198,8 +256,13 @@ def test_zero_copy_over_a_real_socket_pair(transport: str) -> None:
         else:
             port = a.bind_to_random_port("tcp://127.0.0.1")
             b.connect(f"tcp://127.0.0.1:{port}")
-        arrays = {"big": np.arange(200_000, dtype=np.float32).reshape(1000, 200), "small": np.arange(3, dtype=np.int64),
-                  "flag": np.array([True, False]), "scalar": np.array(1.5), "empty": np.zeros((0, 4), np.float16)}
+        arrays = {
+            "big": np.arange(200_000, dtype=np.float32).reshape(1000, 200),
+            "small": np.arange(3, dtype=np.int64),
+            "flag": np.array([True, False]),
+            "scalar": np.array(1.5),
+            "empty": np.zeros((0, 4), np.float16),
+        }
         msg = carrier(arrays)
         a.send_multipart(msg.encode(), copy=False)
         assert b.poll(5000)
@@ -218,8 +281,17 @@ def test_zero_copy_over_a_real_socket_pair(transport: str) -> None:
 
 # ------------------------------------------------------------------ every validation failure
 
-GOOD = {"kind": "trajectory", "run_id": "r", "peer_id": "s", "seq": 0, "policy_version": 0, "param_hash": "",
-        "env_steps": 0, "arrays": [["a", "float32", [3]]], "info": {}}
+GOOD = {
+    "kind": "trajectory",
+    "run_id": "r",
+    "peer_id": "s",
+    "seq": 0,
+    "policy_version": 0,
+    "param_hash": "",
+    "env_steps": 0,
+    "arrays": [["a", "float32", [3]]],
+    "info": {},
+}
 A3 = np.zeros(3, np.float32).tobytes()
 
 
@@ -275,8 +347,11 @@ BAD = [
     ("inf float", frames_of({**W, "heartbeat_interval_s": math.inf}), "'heartbeat_interval_s' has the wrong type"),
     ("bool for float", frames_of({**W, "heartbeat_interval_s": True}), "'heartbeat_interval_s' has the wrong type"),
     ("list for map", frames_of({**W, "ports": [1]}), "'ports' has the wrong type (list)"),
-    ("ext type in a map", frames_of({"kind": "stats", "peer_id": "a", "role": "actor",
-                                     "stats": {"x": msgpack.ExtType(1, b"")}}), "'stats' has the wrong type"),
+    (
+        "ext type in a map",
+        frames_of({"kind": "stats", "peer_id": "a", "role": "actor", "stats": {"x": msgpack.ExtType(1, b"")}}),
+        "'stats' has the wrong type",
+    ),
     ("bytes nested key", frames_of({"kind": "status", "body": {"a": {b"k": 2}}}), "'body' has the wrong type"),
     ("unknown extra field", frames_of({**HB, "colour": "red"}), "heartbeat: unknown fields ['colour']"),
     ("array count mismatch", frames_of(GOOD), "names 1 arrays but 0 array frames follow"),
@@ -285,8 +360,11 @@ BAD = [
     ("arrays not a list", frames_of(with_(arrays=packed({"a": 1})), A3), "'arrays' must be a list"),
     ("arrays not bin", frames_of(msgpack.packb(GOOD), A3), "'arrays' must be bin"),
     ("arrays bin not msgpack", frames_of(with_(arrays=b"\xc1"), A3), "'arrays' is not valid msgpack"),
-    ("arrays bin with trailing bytes", frames_of(with_(arrays=packed(GOOD["arrays"]) + b"\x00"), A3),
-     "'arrays' is not valid msgpack"),
+    (
+        "arrays bin with trailing bytes",
+        frames_of(with_(arrays=packed(GOOD["arrays"]) + b"\x00"), A3),
+        "'arrays' is not valid msgpack",
+    ),
     ("too many specs", frames_of(with_(arrays=[["a", "float32", [3]]] * 65), A3), "at most 64 can travel"),
     ("spec not a triple", frames_of(with_(arrays=[["a", "float32"]]), A3), "array spec 0 must be [name, dtype, shape]"),
     ("empty name", frames_of(with_(arrays=[["", "float32", [3]]]), A3), "name '' must be a non-empty string"),
@@ -300,12 +378,21 @@ BAD = [
     ("bool dim", frames_of(with_(arrays=[["a", "float32", [True]]]), A3), "shape [True] must be a list"),
     ("shape not a list", frames_of(with_(arrays=[["a", "float32", 3]]), A3), "shape 3 must be a list"),
     ("too many dims", frames_of(with_(arrays=[["a", "float32", [1] * 9]]), A3), "at most 8 non-negative ints"),
-    ("huge zero-size shape", frames_of(with_(arrays=[["a", "float32", [0, 2**40, 2**40, 2**40]]]), b""),
-     "is too large for the"),
-    ("frame size mismatch", frames_of(with_(arrays=[["a", "float32", [3]]]), A3[:8]),
-     "shape [3] x float32 needs 12 bytes, frame has 8"),
-    ("duplicate array name", frames_of(with_(arrays=[["a", "float32", [3]], ["a", "float32", [3]]]), A3, A3),
-     "duplicate array name 'a'"),
+    (
+        "huge zero-size shape",
+        frames_of(with_(arrays=[["a", "float32", [0, 2**40, 2**40, 2**40]]]), b""),
+        "is too large for the",
+    ),
+    (
+        "frame size mismatch",
+        frames_of(with_(arrays=[["a", "float32", [3]]]), A3[:8]),
+        "shape [3] x float32 needs 12 bytes, frame has 8",
+    ),
+    (
+        "duplicate array name",
+        frames_of(with_(arrays=[["a", "float32", [3]], ["a", "float32", [3]]]), A3, A3),
+        "duplicate array name 'a'",
+    ),
     ("arrays on a kind without arrays", frames_of(HB, A3), "heartbeat carries no arrays, got 1 extra frames"),
     ("arrays field on a kind without arrays", frames_of({**HB, "arrays": []}), "unknown fields ['arrays']"),
     ("welcome bad port", frames_of({**W, "ports": {"params": 70000}}), "port 'params' must be an int in 1..65535"),
@@ -321,8 +408,14 @@ def params_frames(layout, flat=ZEROS) -> list:
     return wire(params(flat=flat, layout=layout).encode())
 
 
-CHUNKED = split_params(run_id="r-1", peer_id="learner-0", version=2, flat=np.arange(10, dtype=np.float32),
-                       layout=[["w", "float32", [10], 0]], chunk_bytes=16)
+CHUNKED = split_params(
+    run_id="r-1",
+    peer_id="learner-0",
+    version=2,
+    flat=np.arange(10, dtype=np.float32),
+    layout=[["w", "float32", [10], 0]],
+    chunk_bytes=16,
+)
 HEAD = dict(msgpack.unpackb(wire(CHUNKED[0].encode())[1]))
 
 
@@ -344,18 +437,34 @@ BAD += [
     ("flat not chunk 0", head_frames(chunk_numel=5, numel=15), "'flat' must be chunk 0 (5 elements)"),
     ("numel without chunks", head_frames(chunk_hashes=[], numel=10), "numel 10 without chunk_hashes"),
     ("layout past numel", head_frames(layout=[["w", "float32", [11], 0]]), "does not fit the flat buffer of 10"),
-    ("one chunk, two hashes", wire(dataclasses.replace(split_params(
-        run_id="r", peer_id="l", version=1, flat=np.zeros(4, np.float32), layout=[])[0], param_hash="0" * 16).encode()),
-     "with one chunk, param_hash must be chunk_hashes[0]"),
+    (
+        "one chunk, two hashes",
+        wire(
+            dataclasses.replace(
+                split_params(run_id="r", peer_id="l", version=1, flat=np.zeros(4, np.float32), layout=[])[0],
+                param_hash="0" * 16,
+            ).encode()
+        ),
+        "with one chunk, param_hash must be chunk_hashes[0]",
+    ),
     ("chunk index 0", chunk_frames(index=0), "index 0 must be in 1.."),
-    ("chunk two arrays", wire(dataclasses.replace(CHUNKED[1], arrays={"data": np.zeros(2, np.float32),
-                                                                      "x": np.zeros(1, np.float32)}).encode()),
-     "exactly one 1-d array"),
+    (
+        "chunk two arrays",
+        wire(
+            dataclasses.replace(
+                CHUNKED[1], arrays={"data": np.zeros(2, np.float32), "x": np.zeros(1, np.float32)}
+            ).encode()
+        ),
+        "exactly one 1-d array",
+    ),
     ("chunk 2-d", chunk_frames(data=np.zeros((2, 2), np.float32)), "exactly one 1-d array"),
     ("chunk hash not hex", chunk_frames(chunk_hash="nothex"), "chunk_hash must be 16 hex digits"),
     ("layout row not a quad", params_frames([["w", "float32", [2]]]), "layout row 0 must be [name, dtype, shape"),
-    ("layout duplicate name", params_frames([["w", "float32", [1], 0], ["w", "float32", [1], 1]]),
-     "name 'w' must be a unique"),
+    (
+        "layout duplicate name",
+        params_frames([["w", "float32", [1], 0], ["w", "float32", [1], 1]]),
+        "name 'w' must be a unique",
+    ),
     ("layout bad dtype", params_frames([["w", ["float32"], [1], 0]]), "dtype ['float32'] is not allowed"),
     ("layout bad shape", params_frames([["w", "float32", [-1], 0]]), "bad shape [-1]"),
     ("layout bad offset", params_frames([["w", "float32", [1], -1]]), "offset -1 must be a non-negative int"),
@@ -384,26 +493,50 @@ BAD += [
     ("trajectory actions int32", traj_frames(actions=np.zeros((2, 2), np.int32)), "'actions' must be int64 [2, 2]"),
     ("trajectory actions of another T", traj_frames(actions=np.zeros((3, 2), np.int64)), "'actions' must be int64"),
     ("trajectory box actions without A", traj_frames(actions=np.zeros((2, 2), F32)), "or float32 [2, 2] + [A]"),
-    ("trajectory rewards of another N", traj_frames(rewards=np.zeros((2, 3), F32)),
-     "'rewards' must be float32 [2, 2], got float32 [2, 3]"),
-    ("trajectory terminated uint8", traj_frames(terminated=np.zeros((2, 2), np.uint8)),
-     "'terminated' must be bool [2, 2], got uint8 [2, 2]"),
-    ("trajectory next_obs of another shape", traj_frames(next_obs=np.zeros((2, 4), F32)),
-     "'next_obs' must be float32 [2, 3]"),
+    (
+        "trajectory rewards of another N",
+        traj_frames(rewards=np.zeros((2, 3), F32)),
+        "'rewards' must be float32 [2, 2], got float32 [2, 3]",
+    ),
+    (
+        "trajectory terminated uint8",
+        traj_frames(terminated=np.zeros((2, 2), np.uint8)),
+        "'terminated' must be bool [2, 2], got uint8 [2, 2]",
+    ),
+    (
+        "trajectory next_obs of another shape",
+        traj_frames(next_obs=np.zeros((2, 4), F32)),
+        "'next_obs' must be float32 [2, 3]",
+    ),
     ("trajectory next_value [N, 1]", traj_frames(next_value=np.zeros((2, 1), F32)), "'next_value' must be float32 [2]"),
-    ("trajectory part of the truncation arrays", traj_frames(drop=("trunc_value",), K=1),
-     "['trunc_idx', 'trunc_obs'] without the rest"),
-    ("trajectory truncation arrays with K = 0", traj_frames(K=1, trunc_idx=np.zeros(0, np.int64),
-                                                            trunc_obs=np.zeros((0, 3), F32),
-                                                            trunc_value=np.zeros(0, F32)), "(K = 0): leave them out"),
-    ("trajectory trunc_obs of another K", traj_frames(K=1, trunc_obs=np.zeros((2, 3), F32)),
-     "'trunc_obs' must be float32 [1, 3]"),
+    (
+        "trajectory part of the truncation arrays",
+        traj_frames(drop=("trunc_value",), K=1),
+        "['trunc_idx', 'trunc_obs'] without the rest",
+    ),
+    (
+        "trajectory truncation arrays with K = 0",
+        traj_frames(
+            K=1, trunc_idx=np.zeros(0, np.int64), trunc_obs=np.zeros((0, 3), F32), trunc_value=np.zeros(0, F32)
+        ),
+        "(K = 0): leave them out",
+    ),
+    (
+        "trajectory trunc_obs of another K",
+        traj_frames(K=1, trunc_obs=np.zeros((2, 3), F32)),
+        "'trunc_obs' must be float32 [1, 3]",
+    ),
     ("trajectory trunc_idx float", traj_frames(K=1, trunc_idx=np.zeros(1, F32)), "'trunc_idx' must be int64 [1]"),
-    ("trajectory trunc_idx 0-d", traj_frames(K=1, trunc_idx=np.array(0, np.int64), trunc_obs=np.zeros(3, F32),
-                                             trunc_value=np.array(0.0, F32)),
-     "'trunc_idx' must be int64 [1], got int64 []"),
-    ("trajectory trunc_idx 2-d", traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)),
-     "'trunc_idx' must be int64 [1]"),
+    (
+        "trajectory trunc_idx 0-d",
+        traj_frames(K=1, trunc_idx=np.array(0, np.int64), trunc_obs=np.zeros(3, F32), trunc_value=np.array(0.0, F32)),
+        "'trunc_idx' must be int64 [1], got int64 []",
+    ),
+    (
+        "trajectory trunc_idx 2-d",
+        traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)),
+        "'trunc_idx' must be int64 [1]",
+    ),
     ("trajectory env_steps not T * N", traj_frames(env_steps=5), "env_steps 5 must be T * N = 4"),
     ("trajectory episodes unpaired", traj_frames(ep_returns=[1.0], ep_lengths=[]), "must pair up"),
     ("trajectory more episodes than steps", traj_frames(ep_returns=[1.0] * 5, ep_lengths=[1] * 5), "must pair up"),
@@ -469,9 +602,18 @@ def test_random_frames_only_raise_protocol_error() -> None:
     assert sum(verdicts) >= 0.9 * len(verdicts), f"{len(verdicts) - sum(verdicts)} of {len(verdicts)} accepted"
 
 
-plain = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
-                     | st.binary(max_size=8), lambda inner: st.lists(inner, max_size=3)
-                     | st.dictionaries(st.text(max_size=8) | st.integers(-9, 9), inner, max_size=3), max_leaves=12)
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | st.integers(-9, 9), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
 def test_hostile_headers_only_raise_protocol_error() -> None:
@@ -480,10 +622,37 @@ def test_hostile_headers_only_raise_protocol_error() -> None:
     verdicts: list[bool] = []
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(st.sampled_from(sorted(P.MESSAGE_TYPES)), st.dictionaries(st.sampled_from(
-        ["arrays", "peer_id", "role", "run", "ports", "heartbeat_interval_s", "seq", "layout", "stats", "body",
-         "credit", "policy_version", "info", "meta", "peer_id", "run_id", "reason", "rehello", "x"]), plain,
-        max_size=6), st.lists(st.binary(max_size=16), max_size=3))
+    @given(
+        st.sampled_from(sorted(P.MESSAGE_TYPES)),
+        st.dictionaries(
+            st.sampled_from(
+                [
+                    "arrays",
+                    "peer_id",
+                    "role",
+                    "run",
+                    "ports",
+                    "heartbeat_interval_s",
+                    "seq",
+                    "layout",
+                    "stats",
+                    "body",
+                    "credit",
+                    "policy_version",
+                    "info",
+                    "meta",
+                    "peer_id",
+                    "run_id",
+                    "reason",
+                    "rehello",
+                    "x",
+                ]
+            ),
+            plain,
+            max_size=6,
+        ),
+        st.lists(st.binary(max_size=16), max_size=3),
+    )
     def check(kind: str, fields: dict, arrays: list) -> None:
         msg = accepted(frames_of({"kind": kind, **fields}, *arrays), 1 << 20)
         verdicts.append(msg is None)
@@ -503,8 +672,8 @@ def mutated(data, frames: list[bytes]) -> list[bytes]:
         if raw:
             raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
     if data.draw(st.booleans()):
-        raw = raw[:data.draw(st.integers(0, len(raw)))]
-    return [*frames[:i], bytes(raw), *frames[i + 1:]]
+        raw = raw[: data.draw(st.integers(0, len(raw)))]
+    return [*frames[:i], bytes(raw), *frames[i + 1 :]]
 
 
 def test_mutated_valid_messages_only_raise_protocol_error() -> None:
@@ -541,8 +710,9 @@ def test_encode_header_bytes_are_the_plain_msgpack_of_the_header(arrays: dict) -
     """encode's shortcuts (wire-ready arrays as they are, tuple specs) change no byte of the header."""
     msg = traj(arrays=arrays)
     want = {"kind": "trajectory", **{f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}}
-    want["arrays"] = packed([[name, DTYPE_NAMES_OF[P.wire_array(a).dtype], list(np.shape(a))]
-                             for name, a in arrays.items()])
+    want["arrays"] = packed(
+        [[name, DTYPE_NAMES_OF[P.wire_array(a).dtype], list(np.shape(a))] for name, a in arrays.items()]
+    )
     frames = msg.encode()
     assert bytes(frames[1]) == msgpack.packb(want, use_bin_type=True)
     for frame, array in zip(frames[2:], arrays.values()):
@@ -733,6 +903,7 @@ def spec_nbytes(spec: list) -> int | None:
 def hostile_trajectory(rnd: random.Random) -> tuple[list, int]:
     """Frames of a trajectory with a few defects, and a size limit. Most parts are well formed (specs,
     frames of the announced size, fields), so every check of decode gets reached, not just the first."""
+
     def pick(good: list, bad: list, p_bad: float = 0.08):
         return rnd.choice(bad if rnd.random() < p_bad else good)
 
@@ -741,8 +912,11 @@ def hostile_trajectory(rnd: random.Random) -> tuple[list, int]:
         shape = [rnd.randint(0, 4) for _ in range(rnd.randint(0, 3))]
         if rnd.random() < 0.1:
             shape.insert(rnd.randint(0, len(shape)), rnd.choice([-1, True, False, 1.0, 2**40, "2", None]))
-        spec = [pick(list("abcdef"), ["", 7, None, "a"]), pick(DTYPE_NAMES, ["complex64", "<f4", 4, None, ["int8"]]),
-                pick([shape], [3, None, "ab", [1] * 9, [0, 2**40, 2**40]])]
+        spec = [
+            pick(list("abcdef"), ["", 7, None, "a"]),
+            pick(DTYPE_NAMES, ["complex64", "<f4", 4, None, ["int8"]]),
+            pick([shape], [3, None, "ab", [1] * 9, [0, 2**40, 2**40]]),
+        ]
         arrays.append(pick([spec], [spec[:2], [*spec, 1], None, "abc"]))
         size = spec_nbytes(spec)
         frames.append(b"\x01" * (rnd.randint(0, 24) if size is None or rnd.random() < 0.08 else size))
@@ -751,7 +925,8 @@ def hostile_trajectory(rnd: random.Random) -> tuple[list, int]:
     header = {**GOOD, "arrays": pick([arrays], [None, {}, "arrays", [], ..., b"\xc1", packed({"a": 1})])}
     if rnd.random() < 0.3:
         header[rnd.choice(["run_id", "seq", "env_steps", "info", "x"])] = rnd.choice(
-            ["r", 1, -1, True, 1.5, None, {}, {"k": [1]}, {"k": {"n": b""}}, {"k": {2: 1}}, [], ...])
+            ["r", 1, -1, True, 1.5, None, {}, {"k": [1]}, {"k": {"n": b""}}, {"k": {2: 1}}, [], ...]
+        )
     header = {k: v for k, v in header.items() if v is not ...}
     return frames_of(header, *frames), rnd.choice([P.DEFAULT_MAX_MESSAGE_BYTES, 64, 8, 0])
 
@@ -765,9 +940,18 @@ def test_validate_trajectory_agrees_on_hostile_trajectories(rnd: random.Random) 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_validate_trajectory_agrees_on_mutated_messages(data) -> None:
-    frames = wire(data.draw(st.sampled_from([traj(), params(), traj(arrays=traj_arrays(K=1)),
-                                             traj(arrays={"x": np.arange(6.0).reshape(2, 3),
-                                                          "y": np.zeros(0, np.int8)})])).encode())
+    frames = wire(
+        data.draw(
+            st.sampled_from(
+                [
+                    traj(),
+                    params(),
+                    traj(arrays=traj_arrays(K=1)),
+                    traj(arrays={"x": np.arange(6.0).reshape(2, 3), "y": np.zeros(0, np.int8)}),
+                ]
+            )
+        ).encode()
+    )
     frames = mutated(data, frames)
     if data.draw(st.booleans()):
         frames = data.draw(st.permutations(frames)) if data.draw(st.booleans()) else [*frames, frames[-1]]
@@ -802,7 +986,7 @@ def test_encode_sends_wire_ready_arrays_without_copying() -> None:
     frames = P.encode(carrier({**ready, **other}))
     for frame, array in zip(frames[3:], ready.values()):  # after 'flat'
         assert frame is array
-    for frame, array in zip(frames[3 + len(ready):], other.values()):
+    for frame, array in zip(frames[3 + len(ready) :], other.values()):
         assert not np.shares_memory(frame, np.asarray(array)) and np.array_equal(frame, array)
     assert_same(carrier({**ready, **other}), P.decode(frames))
 

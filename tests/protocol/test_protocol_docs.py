@@ -4,6 +4,7 @@ Every ```frames NAME``` block of the document lists one message's frames as hex,
 label (``preamble``, ``header``, ``array:<name>``; indented lines continue a frame, ``(empty)`` is a
 zero-length frame). Every ```json NAME``` block is the same example's header, for readers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -112,10 +113,18 @@ def test_params_examples_hashes_layout_and_chunks() -> None:
 
 
 TRAJECTORY_SPECS = {  # name -> (dtype, shape written with T, N, K, O for obs dims)
-    "obs": ("float32", "T N O"), "actions": ("int64", "T N"), "logp": ("float32", "T N"),
-    "values": ("float32", "T N"), "rewards": ("float32", "T N"), "terminated": ("bool", "T N"),
-    "truncated": ("bool", "T N"), "next_obs": ("float32", "N O"), "next_value": ("float32", "N"),
-    "trunc_idx": ("int64", "K"), "trunc_obs": ("float32", "K O"), "trunc_value": ("float32", "K"),
+    "obs": ("float32", "T N O"),
+    "actions": ("int64", "T N"),
+    "logp": ("float32", "T N"),
+    "values": ("float32", "T N"),
+    "rewards": ("float32", "T N"),
+    "terminated": ("bool", "T N"),
+    "truncated": ("bool", "T N"),
+    "next_obs": ("float32", "N O"),
+    "next_value": ("float32", "N"),
+    "trunc_idx": ("int64", "K"),
+    "trunc_obs": ("float32", "K O"),
+    "trunc_value": ("float32", "K"),
 }
 
 
@@ -162,8 +171,7 @@ def test_every_field_is_documented(kind: str) -> None:
         row = re.search(rf"^\| `{f.name}` \| [^|]+ \| ([^|]+) \|", section.group(0), re.MULTILINE)
         assert row, f"{kind}.{f.name} is not in its table"
         # "arrays" has a Python default but is required on the wire (it must match the frames).
-        required = f.name == "arrays" or (f.default is dataclasses.MISSING
-                                          and f.default_factory is dataclasses.MISSING)
+        required = f.name == "arrays" or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
         cell = row.group(1).strip()
         assert (cell == "required") == required, f"{kind}.{f.name}: required/default is wrong"
         if not required:

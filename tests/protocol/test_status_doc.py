@@ -5,6 +5,7 @@ parameters, a forwarded and a malformed trajectory, stats, a health warning, a d
 of the body, of each member row, health row and departure row must appear in section 9 (in backticks), and
 every counter of zddrl.broker.report must be in the body from the start.
 """
+
 from __future__ import annotations
 
 import re
@@ -57,16 +58,26 @@ def test_every_key_of_a_real_status_body_is_documented(broker: BrokerHandle, bus
     good = wire(trajectory("run-a", "actor-0", 1))
     push.send_multipart([good[0], msgpack.packb({**msgpack.unpackb(good[1]), "bogus": 1}), *good[2:]])
     learner.trajectories(1)
-    actor.send(P.Stats(peer_id="actor-0", role="actor",
-                       stats={"run_id": "run-a", "policy_version": 0, "param_hash": "f" * 16, "sps": 10.0}))
+    actor.send(
+        P.Stats(
+            peer_id="actor-0",
+            role="actor",
+            stats={"run_id": "run-a", "policy_version": 0, "param_hash": "f" * 16, "sps": 10.0},
+        )
+    )
     leaver = Control(bus, broker, P.Hello(role="monitor", peer_id="monitor-0"))
     leaver.send(P.Bye(peer_id="monitor-0", reason="done"))
 
     def full() -> dict | None:
         body = status(broker, bus)
-        ready = (body["health"] and body["departures"] and body["broker"]["received"] == 2
-                 and "dropped_malformed" in body["members"].get("actor-0", {}))
+        ready = (
+            body["health"]
+            and body["departures"]
+            and body["broker"]["received"] == 2
+            and "dropped_malformed" in body["members"].get("actor-0", {})
+        )
         return body if ready else None
+
     body = wait_for(full, WAIT_S, "a health warning, a departure and both trajectories read")
 
     assert set(body) == {"broker", "members", "health", "departures"}
@@ -78,8 +89,16 @@ def test_every_key_of_a_real_status_body_is_documented(broker: BrokerHandle, bus
     rows = body["members"]
     assert set(rows) == {"learner-0", "actor-0"}
     for peer_id, row in rows.items():
-        missing = [k for k in row if not (documented(k) or k.startswith("dropped_") and documented("dropped_<reason>")
-                                          and k[len("dropped_"):] in DROP_REASONS)]
+        missing = [
+            k
+            for k in row
+            if not (
+                documented(k)
+                or k.startswith("dropped_")
+                and documented("dropped_<reason>")
+                and k[len("dropped_") :] in DROP_REASONS
+            )
+        ]
         assert not missing, f"member row keys of {peer_id} missing from section 9: {missing}"
         assert {"host", "pid", "num_envs"} <= set(row) and "`host`, `pid`, `num_envs`" in SECTION_9
     for row in body["health"]:

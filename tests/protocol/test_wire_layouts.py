@@ -1,4 +1,5 @@
 """Layout caches (zddrl.protocol.frames): a layout seen before skips its spec checks, never the checks of the frames."""
+
 from __future__ import annotations
 
 import msgpack
@@ -8,14 +9,39 @@ import pytest
 from zddrl import protocol as P
 from zddrl.protocol import frames as W
 
-HEADER = {"kind": "trajectory", "run_id": "r", "peer_id": "s", "seq": 0, "policy_version": 0, "param_hash": "",
-          "env_steps": 2, "info": {}}
+HEADER = {
+    "kind": "trajectory",
+    "run_id": "r",
+    "peer_id": "s",
+    "seq": 0,
+    "policy_version": 0,
+    "param_hash": "",
+    "env_steps": 2,
+    "info": {},
+}
 # A trajectory of T = 2 steps of N = 1 env with 3-dim observations: obs first, terminated sixth.
-SPECS = [["obs", "float32", [2, 1, 3]], ["actions", "int64", [2, 1]], ["logp", "float32", [2, 1]],
-         ["values", "float32", [2, 1]], ["rewards", "float32", [2, 1]], ["terminated", "bool", [2, 1]],
-         ["truncated", "bool", [2, 1]], ["next_obs", "float32", [1, 3]], ["next_value", "float32", [1]]]
-FRAMES = [np.zeros(6, np.float32).tobytes(), bytes(16), bytes(8), bytes(8), bytes(8), b"\x00\x01", bytes(2),
-          bytes(12), bytes(4)]
+SPECS = [
+    ["obs", "float32", [2, 1, 3]],
+    ["actions", "int64", [2, 1]],
+    ["logp", "float32", [2, 1]],
+    ["values", "float32", [2, 1]],
+    ["rewards", "float32", [2, 1]],
+    ["terminated", "bool", [2, 1]],
+    ["truncated", "bool", [2, 1]],
+    ["next_obs", "float32", [1, 3]],
+    ["next_value", "float32", [1]],
+]
+FRAMES = [
+    np.zeros(6, np.float32).tobytes(),
+    bytes(16),
+    bytes(8),
+    bytes(8),
+    bytes(8),
+    b"\x00\x01",
+    bytes(2),
+    bytes(12),
+    bytes(4),
+]
 TOTAL = sum(map(len, FRAMES))  # 90 bytes
 
 
@@ -54,13 +80,16 @@ def test_a_known_layout_is_checked_once(spec_checks: list) -> None:
     assert len(spec_checks) == 1
 
 
-@pytest.mark.parametrize("frames,error", [
-    ([FRAMES[0][:-4], *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 20"),
-    ([FRAMES[0] + b"\x00", *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 25"),
-    ([*FRAMES[:5], b"", *FRAMES[6:]], "array 'terminated': shape [2, 1] x bool needs 2 bytes, frame has 0"),
-    (FRAMES[:-1], "header names 9 arrays but 8 array frames follow"),
-    ([*FRAMES, b""], "header names 9 arrays but 10 array frames follow"),
-])
+@pytest.mark.parametrize(
+    "frames,error",
+    [
+        ([FRAMES[0][:-4], *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 20"),
+        ([FRAMES[0] + b"\x00", *FRAMES[1:]], "array 'obs': shape [2, 1, 3] x float32 needs 24 bytes, frame has 25"),
+        ([*FRAMES[:5], b"", *FRAMES[6:]], "array 'terminated': shape [2, 1] x bool needs 2 bytes, frame has 0"),
+        (FRAMES[:-1], "header names 9 arrays but 8 array frames follow"),
+        ([*FRAMES, b""], "header names 9 arrays but 10 array frames follow"),
+    ],
+)
 def test_a_cached_layout_still_checks_every_frame(frames: list, error: str) -> None:
     decode_both(message())  # the layout is cached now
     for fn in (P.decode, lambda f: P.validate_trajectory(f, P.DEFAULT_MAX_MESSAGE_BYTES)):
@@ -77,14 +106,17 @@ def test_a_cached_layout_still_meets_each_callers_limit() -> None:
         P.validate_trajectory(message(), 23)
 
 
-@pytest.mark.parametrize("specs,error", [
-    ([["obs", "float32", [2, True, 3]], *SPECS[1:]], "shape [2, True, 3] must be a list"),
-    ([["obs", "float32", [2, 1, 3.0]], *SPECS[1:]], "shape [2, 1, 3.0] must be a list"),
-    ([["obs", "float64", [2, 1, 3]], *SPECS[1:]], "needs 48 bytes, frame has 24"),
-    ([*SPECS[:5], ["obs", "bool", [2, 1]], *SPECS[6:]], "duplicate array name 'obs'"),
-    ([["obs", "<f4", [2, 1, 3]], *SPECS[1:]], "dtype '<f4' is not allowed"),
-    ([["obs", "float32", [1, 2, 3]], *SPECS[1:]], "'actions' must be int64 [1, 2]"),  # a trajectory rule
-])
+@pytest.mark.parametrize(
+    "specs,error",
+    [
+        ([["obs", "float32", [2, True, 3]], *SPECS[1:]], "shape [2, True, 3] must be a list"),
+        ([["obs", "float32", [2, 1, 3.0]], *SPECS[1:]], "shape [2, 1, 3.0] must be a list"),
+        ([["obs", "float64", [2, 1, 3]], *SPECS[1:]], "needs 48 bytes, frame has 24"),
+        ([*SPECS[:5], ["obs", "bool", [2, 1]], *SPECS[6:]], "duplicate array name 'obs'"),
+        ([["obs", "<f4", [2, 1, 3]], *SPECS[1:]], "dtype '<f4' is not allowed"),
+        ([["obs", "float32", [1, 2, 3]], *SPECS[1:]], "'actions' must be int64 [1, 2]"),  # a trajectory rule
+    ],
+)
 def test_a_changed_layout_is_validated_afresh(spec_checks: list, specs: list, error: str) -> None:
     """Values equal in Python (True == 1, 3.0 == 3) are other bytes on the wire: no cache hit for them."""
     decode_both(message())
@@ -119,8 +151,17 @@ def test_caches_are_bounded_in_entries_and_in_size(spec_checks: list) -> None:
     for n in range(W.LAYOUT_CACHE_SIZE + 10):
         with pytest.raises(P.ProtocolError, match="missing arrays"):  # a valid layout, not a trajectory's
             P.decode(message([["obs", "uint8", [n]]], [b"\x00" * n]))
-        P.encode(P.Trajectory(run_id="r", peer_id="s", seq=0, policy_version=0, param_hash="", env_steps=0,
-                              arrays={"obs": np.zeros(n, np.uint8)}))
+        P.encode(
+            P.Trajectory(
+                run_id="r",
+                peer_id="s",
+                seq=0,
+                policy_version=0,
+                param_hash="",
+                env_steps=0,
+                arrays={"obs": np.zeros(n, np.uint8)},
+            )
+        )
     assert 0 < len(W._DECODED) <= W.LAYOUT_CACHE_SIZE and 0 < len(W._ENCODED) <= W.LAYOUT_CACHE_SIZE
     W._DECODED.clear()
     long_name = "x" * W.MAX_CACHED_LAYOUT_BYTES
@@ -148,6 +189,7 @@ def test_encode_packs_a_layout_once_and_as_plain_msgpack() -> None:
 def test_a_cached_encode_layout_never_lets_an_array_skip_its_conversion() -> None:
     """The encode cache is keyed by dtype objects: a big-endian or non-wire array with a cached
     layout's names and shapes misses it and is converted (or refused), never sent as it is."""
+
     def traj(arrays: dict) -> P.Parameters:  # a params message: its extra arrays may be anything
         return P.Parameters(run_id="r", peer_id="s", policy_version=0, param_hash="", layout=[], arrays=arrays)
 

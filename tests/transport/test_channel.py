@@ -3,6 +3,7 @@
 The credit the channel grants is what the broker may send it: the window (messages), bounded by
 WINDOW_BYTES at the size of the last trajectory (never below MIN_WINDOW, never above the window).
 """
+
 from __future__ import annotations
 
 import time
@@ -54,6 +55,7 @@ def pair():
     def make(window: int) -> DataChannel:
         channels.append(DataChannel(ctx, link, "learner-0", P.DEFAULT_MAX_MESSAGE_BYTES, window))
         return channels[-1]
+
     yield broker, make
     for channel in channels:
         channel.close()

@@ -2,6 +2,7 @@
 
 The fake broker is a ROUTER in the test process, so each test decides exactly what the link sees.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,19 +21,31 @@ from zddrl.transport.link import BrokerLink
 WAIT_S = 10.0
 
 
-def welcome(run_id: str = "run-a", params_port: int = 1, interval: float = 1.0, liveness: int = 3,
-            peer_id: str = "actor-0") -> P.Welcome:
-    return P.Welcome(peer_id=peer_id, run_id=run_id, run={} if run_id else None,
-                     ports={"trajectories": 2, "learners": 3, "params": params_port},
-                     heartbeat_interval_s=interval, heartbeat_liveness=liveness, max_message_bytes=1 << 20)
+def welcome(
+    run_id: str = "run-a", params_port: int = 1, interval: float = 1.0, liveness: int = 3, peer_id: str = "actor-0"
+) -> P.Welcome:
+    return P.Welcome(
+        peer_id=peer_id,
+        run_id=run_id,
+        run={} if run_id else None,
+        ports={"trajectories": 2, "learners": 3, "params": params_port},
+        heartbeat_interval_s=interval,
+        heartbeat_liveness=liveness,
+        max_message_bytes=1 << 20,
+    )
 
 
 def params(run_id: str, version: int, corrupt: bool = False) -> P.Parameters:
     flat = np.arange(8, dtype=np.float32) * (version + 1)
     digest = P.param_hash(flat)
-    return P.Parameters(run_id=run_id, peer_id="learner-0", policy_version=version,
-                        param_hash=("0" * 16 if corrupt else digest), layout=[["w", "float32", [8], 0]],
-                        arrays={"flat": flat})
+    return P.Parameters(
+        run_id=run_id,
+        peer_id="learner-0",
+        policy_version=version,
+        param_hash=("0" * 16 if corrupt else digest),
+        layout=[["w", "float32", [8], 0]],
+        arrays={"flat": flat},
+    )
 
 
 def wire(msg: P.Message) -> P.Message:
@@ -55,8 +68,14 @@ def test_params_with_a_wrong_hash_are_rejected(link: BrokerLink) -> None:
     link._on_welcome(welcome())
     link._on_params(wire(params("run-a", 0, corrupt=True)))
     assert link.latest_params() is None and link.params_rejected == 1
-    no_flat = P.Parameters(run_id="run-a", peer_id="l", policy_version=1, param_hash="x", layout=[],
-                           arrays={"other": np.zeros(2, np.float32)})
+    no_flat = P.Parameters(
+        run_id="run-a",
+        peer_id="l",
+        policy_version=1,
+        param_hash="x",
+        layout=[],
+        arrays={"other": np.zeros(2, np.float32)},
+    )
     link._on_params(wire(no_flat))
     assert link.latest_params() is None and link.params_rejected == 2
     link._on_params(wire(params("run-a", 0)))
@@ -167,7 +186,6 @@ class FakeBroker(Bus):
 
     def send(self, identity: bytes, msg: P.Message) -> None:
         self.control.send_multipart([identity, *P.encode(msg)])
-
 
 
 @pytest.fixture

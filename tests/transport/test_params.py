@@ -1,4 +1,5 @@
 """Chunked parameter transport: split, reassembly, hash checks, never a mix of versions; through a real broker."""
+
 from __future__ import annotations
 
 import random
@@ -20,9 +21,17 @@ LAYOUT = [["w", "float32", [1000], 0]]
 
 def version(v: int, n: int = 1000, chunk_bytes: int = 1024, dtype: str = "float32", run: str = "r") -> list:
     flat = np.random.default_rng(v).normal(size=n).astype(np.float32)
-    return split(run_id=run, peer_id="learner-0", version=v, flat=flat, layout=[["w", "float32", [n], 0]],
-                 extras={"obs_mean": np.full(3, v, np.float32)}, meta={"rollout_len": v}, chunk_bytes=chunk_bytes,
-                 dtype=dtype)
+    return split(
+        run_id=run,
+        peer_id="learner-0",
+        version=v,
+        flat=flat,
+        layout=[["w", "float32", [n], 0]],
+        extras={"obs_mean": np.full(3, v, np.float32)},
+        meta={"rollout_len": v},
+        chunk_bytes=chunk_bytes,
+        dtype=dtype,
+    )
 
 
 def through_the_wire(msgs: list) -> list:
@@ -49,8 +58,12 @@ def test_split_and_reassemble(dtype: str, tol: float) -> None:
 
 
 def test_bfloat16_rounds_as_torch_does() -> None:
-    x = np.concatenate([np.random.default_rng(0).normal(size=10_000) * 10.0 ** np.arange(-5, 5).repeat(1000),
-                        [0.0, -0.0, np.inf, -np.inf, 1e-40]]).astype(np.float32)
+    x = np.concatenate(
+        [
+            np.random.default_rng(0).normal(size=10_000) * 10.0 ** np.arange(-5, 5).repeat(1000),
+            [0.0, -0.0, np.inf, -np.inf, 1e-40],
+        ]
+    ).astype(np.float32)
     want = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(to_transport(x, "bfloat16"), want)
     assert np.isnan(from_transport(to_transport(np.array([np.nan], np.float32), "bfloat16"), "bfloat16")).all()
@@ -91,8 +104,9 @@ def test_a_damaged_chunk_is_refused_and_a_resend_completes_the_version() -> None
 
 def test_forged_whole_hash_orphans_old_and_foreign_runs() -> None:
     msgs = version(2)
-    forged = [P.Parameters(**{**msgs[0].__dict__, "param_hash": "0" * 16})] + \
-             [P.ParamChunk(**{**m.__dict__, "param_hash": "0" * 16}) for m in msgs[1:]]
+    forged = [P.Parameters(**{**msgs[0].__dict__, "param_hash": "0" * 16})] + [
+        P.ParamChunk(**{**m.__dict__, "param_hash": "0" * 16}) for m in msgs[1:]
+    ]
     assembler = Assembler()
     assert [assembler.add(m) for m in forged] == [None] * len(forged)
     assert assembler.rejected["whole_hash"] == 1
@@ -143,6 +157,13 @@ def test_train_learns_with_bfloat16_parameters_in_chunks(tmp_path) -> None:
     """The whole system with the CartPole model (~9k parameters) sent as 5 bfloat16 chunks of 4 KiB."""
     from test_train import train
 
-    summary = train(tmp_path / "run", "--until-return", "200", "--set", 'learner.param_dtype="bfloat16"',
-                    "--set", "learner.param_chunk_bytes=4096")
+    summary = train(
+        tmp_path / "run",
+        "--until-return",
+        "200",
+        "--set",
+        'learner.param_dtype="bfloat16"',
+        "--set",
+        "learner.param_chunk_bytes=4096",
+    )
     assert summary["reached"] is True and summary["return_at_target"] >= 200

@@ -6,6 +6,7 @@ receives, verifies and decodes off the stepping path. Every trajectory is stampe
 version and parameter hash it was produced with. In sync mode the actor waits for a new version
 after each rollout; in async/impala modes it never waits and swaps versions between rollouts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -80,11 +81,17 @@ class ActorTimers:
         since, steps0, send0, waiting0 = self._mark or (self.started, 0, 0.0, 0.0)
         self._mark = (now, self.env_steps, self.send_s, waiting)
         window = max(now - since, 1e-9)
-        return {"env_steps": self.env_steps, "sps": (self.env_steps - steps0) / window, "rollouts": self.rollouts,
-                "nonfinite_episodes": self.nonfinite_episodes,
-                "wait_params_s": self.wait_params_s, "backpressure_s": self.backpressure_s, "send_s": self.send_s,
-                "comm_share": min(max((self.send_s - send0) / window, 0.0), 1.0),
-                "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0)}
+        return {
+            "env_steps": self.env_steps,
+            "sps": (self.env_steps - steps0) / window,
+            "rollouts": self.rollouts,
+            "nonfinite_episodes": self.nonfinite_episodes,
+            "wait_params_s": self.wait_params_s,
+            "backpressure_s": self.backpressure_s,
+            "send_s": self.send_s,
+            "comm_share": min(max((self.send_s - send0) / window, 0.0), 1.0),
+            "wait_share": min(max((waiting - waiting0) / window, 0.0), 1.0),
+        }
 
 
 class RolloutBuffer:
@@ -94,8 +101,9 @@ class RolloutBuffer:
         N, spec = vec.num_envs, vec.spec
         self.T, self.N = T, N
         self.obs = np.zeros((T, N, *spec.obs_shape), dtype=np.float32)
-        self.actions = np.zeros((T, N) if spec.discrete else (T, N, spec.action_dim),
-                                dtype=np.int64 if spec.discrete else np.float32)
+        self.actions = np.zeros(
+            (T, N) if spec.discrete else (T, N, spec.action_dim), dtype=np.int64 if spec.discrete else np.float32
+        )
         self.logp = np.zeros((T, N), dtype=np.float32)
         self.values = np.zeros((T, N), dtype=np.float32)
         self.rewards = np.zeros((T, N), dtype=np.float32)
@@ -115,8 +123,7 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
-            slowdown: float = 1.0) -> Collected:
+def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = RolloutBuffer(T, vec)
@@ -136,14 +143,23 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int,
         if slowdown > 1.0:  # testing knob: this host is `slowdown` times slower per step
             time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
     arrays = {
-        "obs": buf.obs, "actions": buf.actions, "logp": buf.logp, "values": buf.values, "rewards": buf.rewards,
-        "terminated": buf.terminated, "truncated": buf.truncated,
-        "next_obs": vec.obs.copy(), "next_value": policy.value(vec.obs).astype(np.float32),
+        "obs": buf.obs,
+        "actions": buf.actions,
+        "logp": buf.logp,
+        "values": buf.values,
+        "rewards": buf.rewards,
+        "terminated": buf.terminated,
+        "truncated": buf.truncated,
+        "next_obs": vec.obs.copy(),
+        "next_value": policy.value(vec.obs).astype(np.float32),
     }
     if trunc_idx:  # most rollouts have none: three empty frames fewer to send and check
         final = np.stack(trunc_obs).astype(np.float32, copy=False)
-        arrays.update(trunc_idx=np.array(trunc_idx, dtype=np.int64), trunc_obs=final,
-                      trunc_value=policy.value(final).astype(np.float32))
+        arrays.update(
+            trunc_idx=np.array(trunc_idx, dtype=np.int64),
+            trunc_obs=final,
+            trunc_value=policy.value(final).astype(np.float32),
+        )
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
     return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))
 
@@ -154,8 +170,10 @@ def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
     defect, so it fails here, loudly, instead of being dropped and counted one message at a time."""
     frames = P.encode(msg)
     if limit and P.message_nbytes(frames) > limit:
-        raise ValueError(f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
-                         f"max_message_bytes {limit}: lower env.rollout_len or --envs")
+        raise ValueError(
+            f"a rollout of {P.message_nbytes(frames)} bytes exceeds the broker's "
+            f"max_message_bytes {limit}: lower env.rollout_len or --envs"
+        )
     P.validate_trajectory(frames, limit or P.DEFAULT_MAX_MESSAGE_BYTES)  # a few us: layouts are checked once
     return frames
 
@@ -163,8 +181,17 @@ def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
 class ActorHost:
     """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done."""
 
-    def __init__(self, connect: str, actor_id: int, num_envs: int | None = None, *, peer_id: str | None = None,
-                 slowdown: float = 1.0, max_steps: int | None = None, context: zmq.Context | None = None) -> None:
+    def __init__(
+        self,
+        connect: str,
+        actor_id: int,
+        num_envs: int | None = None,
+        *,
+        peer_id: str | None = None,
+        slowdown: float = 1.0,
+        max_steps: int | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
         self.connect = connect
         self.actor_id = actor_id
         self.num_envs = num_envs
@@ -210,8 +237,9 @@ class ActorHost:
         vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps), seeds)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
-        self.log.info(f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, "
-                      f"mode {config.algo.mode}")
+        self.log.info(
+            f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, mode {config.algo.mode}"
+        )
         generation, push = link.generation, self._push(link)
         params, policy = None, None
         next_stats = 0.0
@@ -232,25 +260,44 @@ class ActorHost:
                     continue
                 if policy is None or params is None or newest.policy_version != params.policy_version:
                     params = newest
-                    policy = NumpyPolicy(params.arrays["flat"], params.layout, config.model.activation,
-                                         vec.spec.discrete, params.arrays.get("obs_mean"),
-                                         params.arrays.get("obs_var"))
+                    policy = NumpyPolicy(
+                        params.arrays["flat"],
+                        params.layout,
+                        config.model.activation,
+                        vec.spec.discrete,
+                        params.arrays.get("obs_mean"),
+                        params.arrays.get("obs_var"),
+                    )
                 T = int(params.meta.get("rollout_len", config.env.rollout_len))
                 t0 = time.monotonic()
                 rollout = collect(vec, policy, rng, T, self.slowdown)
                 self.timers.step_s += time.monotonic() - t0
                 if rollout.nonfinite_episodes:
                     self.timers.nonfinite_episodes += rollout.nonfinite_episodes
-                    self._ratelog.warning("nonfinite_return", f"{config.env.id} ended an episode with a non-finite "
-                                          "return (a NaN or infinite reward): the learner drops the rollouts that "
-                                          "carry one")
+                    self._ratelog.warning(
+                        "nonfinite_return",
+                        f"{config.env.id} ended an episode with a non-finite "
+                        "return (a NaN or infinite reward): the learner drops the rollouts that "
+                        "carry one",
+                    )
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
-                    link.send(P.Stats(peer_id=self.peer_id, role="actor",
-                                      stats={**self.timers.stats(), "num_envs": num_envs, "run_id": run_id,
-                                             "policy_version": params.policy_version,
-                                             "param_hash": params.param_hash, "reconnects": link.reconnects,
-                                             "rss_mb": round(rss_mb(), 1), "first_obs_hash": first_obs}))
+                    link.send(
+                        P.Stats(
+                            peer_id=self.peer_id,
+                            role="actor",
+                            stats={
+                                **self.timers.stats(),
+                                "num_envs": num_envs,
+                                "run_id": run_id,
+                                "policy_version": params.policy_version,
+                                "param_hash": params.param_hash,
+                                "reconnects": link.reconnects,
+                                "rss_mb": round(rss_mb(), 1),
+                                "first_obs_hash": first_obs,
+                            },
+                        )
+                    )
                     next_stats = time.monotonic() + STATS_EVERY_S
                     self._ratelog.flush()
         finally:
@@ -273,15 +320,36 @@ class ActorHost:
         push.connect(link.endpoint("trajectories"))
         return push
 
-    def _send(self, link: BrokerLink, push: zmq.Socket, run_id: str, params: P.Parameters,
-              rollout: Collected, env_steps: int, stop: threading.Event, max_in_flight: int) -> None:
+    def _send(
+        self,
+        link: BrokerLink,
+        push: zmq.Socket,
+        run_id: str,
+        params: P.Parameters,
+        rollout: Collected,
+        env_steps: int,
+        stop: threading.Event,
+        max_in_flight: int,
+    ) -> None:
         self.timers.env_steps += env_steps
         self.timers.rollouts += 1
-        msg = P.Trajectory(run_id=run_id, peer_id=self.peer_id, seq=self.seq, policy_version=params.policy_version,
-                           param_hash=params.param_hash, env_steps=env_steps, arrays=rollout.arrays,
-                           info={"actor_id": self.actor_id, "num_envs": int(rollout.arrays["rewards"].shape[1]),
-                                 "total_env_steps": self.timers.env_steps, "incarnation": self.incarnation},
-                           ep_returns=rollout.ep_returns, ep_lengths=rollout.ep_lengths)
+        msg = P.Trajectory(
+            run_id=run_id,
+            peer_id=self.peer_id,
+            seq=self.seq,
+            policy_version=params.policy_version,
+            param_hash=params.param_hash,
+            env_steps=env_steps,
+            arrays=rollout.arrays,
+            info={
+                "actor_id": self.actor_id,
+                "num_envs": int(rollout.arrays["rewards"].shape[1]),
+                "total_env_steps": self.timers.env_steps,
+                "incarnation": self.incarnation,
+            },
+            ep_returns=rollout.ep_returns,
+            ep_lengths=rollout.ep_lengths,
+        )
         self.seq += 1
         t0 = time.monotonic()
         frames = encode_rollout(msg, link.welcome.max_message_bytes if link.welcome is not None else 0)

@@ -4,6 +4,7 @@ Actors do not import torch: for the MLPs used on vector observations a numpy for
 several times cheaper per step than a torch call, and an actor host starts in a fraction of the
 time. The maths mirrors ``zddrl.algos.model.ActorCritic`` exactly (tests check it against torch).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -33,8 +34,15 @@ class ActOutput(NamedTuple):
 class NumpyPolicy:
     """``act(obs, rng)`` samples actions; ``value(obs)`` evaluates the critic. Inputs are raw observations."""
 
-    def __init__(self, flat: np.ndarray, layout: list, activation: str, discrete: bool,
-                 obs_mean: np.ndarray | None = None, obs_var: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        flat: np.ndarray,
+        layout: list,
+        activation: str,
+        discrete: bool,
+        obs_mean: np.ndarray | None = None,
+        obs_var: np.ndarray | None = None,
+    ) -> None:
         weights = unflatten(np.asarray(flat, dtype=np.float32), layout)
         self.pi = self._layers(weights, "pi")
         self.v = self._layers(weights, "v")
@@ -49,8 +57,10 @@ class NumpyPolicy:
     def _layers(weights: dict[str, np.ndarray], prefix: str) -> list[tuple[np.ndarray, np.ndarray]]:
         indices = sorted(int(k.split(".")[1]) for k in weights if k.startswith(prefix + ".") and k.endswith(".weight"))
         # W.T made contiguous once per version, not per step.
-        return [(np.ascontiguousarray(weights[f"{prefix}.{i}.weight"].T), weights[f"{prefix}.{i}.bias"].copy())
-                for i in indices]
+        return [
+            (np.ascontiguousarray(weights[f"{prefix}.{i}.weight"].T), weights[f"{prefix}.{i}.bias"].copy())
+            for i in indices
+        ]
 
     def _forward(self, layers: list[tuple[np.ndarray, np.ndarray]], x: np.ndarray) -> np.ndarray:
         for i, (w, b) in enumerate(layers):
@@ -83,5 +93,5 @@ class NumpyPolicy:
         std = np.exp(self.log_std)
         noise = np.zeros_like(out) if deterministic else rng.standard_normal(out.shape, dtype=np.float32)
         actions = out + std * noise
-        logp = (-0.5 * noise ** 2 - self.log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
+        logp = (-0.5 * noise**2 - self.log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
         return ActOutput(actions.astype(np.float32), logp.astype(np.float32), values.astype(np.float32))

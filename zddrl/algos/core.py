@@ -3,6 +3,7 @@
 Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trace) subclass
 ``LearnerCore`` and implement ``update(trajectories) -> figures``. No sockets here.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,20 +41,20 @@ class RunningMeanStd:
             return
         delta, total = mean - self.mean, self.count + n
         self.mean = self.mean + delta * n / total
-        self.var = (self.var * self.count + var * n + delta ** 2 * self.count * n / total) / total
+        self.var = (self.var * self.count + var * n + delta**2 * self.count * n / total) / total
         self.count = total
 
 
 def _pooled_moments(group: ShardGroup, n: int, mean: np.ndarray, var: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
     """(count, mean, variance) of the union of every shard's rows (float64 sums, one all-reduce)."""
     flat_mean, flat_var = np.asarray(mean, np.float64).reshape(-1), np.asarray(var, np.float64).reshape(-1)
-    sums = group.sum(n, *(n * flat_mean), *(n * (flat_var + flat_mean ** 2)))
+    sums = group.sum(n, *(n * flat_mean), *(n * (flat_var + flat_mean**2)))
     total = int(round(sums[0]))
     if total == 0:
         return 0, mean, var
     k = flat_mean.size
-    pooled_mean = np.array(sums[1:1 + k]) / total
-    pooled_var = np.maximum(np.array(sums[1 + k:]) / total - pooled_mean ** 2, 0.0)
+    pooled_mean = np.array(sums[1 : 1 + k]) / total
+    pooled_var = np.maximum(np.array(sums[1 + k :]) / total - pooled_mean**2, 0.0)
     return total, pooled_mean.reshape(np.shape(mean)), pooled_var.reshape(np.shape(mean))
 
 
@@ -83,8 +84,9 @@ class RewardScaler:
         self.returns[peer_id] = ret
         return seen
 
-    def scale(self, streams: Sequence[tuple[str, int, np.ndarray, np.ndarray]],
-              group: ShardGroup | None = None) -> list[np.ndarray]:
+    def scale(
+        self, streams: Sequence[tuple[str, int, np.ndarray, np.ndarray]], group: ShardGroup | None = None
+    ) -> list[np.ndarray]:
         """``(peer_id, seq, rewards [T, N], done [T, N])`` per trajectory -> the scaled rewards, float32.
 
         Streams advance in (peer_id, seq) order. With shards, every shard runs every stream of the
@@ -94,10 +96,17 @@ class RewardScaler:
         """
         everything = list(streams)
         if group is not None and group.sharded:
-            parts = group.exchange([[peer_id, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
-                                    for peer_id, seq, rewards, done in streams])
-            everything = [(peer_id, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_))
-                          for part in parts for peer_id, seq, r, d in part]
+            parts = group.exchange(
+                [
+                    [peer_id, seq, _packed(rewards, np.float32), _packed(done, np.bool_)]
+                    for peer_id, seq, rewards, done in streams
+                ]
+            )
+            everything = [
+                (peer_id, seq, _unpacked(r, np.float32), _unpacked(d, np.bool_))
+                for part in parts
+                for peer_id, seq, r, d in part
+            ]
         everything.sort(key=lambda x: (x[0], x[1]))
         seen = [self.discounted(peer_id, rewards, done).reshape(-1) for peer_id, _, rewards, done in everything]
         self.rms.update(np.concatenate(seen) if seen else np.zeros(0))
@@ -211,9 +220,13 @@ class LearnerCore:
 
     def state(self) -> dict:
         """Everything an update depends on, as tensors and plain values (``weights_only`` loadable)."""
-        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "steps_trained": self.steps_trained, "skipped_steps": self.skipped_steps,
-                 "torch_rng": torch.get_rng_state()}
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps_trained": self.steps_trained,
+            "skipped_steps": self.skipped_steps,
+            "torch_rng": torch.get_rng_state(),
+        }
         if self.obs_rms is not None:
             state["obs_rms"] = _rms_state(self.obs_rms)
         if self.reward_scaler is not None:

@@ -5,6 +5,7 @@ in elements); ``unflatten`` rebuilds the named arrays. Observations are normalis
 running statistics and clipped to ``OBS_CLIP`` on both sides, so that the network sees the same
 inputs when acting and when learning.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ def unflatten(flat: np.ndarray, layout: list) -> dict[str, np.ndarray]:
         size = int(np.prod(shape))
         if dtype != "float32" or offset < 0 or offset + size > flat.size:
             raise ValueError(f"layout entry {name!r} does not fit a flat buffer of {flat.size} elements")
-        out[name] = flat[offset:offset + size].reshape(shape)
+        out[name] = flat[offset : offset + size].reshape(shape)
     return out
 
 

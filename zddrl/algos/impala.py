@@ -7,6 +7,7 @@ current network's log-probs and values. Episode ends inside a rollout enter thro
 discounts (0 after termination); a truncated step is bootstrapped from V(final observation)
 (``vtrace_discounts_and_rewards``).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -54,9 +55,17 @@ def stack_time_major(trajectories: Sequence[Rollout], rewards: Sequence[np.ndarr
     def cat(key: str) -> np.ndarray:
         return np.concatenate([t.arrays[key] for t in trajectories], axis=1)
 
-    return TimeMajor(cat("obs"), cat("actions"), cat("logp"), np.concatenate(rewards, axis=1), cat("terminated"),
-                     cat("truncated"), np.concatenate([t.arrays["next_obs"] for t in trajectories]),
-                     np.concatenate(trunc_index), np.concatenate(trunc_obs))
+    return TimeMajor(
+        cat("obs"),
+        cat("actions"),
+        cat("logp"),
+        np.concatenate(rewards, axis=1),
+        cat("terminated"),
+        cat("truncated"),
+        np.concatenate([t.arrays["next_obs"] for t in trajectories]),
+        np.concatenate(trunc_index),
+        np.concatenate(trunc_obs),
+    )
 
 
 IMPALA_FIGURES = ("policy_loss", "value_loss", "entropy", "rho_mean", "explained_variance")
@@ -74,8 +83,13 @@ class ImpalaLearner(LearnerCore):
     def update(self, trajectories: Sequence[Rollout], staleness: float = 0.0) -> dict[str, float]:
         rewards = [t.arrays["rewards"] for t in trajectories]
         if self.reward_scaler is not None:
-            rewards = self.reward_scaler.scale([(t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"]
-                                                 | t.arrays["truncated"]) for t in trajectories], self.group)
+            rewards = self.reward_scaler.scale(
+                [
+                    (t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
+                    for t in trajectories
+                ],
+                self.group,
+            )
         tm = stack_time_major(trajectories, rewards) if trajectories else None
         T, B = tm.rewards.shape if tm is not None else (0, 0)
         obs = self.tensor(self.normalize(tm.obs)) if tm is not None else None
@@ -86,20 +100,28 @@ class ImpalaLearner(LearnerCore):
         for _ in range(self.algo.epochs):
             perm = torch.randperm(B)
             for j in range(k):
-                figures, grad_norm = self._step(tm, obs, perm[j * B // k:(j + 1) * B // k])
+                figures, grad_norm = self._step(tm, obs, perm[j * B // k : (j + 1) * B // k])
                 for name, v in figures.items():
                     sums[name] += v
                 if grad_norm is not None:
                     sums["grad_norm"] += grad_norm
                     sums["steps"] += 1
         if self.obs_rms is not None:  # after the epochs: bootstrap values must see the same statistics
-            self.obs_rms.update(tm.obs.reshape(T * B, *tm.obs.shape[2:]) if tm is not None
-                                else np.zeros((0, *self.spec.obs_shape), np.float32), self.group)
+            self.obs_rms.update(
+                tm.obs.reshape(T * B, *tm.obs.shape[2:])
+                if tm is not None
+                else np.zeros((0, *self.spec.obs_shape), np.float32),
+                self.group,
+            )
         self.steps_trained += total
         pooled = self.group.sum(*(sums[name] for name in IMPALA_FIGURES))
         seen = max(total * self.algo.epochs, 1)
-        return {**{name: v / seen for name, v in zip(IMPALA_FIGURES, pooled)},
-                "grad_norm": sums["grad_norm"] / max(sums["steps"], 1), "lr": lr, "batch_steps": total}
+        return {
+            **{name: v / seen for name, v in zip(IMPALA_FIGURES, pooled)},
+            "grad_norm": sums["grad_norm"] / max(sums["steps"], 1),
+            "lr": lr,
+            "batch_steps": total,
+        }
 
     def _targets(self, tm: TimeMajor, cols: torch.Tensor, target_logp: torch.Tensor, values: torch.Tensor):
         """V-trace targets for the env columns ``cols`` with the current network (no grad), on the CPU."""
@@ -107,13 +129,23 @@ class ImpalaLearner(LearnerCore):
         c = cols.numpy()
         trunc_value = np.zeros((T, B), dtype=np.float32)
         trunc_value.reshape(-1)[tm.trunc_index] = self.value(tm.trunc_obs)
-        rewards, discounts = vtrace_discounts_and_rewards(tm.rewards[:, c], tm.terminated[:, c], tm.truncated[:, c],
-                                                          trunc_value[:, c], self.algo.gamma)
-        return vtrace(tm.behaviour_logp[:, c], target_logp.cpu(), rewards, discounts, values.cpu(),
-                      self.value(tm.next_obs[c]), rho_bar=self.algo.rho_bar, c_bar=self.algo.c_bar)
+        rewards, discounts = vtrace_discounts_and_rewards(
+            tm.rewards[:, c], tm.terminated[:, c], tm.truncated[:, c], trunc_value[:, c], self.algo.gamma
+        )
+        return vtrace(
+            tm.behaviour_logp[:, c],
+            target_logp.cpu(),
+            rewards,
+            discounts,
+            values.cpu(),
+            self.value(tm.next_obs[c]),
+            rho_bar=self.algo.rho_bar,
+            c_bar=self.algo.c_bar,
+        )
 
-    def _step(self, tm: TimeMajor | None, obs: torch.Tensor | None,
-              cols: torch.Tensor) -> tuple[dict[str, float], float | None]:
+    def _step(
+        self, tm: TimeMajor | None, obs: torch.Tensor | None, cols: torch.Tensor
+    ) -> tuple[dict[str, float], float | None]:
         """One optimizer step on the env columns ``cols``: this shard's figures, summed over its samples
         (none if it has no columns this step), and the global gradient norm (None: no step taken)."""
         if tm is None or obs is None or len(cols) == 0:  # obs is None exactly when tm is
@@ -130,6 +162,11 @@ class ImpalaLearner(LearnerCore):
         entropy_mean = entropy.mean()
         loss = policy_loss + a.vf_coef * value_loss - a.ent_coef * entropy_mean
         grad_norm = self.step_optimizer(loss, T * b)
-        figures = {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
-                   "rho_mean": vt.rhos.mean().item(), "explained_variance": explained_variance(values.detach(), vs)}
+        figures = {
+            "policy_loss": policy_loss.item(),
+            "value_loss": value_loss.item(),
+            "entropy": entropy_mean.item(),
+            "rho_mean": vt.rhos.mean().item(),
+            "explained_variance": explained_variance(values.detach(), vs),
+        }
         return {name: v * T * b for name, v in figures.items()}, grad_norm

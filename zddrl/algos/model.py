@@ -4,6 +4,7 @@ The learner trains ``ActorCritic``; parameters travel as one contiguous float32 
 layout (``[name, dtype, shape, offset]`` rows, offsets in elements), from which actors rebuild the
 weights without torch (``zddrl.algos.flat``; actors use ``zddrl.actor.policy``).
 """
+
 from __future__ import annotations
 
 import math

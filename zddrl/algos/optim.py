@@ -4,6 +4,7 @@ Why not ``torch.optim.Adam``: constructing any ``torch.optim`` optimizer imports
 which takes ~0.9 s on this kind of machine: a third of `zddrl train`'s start-up on CartPole. The
 update below is the same arithmetic (tests compare it with torch's, step by step).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -15,8 +16,9 @@ import torch
 class Adam:
     """Adam (Kingma & Ba, 2015) without weight decay or amsgrad; ``param_groups[0]["lr"]`` is live."""
 
-    def __init__(self, params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
+    def __init__(
+        self, params: Iterable[torch.Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.param_groups: list[dict[str, Any]] = [{"lr": lr, "betas": betas, "eps": eps}]
         self.steps = 0
@@ -44,16 +46,20 @@ class Adam:
         torch._foreach_lerp_(m, grads, 1 - beta1)  # m = beta1 * m + (1 - beta1) * g
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-        bias1 = 1 - beta1 ** self.steps
-        bias2_sqrt = (1 - beta2 ** self.steps) ** 0.5
+        bias1 = 1 - beta1**self.steps
+        bias2_sqrt = (1 - beta2**self.steps) ** 0.5
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_addcdiv_(params, m, denom, -group["lr"] / bias1)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "exp_avg": [t.clone() for t in self.exp_avg],
-                "exp_avg_sq": [t.clone() for t in self.exp_avg_sq], "lr": self.param_groups[0]["lr"]}
+        return {
+            "steps": self.steps,
+            "exp_avg": [t.clone() for t in self.exp_avg],
+            "exp_avg_sq": [t.clone() for t in self.exp_avg_sq],
+            "lr": self.param_groups[0]["lr"],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])

@@ -13,6 +13,7 @@ start of the update), and each sample is weighted by the truncated importance we
 w = min(rho_bar, pi_prox / mu) against the behaviour policy mu that produced it. With fresh data
 pi_prox = mu, w = 1 and this is PPO again.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -44,10 +45,20 @@ class Batch(NamedTuple):
     returns: torch.Tensor
 
 
-def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, value: torch.Tensor,
-             old_value: torch.Tensor, returns: torch.Tensor, entropy: torch.Tensor, clip: float, vf_coef: float,
-             ent_coef: float, clip_vloss: bool = False,
-             weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    value: torch.Tensor,
+    old_value: torch.Tensor,
+    returns: torch.Tensor,
+    entropy: torch.Tensor,
+    clip: float,
+    vf_coef: float,
+    ent_coef: float,
+    clip_vloss: bool = False,
+    weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate + value loss - entropy bonus (Schulman et al. 2017, eq. 7 and 9).
 
     All inputs ``[B]``. ``weights`` (optional, no grad) scale each sample's surrogate: the truncated
@@ -68,8 +79,13 @@ def ppo_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, valu
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clipfrac = ((ratio - 1).abs() > clip).float().mean()
-    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy_mean.item(),
-                  "approx_kl": approx_kl.item(), "clipfrac": clipfrac.item()}
+    return loss, {
+        "policy_loss": policy_loss.item(),
+        "value_loss": value_loss.item(),
+        "entropy": entropy_mean.item(),
+        "approx_kl": approx_kl.item(),
+        "clipfrac": clipfrac.item(),
+    }
 
 
 class PPOLearner(LearnerCore):
@@ -84,8 +100,13 @@ class PPOLearner(LearnerCore):
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
         rewards_of = [t.arrays["rewards"] for t in trajectories]
         if self.reward_scaler is not None:
-            rewards_of = self.reward_scaler.scale([(t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"]
-                                                    | t.arrays["truncated"]) for t in trajectories], self.group)
+            rewards_of = self.reward_scaler.scale(
+                [
+                    (t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
+                    for t in trajectories
+                ],
+                self.group,
+            )
         for traj, rewards in zip(trajectories, rewards_of):
             x = traj.arrays
             T, N = x["rewards"].shape
@@ -98,8 +119,16 @@ class PPOLearner(LearnerCore):
                 values, next_value = x["values"], x["next_value"]
             trunc_value = np.zeros((T, N), dtype=np.float32)
             trunc_value.reshape(-1)[trunc_idx] = trunc_values
-            adv, ret = gae(rewards, values, x["terminated"], x["truncated"], next_value, trunc_value,
-                           gamma=a.gamma, gae_lambda=a.gae_lambda)
+            adv, ret = gae(
+                rewards,
+                values,
+                x["terminated"],
+                x["truncated"],
+                next_value,
+                trunc_value,
+                gamma=a.gamma,
+                gae_lambda=a.gae_lambda,
+            )
             parts["obs"].append(obs_flat)
             parts["actions"].append(x["actions"].reshape(T * N, *x["actions"].shape[2:]))
             parts["logp"].append(x["logp"].reshape(-1))
@@ -122,8 +151,11 @@ class PPOLearner(LearnerCore):
         """A batch of no samples with the right trailing shapes and dtypes."""
         spec = self.spec
         actions = np.zeros(0, np.int64) if spec.discrete else np.zeros((0, spec.action_dim), np.float32)
-        return {"obs": np.zeros((0, *spec.obs_shape), np.float32), "actions": actions,
-                **{k: np.zeros(0, np.float32) for k in ("logp", "values", "advantages", "returns")}}
+        return {
+            "obs": np.zeros((0, *spec.obs_shape), np.float32),
+            "actions": actions,
+            **{k: np.zeros(0, np.float32) for k in ("logp", "values", "advantages", "returns")},
+        }
 
     # ---------------------------------------------------------------- update
     def update(self, trajectories: Sequence[Rollout], staleness: float = 0.0) -> dict[str, float]:
@@ -143,7 +175,7 @@ class PPOLearner(LearnerCore):
         mbs = a.minibatches
         for _ in range(a.epochs):
             perm = torch.randperm(M, device=self.device)
-            slices = [perm[j * M // mbs:(j + 1) * M // mbs] for j in range(mbs)]
+            slices = [perm[j * M // mbs : (j + 1) * M // mbs] for j in range(mbs)]
             # Each minibatch's advantages are standardised over that minibatch on every shard; the
             # statistics of the epoch's k minibatches travel in one all-reduce, not one per step.
             stats = self._advantage_stats(batch.advantages, slices) if a.norm_adv else [None] * mbs
@@ -158,12 +190,19 @@ class PPOLearner(LearnerCore):
         pooled = self.group.sum(*(sums[k] for k in LOSS_FIGURES), batch.weights.sum())
         samples_seen = total * a.epochs
         figures = {k: v / max(samples_seen, 1) for k, v in zip(LOSS_FIGURES, pooled)}
-        return {**figures, "grad_norm": sums["grad_norm"] / max(sums["steps"], 1), "lr": lr, "clip": clip,
-                "explained_variance": explained_variance(batch.values, batch.returns, self.group),
-                "batch_steps": total, "is_weight_mean": pooled[-1] / max(total, 1)}
+        return {
+            **figures,
+            "grad_norm": sums["grad_norm"] / max(sums["steps"], 1),
+            "lr": lr,
+            "clip": clip,
+            "explained_variance": explained_variance(batch.values, batch.returns, self.group),
+            "batch_steps": total,
+            "is_weight_mean": pooled[-1] / max(total, 1),
+        }
 
-    def _advantage_stats(self, advantages: torch.Tensor,
-                         slices: list[torch.Tensor]) -> list[tuple[float, float] | None]:
+    def _advantage_stats(
+        self, advantages: torch.Tensor, slices: list[torch.Tensor]
+    ) -> list[tuple[float, float] | None]:
         """(mean, unbiased std) of the advantages of each minibatch, pooled over the shards (float64 sums,
         one all-reduce for all of them); None for a minibatch of fewer than 2 samples in all."""
         adv = advantages.double()
@@ -175,8 +214,9 @@ class PPOLearner(LearnerCore):
             stats.append(None if n < 2 else (mean, max((ss - n * mean * mean) / (n - 1), 0.0) ** 0.5))
         return stats
 
-    def _minibatch_step(self, batch: Batch, idx: torch.Tensor, clip: float,
-                        adv_stat: tuple[float, float] | None) -> tuple[dict[str, float], float | None]:
+    def _minibatch_step(
+        self, batch: Batch, idx: torch.Tensor, clip: float, adv_stat: tuple[float, float] | None
+    ) -> tuple[dict[str, float], float | None]:
         """One optimizer step, advantages standardised with ``adv_stat`` (mean, std) if given; this
         shard's loss figures (none if its slice is empty) and the global gradient norm (None: no
         shard had a sample, no step taken)."""
@@ -189,6 +229,18 @@ class PPOLearner(LearnerCore):
         if len(idx):
             logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
             weights = None if a.mode == "sync" else batch.weights[idx]
-            loss, figures = ppo_loss(logp, batch.logp[idx], adv, value, batch.values[idx], batch.returns[idx],
-                                     entropy, clip, a.vf_coef, a.ent_coef, a.clip_vloss, weights)
+            loss, figures = ppo_loss(
+                logp,
+                batch.logp[idx],
+                adv,
+                value,
+                batch.values[idx],
+                batch.returns[idx],
+                entropy,
+                clip,
+                a.vf_coef,
+                a.ent_coef,
+                a.clip_vloss,
+                weights,
+            )
         return figures, self.step_optimizer(loss, len(idx))

@@ -21,6 +21,7 @@ Conventions (all functions):
   naming each argument's dtype: a silent cast would lose precision one way or hide the caller's bug
   the other.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -67,8 +68,9 @@ def _common_dtype(floats: dict) -> torch.dtype:
     found = {name: dt for name, x in floats.items() if x is not None and (dt := _float_dtype(x)) is not None}
     if len(set(found.values())) > 1:
         listing = ", ".join(f"{name} {str(dt).removeprefix('torch.')}" for name, dt in found.items())
-        raise ValueError(f"mixed float dtypes ({listing}): pass every float input in one dtype, which the "
-                         "computation keeps")
+        raise ValueError(
+            f"mixed float dtypes ({listing}): pass every float input in one dtype, which the computation keeps"
+        )
     return next(iter(found.values()), torch.get_default_dtype())
 
 
@@ -81,8 +83,9 @@ def _tensor(x, name: str, dtype: torch.dtype | None, device=None) -> torch.Tenso
     return t.to(device=device) if dtype is None else t.to(dtype=dtype, device=device)
 
 
-def _time_major(names_values: dict, dtype: torch.dtype, device=None,
-                masks: tuple[str, ...] = ()) -> tuple[list[torch.Tensor], int, int]:
+def _time_major(
+    names_values: dict, dtype: torch.dtype, device=None, masks: tuple[str, ...] = ()
+) -> tuple[list[torch.Tensor], int, int]:
     """Converts ``[T, B]`` inputs to ``dtype`` (``masks`` keep theirs) and checks that they all share one
     shape, T >= 1."""
     out: list[torch.Tensor] = []
@@ -97,8 +100,7 @@ def _time_major(names_values: dict, dtype: torch.dtype, device=None,
                 raise ValueError(f"{name} has T = 0 steps; need at least one")
         elif t.shape != shape:
             first = next(iter(names_values))
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} "
-                             f"(the shape of {first})")
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (the shape of {first})")
         out.append(t)
     if shape is None:
         raise ValueError("no inputs")
@@ -121,8 +123,16 @@ def _check_unit(x: float, name: str) -> None:
         raise ValueError(f"{name} must be in [0, 1], got {x}")
 
 
-def gae(rewards, values, terminated, truncated, bootstrap_value, truncation_value=None,
-        gamma: float = 0.99, gae_lambda: float = 0.95) -> GAEReturns:
+def gae(
+    rewards,
+    values,
+    terminated,
+    truncated,
+    bootstrap_value,
+    truncation_value=None,
+    gamma: float = 0.99,
+    gae_lambda: float = 0.95,
+) -> GAEReturns:
     """Generalized Advantage Estimation (Schulman et al. 2016) with gymnasium episode ends.
 
     Args: ``rewards, values, terminated, truncated`` are ``[T, B]``; ``values[t]`` = V(s_t).
@@ -147,11 +157,11 @@ def gae(rewards, values, terminated, truncated, bootstrap_value, truncation_valu
     _check_unit(gamma, "gamma")
     _check_unit(gae_lambda, "gae_lambda")
     device = _device(rewards)
-    dtype = _common_dtype({"rewards": rewards, "values": values, "bootstrap_value": bootstrap_value,
-                           "truncation_value": truncation_value})
+    dtype = _common_dtype(
+        {"rewards": rewards, "values": values, "bootstrap_value": bootstrap_value, "truncation_value": truncation_value}
+    )
     with torch.no_grad():
-        args = {"rewards": rewards, "values": values, "terminated": terminated,
-                "truncated": truncated}
+        args = {"rewards": rewards, "values": values, "terminated": terminated, "truncated": truncated}
         if truncation_value is not None:
             args["truncation_value"] = truncation_value
         ts, T, B = _time_major(args, dtype, device, masks=("terminated", "truncated"))
@@ -172,8 +182,9 @@ def gae(rewards, values, terminated, truncated, bootstrap_value, truncation_valu
         return GAEReturns(adv, adv + v)
 
 
-def vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_value,
-           rho_bar: float = 1.0, c_bar: float = 1.0) -> VTraceReturns:
+def vtrace(
+    behaviour_logp, target_logp, rewards, discounts, values, bootstrap_value, rho_bar: float = 1.0, c_bar: float = 1.0
+) -> VTraceReturns:
     """V-trace targets and policy-gradient advantages (Espeholt et al. 2018, IMPALA, eq. 1).
 
     Inputs are ``[T, B]``; ``bootstrap_value`` ``[B]`` is V(x_T). ``discounts[t]`` is the discount
@@ -200,8 +211,13 @@ def vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_va
     if not (rho_bar > 0 and c_bar > 0):
         raise ValueError(f"rho_bar and c_bar must be > 0, got rho_bar={rho_bar}, c_bar={c_bar}")
     device = _device(rewards)
-    floats = {"behaviour_logp": behaviour_logp, "target_logp": target_logp, "rewards": rewards,
-              "discounts": discounts, "values": values}
+    floats = {
+        "behaviour_logp": behaviour_logp,
+        "target_logp": target_logp,
+        "rewards": rewards,
+        "discounts": discounts,
+        "values": values,
+    }
     dtype = _common_dtype({**floats, "bootstrap_value": bootstrap_value})
     with torch.no_grad():
         (mu, pi, r, d, v), T, B = _time_major(floats, dtype, device)
@@ -222,8 +238,9 @@ def vtrace(behaviour_logp, target_logp, rewards, discounts, values, bootstrap_va
         return VTraceReturns(vs, pg_advantages, rhos)
 
 
-def vtrace_discounts_and_rewards(rewards, terminated, truncated, truncation_value,
-                                 gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+def vtrace_discounts_and_rewards(
+    rewards, terminated, truncated, truncation_value, gamma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Folds gymnasium episode ends into the ``(rewards, discounts)`` that :func:`vtrace` takes.
 
     ``discounts = gamma * (1 - (terminated or truncated))``; at truncated-but-not-terminated steps
@@ -262,6 +279,5 @@ def truncated_importance_weights(target_logp, behaviour_logp, clip: float) -> to
         pi = _tensor(target_logp, "target_logp", dtype, device)
         mu = _tensor(behaviour_logp, "behaviour_logp", dtype, device)
         if pi.shape != mu.shape:
-            raise ValueError(f"target_logp shape {tuple(pi.shape)} != behaviour_logp shape "
-                             f"{tuple(mu.shape)}")
+            raise ValueError(f"target_logp shape {tuple(pi.shape)} != behaviour_logp shape {tuple(mu.shape)}")
         return torch.clamp(torch.exp(pi - mu), max=clip)

@@ -7,6 +7,7 @@ data fits *this run* (its environment's observation and action spaces, its rollo
 trainable (finite numbers, indices in range) depends on the run, so the learner asks ``mismatch``
 before a trajectory goes anywhere near a batch. ``truncations`` reads the optional truncation arrays.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -15,6 +15,7 @@ Three measurements, each against a reference measured in the same run:
 Senders, receivers and the broker use the real zddrl code (protocol.encode/decode, BrokerLink,
 Broker, and on the broker path the learner's DataChannel with its credit policy).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,14 +35,14 @@ from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.bench import common as C
-from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_SIZES, CODEC_TARGET, codec_ratio, format_rows, run_codec
+from zddrl.bench.bus_report import RATIO_FROM_BYTES, RATIO_TARGET, format_report, size_label, targets
+from zddrl.bench.codec import CODEC_SIZES, run_codec
 from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
 from zddrl.transport.channel import WINDOW_BYTES
 
 PATHS = ("direct", "proxy", "broker")
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
-RATIO_TARGET, RATIO_FROM_BYTES = 0.9, 65536
 FIRST_MSG_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.15
 """A lane counts as drained once its receiver saw nothing new for this long."""
@@ -77,8 +78,9 @@ class ThroughputRig:
     alternate between paths without process start-up in between.
     """
 
-    def __init__(self, workers: C.Workers, payloads: list[int], broker_spec: str,
-                 window: int = C.CREDIT_WINDOW) -> None:
+    def __init__(
+        self, workers: C.Workers, payloads: list[int], broker_spec: str, window: int = C.CREDIT_WINDOW
+    ) -> None:
         self.workers = workers
         self.window = window
         self.payloads = payloads
@@ -99,8 +101,9 @@ class ThroughputRig:
 
     def _start_lane(self, path: str, send_to: str, receive_at: str, control: str | None) -> Lane:
         lane = Lane(path, C.shared_mode(), C.Counters())
-        self.workers.start(f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters,
-                           self.window)
+        self.workers.start(
+            f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters, self.window
+        )
         self.workers.start(f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode)
         self.lanes[path] = lane
         return lane
@@ -110,8 +113,11 @@ class ThroughputRig:
         if body is None:
             return False
         members = body["members"]
-        return (body["broker"]["policy_version"] == 0 and C.SENDER_ID in members
-                and members.get(C.LEARNER_ID, {}).get("credit", 0) > 0)
+        return (
+            body["broker"]["policy_version"] == 0
+            and C.SENDER_ID in members
+            and members.get(C.LEARNER_ID, {}).get("credit", 0) > 0
+        )
 
     def broker_counters(self) -> dict[str, Any]:
         body = request_status(self.control, 2.0) or {"broker": {}}
@@ -127,15 +133,19 @@ class ThroughputRig:
         start = lane.counters.read()[0]
         lane.mode.value = index + 1
         try:
-            self.workers.wait(lambda: lane.counters.read()[0] >= start + 2, FIRST_MSG_TIMEOUT_S,
-                              f"the first {path} messages")
+            self.workers.wait(
+                lambda: lane.counters.read()[0] >= start + 2, FIRST_MSG_TIMEOUT_S, f"the first {path} messages"
+            )
             time.sleep(min(WARMUP_S, seconds))  # page faults of the new size, queues filling up
             n0, b0, t0 = lane.counters.read()
             cpu0 = C.cpu_seconds(lane.forwarder_pid)
             time.sleep(seconds)
             # Rates run from the first to the last message seen: at least a few of them.
-            self.workers.wait(lambda: lane.counters.read()[0] >= n0 + MIN_WINDOW_MSGS, FIRST_MSG_TIMEOUT_S,
-                              f"{path} messages in the window")
+            self.workers.wait(
+                lambda: lane.counters.read()[0] >= n0 + MIN_WINDOW_MSGS,
+                FIRST_MSG_TIMEOUT_S,
+                f"{path} messages in the window",
+            )
             n1, b1, t1 = lane.counters.read()
             cpu1 = C.cpu_seconds(lane.forwarder_pid)
         finally:
@@ -155,8 +165,9 @@ class ThroughputRig:
                 last, quiet_since = now, time.monotonic()
 
 
-def run_throughput(payloads: list[int], rounds: int, seconds: float, broker_spec: str,
-                   window: int = C.CREDIT_WINDOW) -> tuple[list[dict], list[dict], dict]:
+def run_throughput(
+    payloads: list[int], rounds: int, seconds: float, broker_spec: str, window: int = C.CREDIT_WINDOW
+) -> tuple[list[dict], list[dict], dict]:
     """Every round of every payload on a fresh set of processes and connections.
 
     Fresh per payload: one set of processes for all payloads measured 1 MiB on kernel socket buffers and heaps
@@ -179,8 +190,10 @@ def run_throughput(payloads: list[int], rounds: int, seconds: float, broker_spec
                 for path in order:
                     figures = rig.measure(path, 0, seconds)
                     samples[(path, size)].append(figures)
-                    logger.info(f"round {r + 1}/{rounds} {_size(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} "
-                                f"msgs/s {figures['mb_per_s']:8.1f} MB/s")
+                    logger.info(
+                        f"round {r + 1}/{rounds} {size_label(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} "
+                        f"msgs/s {figures['mb_per_s']:8.1f} MB/s"
+                    )
                 counters.append(rig.broker_counters())
     results = [_result_row(path, size, samples[(path, size)]) for size in payloads for path in PATHS]
     return results, _ratios(samples, payloads), _summed(counters)
@@ -192,22 +205,30 @@ def _summed(counters: list[dict[str, Any]]) -> dict[str, Any]:
     for c in counters:
         for reason, n in (c.get("dropped") or {}).items():
             dropped[reason] = dropped.get(reason, 0) + n
-    return {"brokers": len(counters), "received": sum(c.get("received") or 0 for c in counters),
-            "forwarded": sum(c.get("forwarded") or 0 for c in counters), "dropped": dropped,
-            "accounted": bool(counters) and all(c.get("accounted") is True for c in counters)}
+    return {
+        "brokers": len(counters),
+        "received": sum(c.get("received") or 0 for c in counters),
+        "forwarded": sum(c.get("forwarded") or 0 for c in counters),
+        "dropped": dropped,
+        "accounted": bool(counters) and all(c.get("accounted") is True for c in counters),
+    }
 
 
 def _result_row(path: str, size: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     cpu = [s["cpu_us"] for s in rounds if s["cpu_us"] is not None]
-    return {"path": path, "payload_bytes": size,
-            "msgs_per_s": round(statistics.median(s["msgs_per_s"] for s in rounds), 1),
-            "mb_per_s": round(statistics.median(s["mb_per_s"] for s in rounds), 2),
-            "forwarder_cpu_us_per_msg": round(statistics.median(cpu), 1) if cpu else None,
-            "rounds_msgs_per_s": [round(s["msgs_per_s"], 1) for s in rounds]}
+    return {
+        "path": path,
+        "payload_bytes": size,
+        "msgs_per_s": round(statistics.median(s["msgs_per_s"] for s in rounds), 1),
+        "mb_per_s": round(statistics.median(s["mb_per_s"] for s in rounds), 2),
+        "forwarder_cpu_us_per_msg": round(statistics.median(cpu), 1) if cpu else None,
+        "rounds_msgs_per_s": [round(s["msgs_per_s"], 1) for s in rounds],
+    }
 
 
 def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: list[int]) -> list[dict]:
     """Per payload, medians of per-round ratios: paths measured seconds apart share the noise."""
+
     def ratio(a: str, b: str, size: int) -> float:
         pairs = zip(samples[(a, size)], samples[(b, size)])
         return round(statistics.median(x["msgs_per_s"] / y["msgs_per_s"] for x, y in pairs), 3)
@@ -215,9 +236,12 @@ def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: li
     rows = []
     for size in payloads:
         row: dict[str, Any]
-        row = {"payload_bytes": size, "broker_over_proxy": ratio("broker", "proxy", size),
-               "broker_over_direct": ratio("broker", "direct", size),
-               "proxy_over_direct": ratio("proxy", "direct", size)}
+        row = {
+            "payload_bytes": size,
+            "broker_over_proxy": ratio("broker", "proxy", size),
+            "broker_over_direct": ratio("broker", "direct", size),
+            "proxy_over_direct": ratio("proxy", "direct", size),
+        }
         targeted = size >= RATIO_FROM_BYTES
         row["target"] = RATIO_TARGET if targeted else None
         row["met"] = row["broker_over_proxy"] >= RATIO_TARGET if targeted else None
@@ -289,82 +313,34 @@ def _broadcast_row(workers: C.Workers, pub: Publisher, slots: Any, size: int, co
         _wait_versions(workers, slots, count, pub.version)
         if rep:
             latencies.append((max(slots[2 * i + 1] for i in range(count)) - sent) * 1e3)
-    logger.info(f"broadcast {_size(size)} to {count}: median {statistics.median(latencies):.2f} ms")
-    return {"payload_bytes": size, "subscribers": count, "latency_ms": round(statistics.median(latencies), 3),
-            "min_ms": round(min(latencies), 3), "max_ms": round(max(latencies), 3), "reps": reps}
-
-
-def _wait_versions(workers: C.Workers, slots: Any, count: int, version: int) -> None:
-    workers.wait(lambda: all(slots[2 * i] >= version for i in range(count)), BCAST_TIMEOUT_S,
-                 f"{count} subscribers to hold parameters version {version}")
-
-
-# --------------------------------------------------------------------------------------------
-# Report
-# --------------------------------------------------------------------------------------------
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n / 1e6:g} MB" if n >= 100_000 else f"{n} B"
-
-
-def _targets(ratios: list[dict], codec: list[dict]) -> dict[str, Any]:
-    judged = [r for r in ratios if r["met"] is not None]
-    pickle_x = codec_ratio(codec, "fresh")
+    logger.info(f"broadcast {size_label(size)} to {count}: median {statistics.median(latencies):.2f} ms")
     return {
-        "broker_vs_proxy": {"threshold": RATIO_TARGET, "from_payload_bytes": RATIO_FROM_BYTES,
-                            "worst": min((r["broker_over_proxy"] for r in judged), default=None),
-                            "met": all(r["met"] for r in judged) if judged else None},
-        "codec_vs_pickle": {"threshold": CODEC_TARGET, "payload_bytes": CODEC_PAYLOAD, "data": "fresh",
-                            "ratio": pickle_x, "met": pickle_x >= CODEC_TARGET, "hot_ratio": codec_ratio(codec, "hot")},
+        "payload_bytes": size,
+        "subscribers": count,
+        "latency_ms": round(statistics.median(latencies), 3),
+        "min_ms": round(min(latencies), 3),
+        "max_ms": round(max(latencies), 3),
+        "reps": reps,
     }
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+def _wait_versions(workers: C.Workers, slots: Any, count: int, version: int) -> None:
+    workers.wait(
+        lambda: all(slots[2 * i] >= version for i in range(count)),
+        BCAST_TIMEOUT_S,
+        f"{count} subscribers to hold parameters version {version}",
+    )
 
 
-def _met(flag: bool | None) -> str:
-    return "-" if flag is None else ("met" if flag else "NOT met")
-
-
-def format_report(report: dict[str, Any]) -> str:
-    s = report["settings"]
-    out = [f"Trajectory throughput, actor -> forwarder -> learner (median of {s['rounds']} rounds, "
-           f"{s['seconds']:g} s windows; MB/s = 10^6 array bytes/s at the learner)"]
-    cpu = [r["forwarder_cpu_us_per_msg"] for r in report["results"]]
-    out.append(_table(["payload", "path", "msgs/s", "MB/s", "forwarder CPU us/msg", "per round msgs/s"],
-                      [[_size(r["payload_bytes"]), r["path"], f"{r['msgs_per_s']:.0f}", f"{r['mb_per_s']:.1f}",
-                        "-" if c is None else f"{c:.1f}", " ".join(f"{x:.0f}" for x in r["rounds_msgs_per_s"])]
-                       for r, c in zip(report["results"], cpu)]))
-    out += ["", "Ratios (median of per-round ratios)"]
-    out.append(_table(["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"],
-                      [[_size(r["payload_bytes"]), f"{r['broker_over_proxy']:.2f}x", f"{r['broker_over_direct']:.2f}x",
-                        f"{r['proxy_over_direct']:.2f}x", _met(r["met"])] for r in report["ratios"]]))
-    out += ["", "Parameter broadcast: send -> last subscriber holds the verified version"]
-    out.append(_table(["size", "subscribers", "median ms", "min ms", "max ms", "reps"],
-                      [[_size(r["payload_bytes"]), str(r["subscribers"]), f"{r['latency_ms']:.2f}",
-                        f"{r['min_ms']:.2f}", f"{r['max_ms']:.2f}", str(r["reps"])] for r in report["broadcast"]]))
-    out += ["", "Encode + decode per trajectory, 9 arrays (zddrl decodes received frames to zero-copy views); "
-                "fresh: a stream of distinct trajectories, hot: one trajectory again and again",
-            format_rows(report["codec"])]
-    t = report["targets"]
-    worst = t["broker_vs_proxy"]["worst"]
-    out += ["", f"Targets: broker >= {RATIO_TARGET}x proxy from {_size(RATIO_FROM_BYTES)}: "
-                f"{_met(t['broker_vs_proxy']['met'])} (worst {worst if worst is None else f'{worst:.2f}x'}); "
-                f"codec >= {CODEC_TARGET:g}x faster than pickle at {_size(CODEC_PAYLOAD)}: "
-                f"{_met(t['codec_vs_pickle']['met'])} "
-                f"({t['codec_vs_pickle']['ratio']:.1f}x fresh, {t['codec_vs_pickle']['hot_ratio']:.1f}x hot)",
-            f"Broker counters: {report['broker_counters']}   wall {report['wall_s']:.1f} s"]
-    return "\n".join(out)
-
-
-def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int], counts: list[int],
-              broker_spec: str = C.DEFAULT_BROKER, window: int = C.CREDIT_WINDOW) -> dict[str, Any]:
+def run_bench(
+    payloads: list[int],
+    rounds: int,
+    seconds: float,
+    sizes: list[int],
+    counts: list[int],
+    broker_spec: str = C.DEFAULT_BROKER,
+    window: int = C.CREDIT_WINDOW,
+) -> dict[str, Any]:
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
     results, ratios, counters = run_throughput(payloads, rounds, seconds, broker_spec, window)
@@ -372,13 +348,26 @@ def run_bench(payloads: list[int], rounds: int, seconds: float, sizes: list[int]
         broadcast = run_broadcast(workers, sizes, counts, broker_spec)
     if counters.get("dropped") and sum(counters["dropped"].values()):
         logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
-    return {"bench": "bus",
-            "settings": {"seconds": seconds, "rounds": rounds, "payloads": payloads, "hwm": C.HWM,
-                         "credit_window": window, "window_bytes": WINDOW_BYTES, "broker": broker_spec,
-                         "cpus": os.cpu_count()},
-            "results": results, "ratios": ratios, "broadcast": broadcast, "codec": codec,
-            "targets": _targets(ratios, codec), "broker_counters": counters,
-            "wall_s": round(time.monotonic() - t0, 1)}
+    return {
+        "bench": "bus",
+        "settings": {
+            "seconds": seconds,
+            "rounds": rounds,
+            "payloads": payloads,
+            "hwm": C.HWM,
+            "credit_window": window,
+            "window_bytes": WINDOW_BYTES,
+            "broker": broker_spec,
+            "cpus": os.cpu_count(),
+        },
+        "results": results,
+        "ratios": ratios,
+        "broadcast": broadcast,
+        "codec": codec,
+        "targets": targets(ratios, codec),
+        "broker_counters": counters,
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
 
 
 def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -394,22 +383,69 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 
 @click.command("bus")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--seconds", type=click.FloatRange(0.05, 60), default=0.6, show_default=True,
-              help="Measurement window per path, payload and round.")
-@click.option("--rounds", type=click.IntRange(1, 20), default=5, show_default=True,
-              help="Repeats (medians kept): many short rounds ride out bursts of machine noise.")
-@click.option("--payloads", default=DEFAULT_PAYLOADS, show_default=True, callback=_int_list,
-              help="Trajectory payload sizes in bytes, comma-separated.")
-@click.option("--broadcast-sizes", "sizes", default="100000,40000000", show_default=True, callback=_int_list,
-              help="Parameter buffer sizes in bytes, comma-separated.")
-@click.option("--subscribers", "counts", default="1,4", show_default=True, callback=_int_list,
-              help="Subscriber counts for the broadcast, comma-separated.")
-@click.option("--broker-impl", default=C.DEFAULT_BROKER, show_default=True, hidden=True,
-              help="module:Class of the broker to measure (for prototypes).")
-@click.option("--credit-window", "window", type=click.IntRange(1, 1 << 20), default=C.CREDIT_WINDOW, show_default=True,
-              hidden=True, help="Most credit the bench learner grants (the learner's sync-mode window by default).")
-def bus(as_json: bool, seconds: float, rounds: int, payloads: list[int], sizes: list[int], counts: list[int],
-        broker_impl: str, window: int) -> None:
+@click.option(
+    "--seconds",
+    type=click.FloatRange(0.05, 60),
+    default=0.6,
+    show_default=True,
+    help="Measurement window per path, payload and round.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1, 20),
+    default=5,
+    show_default=True,
+    help="Repeats (medians kept): many short rounds ride out bursts of machine noise.",
+)
+@click.option(
+    "--payloads",
+    default=DEFAULT_PAYLOADS,
+    show_default=True,
+    callback=_int_list,
+    help="Trajectory payload sizes in bytes, comma-separated.",
+)
+@click.option(
+    "--broadcast-sizes",
+    "sizes",
+    default="100000,40000000",
+    show_default=True,
+    callback=_int_list,
+    help="Parameter buffer sizes in bytes, comma-separated.",
+)
+@click.option(
+    "--subscribers",
+    "counts",
+    default="1,4",
+    show_default=True,
+    callback=_int_list,
+    help="Subscriber counts for the broadcast, comma-separated.",
+)
+@click.option(
+    "--broker-impl",
+    default=C.DEFAULT_BROKER,
+    show_default=True,
+    hidden=True,
+    help="module:Class of the broker to measure (for prototypes).",
+)
+@click.option(
+    "--credit-window",
+    "window",
+    type=click.IntRange(1, 1 << 20),
+    default=C.CREDIT_WINDOW,
+    show_default=True,
+    hidden=True,
+    help="Most credit the bench learner grants (the learner's sync-mode window by default).",
+)
+def bus(
+    as_json: bool,
+    seconds: float,
+    rounds: int,
+    payloads: list[int],
+    sizes: list[int],
+    counts: list[int],
+    broker_impl: str,
+    window: int,
+) -> None:
     """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
     # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

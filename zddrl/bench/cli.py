@@ -1,4 +1,5 @@
 """`zddrl bench ...`: the benchmarks behind the figures in docs/benchmarks.md."""
+
 from __future__ import annotations
 
 import click

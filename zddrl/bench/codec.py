@@ -25,6 +25,7 @@ Two kinds of data, both reported:
 
 Passes interleave the codecs (noise hits all alike) and medians are kept.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,12 @@ def _received(frames_of: list[list[Any]]) -> list[list[Any]]:
 class _Codec:
     """``encode`` and ``decode`` of one codec, and the decoder's inputs made from the messages."""
 
-    def __init__(self, encode: Callable[[Any], Any], decode: Callable[[Any], Any],
-                 prepare: Callable[[list[Any]], list[Any]] = list) -> None:
+    def __init__(
+        self,
+        encode: Callable[[Any], Any],
+        decode: Callable[[Any], Any],
+        prepare: Callable[[list[Any]], list[Any]] = list,
+    ) -> None:
         self.encode, self.decode, self.prepare = encode, decode, prepare
 
 
@@ -85,14 +90,20 @@ def _codecs() -> dict[str, tuple[_Codec, Callable[[P.Trajectory], Any]]]:
     try:  # the reference codec only: the wire never uses it, so zddrl does not depend on it
         import msgpack_numpy
     except ImportError:
-        raise click.ClickException("the codec bench times msgpack-numpy for reference: "
-                                   "pip install 'zddrl[bench]'") from None
+        raise click.ClickException(
+            "the codec bench times msgpack-numpy for reference: pip install 'zddrl[bench]'"
+        ) from None
     highest = pickle.HIGHEST_PROTOCOL
     return {
         "zddrl": (_Codec(P.encode, P.decode, _received), lambda m: m),
         "pickle": (_Codec(lambda d: pickle.dumps(d, protocol=highest), pickle.loads), _as_fields),
-        "msgpack-numpy": (_Codec(lambda d: msgpack.packb(d, default=msgpack_numpy.encode),
-                                 lambda b: msgpack.unpackb(b, object_hook=msgpack_numpy.decode)), _as_fields),
+        "msgpack-numpy": (
+            _Codec(
+                lambda d: msgpack.packb(d, default=msgpack_numpy.encode),
+                lambda b: msgpack.unpackb(b, object_hook=msgpack_numpy.decode),
+            ),
+            _as_fields,
+        ),
     }
 
 
@@ -132,9 +143,18 @@ def run_codec(payload: int = CODEC_PAYLOAD, passes: int = 7) -> list[dict]:
         base = us["zddrl"]["encode"] + us["zddrl"]["decode"]
         for name, u in us.items():
             total = u["encode"] + u["decode"]
-            rows.append({"codec": name, "payload_bytes": payload, "data": data, "encode_us": round(u["encode"], 2),
-                         "decode_us": round(u["decode"], 2), "encode_decode_us": round(total, 2),
-                         "x_slower_than_zddrl": round(total / base, 2), "messages": len(pool)})
+            rows.append(
+                {
+                    "codec": name,
+                    "payload_bytes": payload,
+                    "data": data,
+                    "encode_us": round(u["encode"], 2),
+                    "decode_us": round(u["decode"], 2),
+                    "encode_decode_us": round(total, 2),
+                    "x_slower_than_zddrl": round(total / base, 2),
+                    "messages": len(pool),
+                }
+            )
     return rows
 
 
@@ -159,33 +179,56 @@ def _loops(fn: Callable[[Any], Any], item: Any) -> int:
 
 def codec_ratio(rows: list[dict], data: str = "fresh") -> float:
     """How many times slower pickle's encode + decode is than zddrl's at CODEC_PAYLOAD."""
-    return next(r["x_slower_than_zddrl"] for r in rows
-                if r["codec"] == "pickle" and r["payload_bytes"] == CODEC_PAYLOAD and r["data"] == data)
+    return next(
+        r["x_slower_than_zddrl"]
+        for r in rows
+        if r["codec"] == "pickle" and r["payload_bytes"] == CODEC_PAYLOAD and r["data"] == data
+    )
 
 
 def format_rows(rows: list[dict]) -> str:
     """The codec rows as a table (zddrl bench codec, zddrl bench bus)."""
     header = ["payload", "data", "codec", "encode us", "decode us", "total us", "x zddrl"]
-    body = [[f"{r['payload_bytes'] >> 20} MiB" if r["payload_bytes"] % (1 << 20) == 0 else str(r["payload_bytes"]),
-             r["data"], r["codec"], f"{r['encode_us']:.1f}", f"{r['decode_us']:.1f}",
-             f"{r['encode_decode_us']:.1f}", f"{r['x_slower_than_zddrl']:.1f}"] for r in rows]
+    body = [
+        [
+            f"{r['payload_bytes'] >> 20} MiB" if r["payload_bytes"] % (1 << 20) == 0 else str(r["payload_bytes"]),
+            r["data"],
+            r["codec"],
+            f"{r['encode_us']:.1f}",
+            f"{r['decode_us']:.1f}",
+            f"{r['encode_decode_us']:.1f}",
+            f"{r['x_slower_than_zddrl']:.1f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [header, *body])
 
 
 @click.command("codec")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--passes", type=click.IntRange(1, 50), default=7, show_default=True,
-              help="Timed passes per codec and kind of data (medians kept).")
+@click.option(
+    "--passes",
+    type=click.IntRange(1, 50),
+    default=7,
+    show_default=True,
+    help="Timed passes per codec and kind of data (medians kept).",
+)
 def codec(as_json: bool, passes: int) -> None:
     """Encode + decode of a trajectory: zddrl frames vs pickle vs msgpack-numpy (also part of `bench bus`)."""
     rows = [row for size in CODEC_SIZES for row in run_codec(size, passes)]
-    target = {"threshold": CODEC_TARGET, "payload_bytes": CODEC_PAYLOAD, "ratio": codec_ratio(rows, "fresh"),
-              "hot_ratio": codec_ratio(rows, "hot")}
+    target = {
+        "threshold": CODEC_TARGET,
+        "payload_bytes": CODEC_PAYLOAD,
+        "ratio": codec_ratio(rows, "fresh"),
+        "hot_ratio": codec_ratio(rows, "hot"),
+    }
     target["met"] = target["ratio"] >= CODEC_TARGET
     if as_json:
         click.echo(json.dumps({"bench": "codec", "codec": rows, "target": target}))
         return
     click.echo(format_rows(rows))
-    click.echo(f"\npickle vs zddrl at 1 MiB: {target['ratio']:.1f}x on fresh trajectories (target >= "
-               f"{CODEC_TARGET:g}x: {'met' if target['met'] else 'NOT met'}), {target['hot_ratio']:.1f}x hot")
+    click.echo(
+        f"\npickle vs zddrl at 1 MiB: {target['ratio']:.1f}x on fresh trajectories (target >= "
+        f"{CODEC_TARGET:g}x: {'met' if target['met'] else 'NOT met'}), {target['hot_ratio']:.1f}x hot"
+    )

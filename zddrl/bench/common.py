@@ -5,6 +5,7 @@ the two endpoints compete for the cores as they would in a deployment. Workers a
 read through shared memory (``RawValue``/``RawArray``) rather than pipes: a load and a store cost
 far less than a message per trajectory, and the cost is the same on every path measured.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -57,25 +58,46 @@ def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray
     if dim < 1:
         raise ValueError(f"payload {payload_bytes} B is too small for a trajectory (>= 2048 B)")
     f32 = np.float32
-    return {"obs": rng.standard_normal((T, N, dim), f32), "actions": rng.integers(0, 2, (T, N), np.int64),
-            "logp": rng.standard_normal((T, N), f32), "values": rng.standard_normal((T, N), f32),
-            "rewards": np.ones((T, N), f32), "terminated": np.zeros((T, N), bool),
-            "truncated": np.zeros((T, N), bool), "next_obs": rng.standard_normal((N, dim), f32),
-            "next_value": np.zeros(N, f32)}
+    return {
+        "obs": rng.standard_normal((T, N, dim), f32),
+        "actions": rng.integers(0, 2, (T, N), np.int64),
+        "logp": rng.standard_normal((T, N), f32),
+        "values": rng.standard_normal((T, N), f32),
+        "rewards": np.ones((T, N), f32),
+        "terminated": np.zeros((T, N), bool),
+        "truncated": np.zeros((T, N), bool),
+        "next_obs": rng.standard_normal((N, dim), f32),
+        "next_value": np.zeros(N, f32),
+    }
 
 
 def trajectory(run_id: str, seq: int, arrays: dict[str, np.ndarray]) -> P.Trajectory:
     """A trajectory as an actor sends it; two episodes ended in it (their figures ride in the header)."""
-    return P.Trajectory(run_id=run_id, peer_id=SENDER_ID, seq=seq, policy_version=0, param_hash="0" * 16,
-                        env_steps=T_STEPS * N_ENVS, arrays=arrays, info={"total_env_steps": seq * T_STEPS * N_ENVS},
-                        ep_returns=[21.0, 34.0], ep_lengths=[21, 34])
+    return P.Trajectory(
+        run_id=run_id,
+        peer_id=SENDER_ID,
+        seq=seq,
+        policy_version=0,
+        param_hash="0" * 16,
+        env_steps=T_STEPS * N_ENVS,
+        arrays=arrays,
+        info={"total_env_steps": seq * T_STEPS * N_ENVS},
+        ep_returns=[21.0, 34.0],
+        ep_lengths=[21, 34],
+    )
 
 
 def parameters(run_id: str, version: int, flat: np.ndarray) -> P.Parameters:
     """A policy version the way LearnerNode._publish builds one (hash over the flat buffer)."""
-    return P.Parameters(run_id=run_id, peer_id=LEARNER_ID, policy_version=version, param_hash=P.param_hash(flat),
-                        layout=[["w", "float32", [int(flat.size)], 0]], arrays={"flat": flat},
-                        meta={"rollout_len": T_STEPS})
+    return P.Parameters(
+        run_id=run_id,
+        peer_id=LEARNER_ID,
+        policy_version=version,
+        param_hash=P.param_hash(flat),
+        layout=[["w", "float32", [int(flat.size)], 0]],
+        arrays={"flat": flat},
+        meta={"rollout_len": T_STEPS},
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,8 +267,9 @@ def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[
             link.close()
 
 
-def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, counters: Counters,
-                  window: int = CREDIT_WINDOW) -> None:
+def receiver_main(
+    path: str, endpoint: str, control: str | None, run_id: str, counters: Counters, window: int = CREDIT_WINDOW
+) -> None:
     """The learner end: decode every message and count it. On the broker path it is a learner shard's
     data channel (zddrl.transport.channel.DataChannel: the same credit policy, the same decode)."""
     ctx = _setup("bench-receiver")
@@ -273,6 +296,7 @@ def receiver_main(path: str, endpoint: str, control: str | None, run_id: str, co
             if isinstance(msg, P.Trajectory):
                 channel.ack()
             return msg
+
         _count(receive, counters)
     finally:
         link.close()
@@ -319,8 +343,9 @@ def broker_main(ports: list[int], spec: str = DEFAULT_BROKER) -> None:
     from zddrl.config import BrokerConfig
 
     control, traj, learners, params = ports
-    config = BrokerConfig(bind=f"tcp://127.0.0.1:{control}", trajectory_port=traj, learner_port=learners,
-                          params_port=params)
+    config = BrokerConfig(
+        bind=f"tcp://127.0.0.1:{control}", trajectory_port=traj, learner_port=learners, params_port=params
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # let run() return so close() runs
     broker = load_broker(spec)(config)

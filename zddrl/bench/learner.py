@@ -13,6 +13,7 @@ chunks, in float32 and in bfloat16; time from the first send to the last subscri
 verified version. Beside it, in the same run: pickle round trip (dumps + loads) of the same
 state dict, in this process only (zddrl never unpickles what came off a socket).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,12 +53,26 @@ def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
     terminated = rng.random((T, N)) < 0.02
     truncated = np.zeros((T, N), bool)
     arrays: dict[str, np.ndarray]
-    arrays = {"obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
-              "logp": np.full((T, N), -0.69, np.float32), "values": rng.normal(0, 1, (T, N)).astype(np.float32),
-              "rewards": np.ones((T, N), np.float32), "terminated": terminated, "truncated": truncated,
-              "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32), "next_value": np.zeros(N, np.float32)}
-    return P.Trajectory(run_id="bench", peer_id=f"actor-{actor}", seq=update, policy_version=update, param_hash="",
-                        env_steps=T * N, arrays=arrays)
+    arrays = {
+        "obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32),
+        "actions": rng.integers(0, 2, (T, N)),
+        "logp": np.full((T, N), -0.69, np.float32),
+        "values": rng.normal(0, 1, (T, N)).astype(np.float32),
+        "rewards": np.ones((T, N), np.float32),
+        "terminated": terminated,
+        "truncated": truncated,
+        "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
+        "next_value": np.zeros(N, np.float32),
+    }
+    return P.Trajectory(
+        run_id="bench",
+        peer_id=f"actor-{actor}",
+        seq=update,
+        policy_version=update,
+        param_hash="",
+        env_steps=T * N,
+        arrays=arrays,
+    )
 
 
 def shard_main(spec: dict[str, Any], out: str) -> None:
@@ -69,9 +84,15 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     from zddrl.envs import EnvSpec
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
-    config = Config().replace({"algo.mode": spec["mode"], "algo.epochs": spec["epochs"],
-                               "algo.minibatches": spec["minibatches"], "algo.torch_threads": spec["threads"],
-                               "model.hidden": spec["hidden"]})
+    config = Config().replace(
+        {
+            "algo.mode": spec["mode"],
+            "algo.epochs": spec["epochs"],
+            "algo.minibatches": spec["minibatches"],
+            "algo.torch_threads": spec["threads"],
+            "model.hidden": spec["hidden"],
+        }
+    )
     core = (ImpalaLearner if spec["mode"] == "impala" else PPOLearner)(config, EnvSpec((4,), True, 2), group)
     T, N = 32, 16
     actors = spec["batch"] // (T * N)
@@ -87,17 +108,35 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     group.close()
 
 
-def run_throughput(devices: tuple[str, ...], threads: int, hidden: list[int], batch: int, updates: int, mode: str,
-                   epochs: int, minibatches: int) -> dict[str, Any]:
+def run_throughput(
+    devices: tuple[str, ...],
+    threads: int,
+    hidden: list[int],
+    batch: int,
+    updates: int,
+    mode: str,
+    epochs: int,
+    minibatches: int,
+) -> dict[str, Any]:
     """One shard process per entry of ``devices`` ("cpu", "cuda:0", ...), each with ``threads`` torch threads."""
     shards = len(devices)
-    spec = {"mode": mode, "epochs": epochs, "minibatches": minibatches, "threads": threads, "hidden": hidden,
-            "batch": batch, "updates": updates, "devices": list(devices)}
+    spec = {
+        "mode": mode,
+        "epochs": epochs,
+        "minibatches": minibatches,
+        "threads": threads,
+        "hidden": hidden,
+        "batch": batch,
+        "updates": updates,
+        "devices": list(devices),
+    }
     envs = shard_environments(DevicePlan(devices), Rendezvous()) if shards > 1 else [dict(os.environ)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
-        procs = [subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env)
-                 for env in envs]
+        procs = [
+            subprocess.Popen([sys.executable, "-m", "zddrl.bench.learner", json.dumps(spec), out], env=env)
+            for env in envs
+        ]
         try:
             codes = [p.wait(timeout=900) for p in procs]
         finally:
@@ -107,14 +146,24 @@ def run_throughput(devices: tuple[str, ...], threads: int, hidden: list[int], ba
             raise click.ClickException(f"a benchmark shard failed (exit codes {codes})")
         figures = json.loads(Path(out).read_text())
     samples = batch * updates
-    row = {"mode": mode, "shards": shards, "device": devices[0], "threads_per_shard": threads, "hidden": hidden,
-           "batch": batch,
-           "epochs": epochs, "minibatches": minibatches, "updates": updates,
-           "samples_per_s": round(samples / figures["wall_s"], 1),
-           "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
-           "collective_share": round(figures["comm_s"] / figures["wall_s"], 3)}
-    logger.info(f"{shards} shard(s) on {devices[0]} x {threads} thread(s), hidden {hidden}: "
-                f"{row['samples_per_s']:.0f} samples/s, collectives {100 * row['collective_share']:.0f} %")
+    row = {
+        "mode": mode,
+        "shards": shards,
+        "device": devices[0],
+        "threads_per_shard": threads,
+        "hidden": hidden,
+        "batch": batch,
+        "epochs": epochs,
+        "minibatches": minibatches,
+        "updates": updates,
+        "samples_per_s": round(samples / figures["wall_s"], 1),
+        "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
+        "collective_share": round(figures["comm_s"] / figures["wall_s"], 3),
+    }
+    logger.info(
+        f"{shards} shard(s) on {devices[0]} x {threads} thread(s), hidden {hidden}: "
+        f"{row['samples_per_s']:.0f} samples/s, collectives {100 * row['collective_share']:.0f} %"
+    )
     return row
 
 
@@ -130,8 +179,7 @@ def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
     from zddrl.config import ModelConfig
     from zddrl.envs import EnvSpec
 
-    model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]),
-                        ModelConfig(hidden=tuple(hidden)))
+    model = ActorCritic(EnvSpec((BIG_MODEL["obs_dim"],), True, BIG_MODEL["actions"]), ModelConfig(hidden=tuple(hidden)))
     flat, layout = flatten_params(model)
     return flat, layout, model.state_dict()
 
@@ -140,20 +188,27 @@ class ChunkPublisher(Publisher):
     """The main learner shard's side of a broadcast (``bench bus``'s publisher, joined as the run's
     learner), sending a version as the learner does: ``params.split`` (chunks, hashes, precision)."""
 
-    def publish(self, flat: np.ndarray, layout: list | None = None, dtype: str = "float32",
-                chunk_bytes: int = 4 << 20) -> float:
+    def publish(
+        self, flat: np.ndarray, layout: list | None = None, dtype: str = "float32", chunk_bytes: int = 4 << 20
+    ) -> float:
         """Split (hash, convert) and send version ``self.version``; returns the time the work started."""
         from zddrl.transport.params import split
 
         started = time.monotonic()
-        for msg in split(run_id=self.run_id, peer_id=C.LEARNER_ID, version=self.version, flat=flat,
-                         layout=layout or [["w", "float32", [flat.size], 0]], chunk_bytes=chunk_bytes, dtype=dtype):
+        for msg in split(
+            run_id=self.run_id,
+            peer_id=C.LEARNER_ID,
+            version=self.version,
+            flat=flat,
+            layout=layout or [["w", "float32", [flat.size], 0]],
+            chunk_bytes=chunk_bytes,
+            dtype=dtype,
+        ):
             self.sock.send_multipart(P.encode(msg), copy=False)
         return started
 
 
-def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int,
-                  hidden: list[int]) -> tuple[list[dict], dict]:
+def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int, hidden: list[int]) -> tuple[list[dict], dict]:
     flat, layout, state = big_model(hidden)
     rows = []
     with C.Workers() as workers:
@@ -177,8 +232,16 @@ def run_broadcast(counts: list[int], dtypes: list[str], chunk_bytes: int,
     return rows, _pickle_row(state)
 
 
-def _broadcast_row(workers: C.Workers, pub: ChunkPublisher, slots: Any, flat: np.ndarray, layout: list, count: int,
-                   dtype: str, chunk_bytes: int) -> dict[str, Any]:
+def _broadcast_row(
+    workers: C.Workers,
+    pub: ChunkPublisher,
+    slots: Any,
+    flat: np.ndarray,
+    layout: list,
+    count: int,
+    dtype: str,
+    chunk_bytes: int,
+) -> dict[str, Any]:
     latencies = []
     for rep in range(BROADCAST_REPS + 1):  # the first warms the path and is not kept
         pub.version += 1
@@ -188,17 +251,27 @@ def _broadcast_row(workers: C.Workers, pub: ChunkPublisher, slots: Any, flat: np
         if rep:
             latencies.append((max(slots[2 * i + 1] for i in range(count)) - sent) * 1e3)
     itemsize = 4 if dtype == "float32" else 2
-    row = {"params": int(flat.size), "wire_bytes": int(flat.size * itemsize), "param_dtype": dtype,
-           "chunks": -(-flat.size * itemsize // chunk_bytes), "subscribers": count,
-           "latency_ms": round(statistics.median(latencies), 1), "min_ms": round(min(latencies), 1),
-           "max_ms": round(max(latencies), 1), "reps": BROADCAST_REPS}
+    row = {
+        "params": int(flat.size),
+        "wire_bytes": int(flat.size * itemsize),
+        "param_dtype": dtype,
+        "chunks": -(-flat.size * itemsize // chunk_bytes),
+        "subscribers": count,
+        "latency_ms": round(statistics.median(latencies), 1),
+        "min_ms": round(min(latencies), 1),
+        "max_ms": round(max(latencies), 1),
+        "reps": BROADCAST_REPS,
+    }
     logger.info(f"broadcast {flat.size / 1e6:.1f}M params {dtype} to {count}: median {row['latency_ms']} ms")
     return row
 
 
 def _wait(workers: C.Workers, slots: Any, count: int, version: int) -> None:
-    workers.wait(lambda: all(slots[2 * i] >= version for i in range(count)), BROADCAST_TIMEOUT_S,
-                 f"{count} subscribers to hold parameters version {version}")
+    workers.wait(
+        lambda: all(slots[2 * i] >= version for i in range(count)),
+        BROADCAST_TIMEOUT_S,
+        f"{count} subscribers to hold parameters version {version}",
+    )
 
 
 def _pickle_row(state: dict) -> dict[str, Any]:
@@ -217,9 +290,11 @@ def _pickle_row(state: dict) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    lines = ["Learner throughput (samples trained per second of update time; same global batch)",
-             f"{'hidden':>12} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
-             f"{'collectives':>11} {'x 1 shard':>9}"]
+    lines = [
+        "Learner throughput (samples trained per second of update time; same global batch)",
+        f"{'hidden':>12} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
+        f"{'collectives':>11} {'x 1 shard':>9}",
+    ]
     base = {}
     for r in report["throughput"]:
         key = (tuple(r["hidden"]), r["device"])
@@ -227,16 +302,23 @@ def format_report(report: dict[str, Any]) -> str:
             base[key] = r["samples_per_s"]
         ratio = r["samples_per_s"] / base[key] if key in base else float("nan")
         name = "x".join(map(str, r["hidden"]))
-        lines.append(f"{name:>12} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
-                     f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
-                     f"{ratio:>8.2f}x")
+        lines.append(
+            f"{name:>12} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
+            f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
+            f"{ratio:>8.2f}x"
+        )
     if report["broadcast"]:
-        lines += ["", f"Parameter broadcast, {report['broadcast'][0]['params'] / 1e6:.1f}M parameters, "
-                      "send -> last subscriber holds the verified version",
-                  f"{'dtype':>9} {'MB':>6} {'chunks':>6} {'subscribers':>11} {'median ms':>9} {'min':>6} {'max':>6}"]
+        lines += [
+            "",
+            f"Parameter broadcast, {report['broadcast'][0]['params'] / 1e6:.1f}M parameters, "
+            "send -> last subscriber holds the verified version",
+            f"{'dtype':>9} {'MB':>6} {'chunks':>6} {'subscribers':>11} {'median ms':>9} {'min':>6} {'max':>6}",
+        ]
         for r in report["broadcast"]:
-            lines.append(f"{r['param_dtype']:>9} {r['wire_bytes'] / 1e6:>6.1f} {r['chunks']:>6} {r['subscribers']:>11} "
-                         f"{r['latency_ms']:>9.1f} {r['min_ms']:>6.1f} {r['max_ms']:>6.1f}")
+            lines.append(
+                f"{r['param_dtype']:>9} {r['wire_bytes'] / 1e6:>6.1f} {r['chunks']:>6} {r['subscribers']:>11} "
+                f"{r['latency_ms']:>9.1f} {r['min_ms']:>6.1f} {r['max_ms']:>6.1f}"
+            )
         lines.append(f"{report['pickle']['codec']}: {report['pickle']['ms']:.1f} ms (no transport, no hashing)")
     return "\n".join(lines)
 
@@ -248,24 +330,57 @@ def _ints(text: str) -> list[int]:
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--shards", default="1,2", show_default=True, help="Shard counts to measure, comma-separated.")
-@click.option("--hidden", "hiddens", multiple=True, default=["64,64", "256,256"], show_default=True,
-              help="Hidden layer sizes of a model to measure (repeatable).")
+@click.option(
+    "--hidden",
+    "hiddens",
+    multiple=True,
+    default=["64,64", "256,256"],
+    show_default=True,
+    help="Hidden layer sizes of a model to measure (repeatable).",
+)
 @click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default="sync", show_default=True)
-@click.option("--batch", type=click.IntRange(512), default=8192, show_default=True,
-              help="Global batch in env steps (a multiple of 512).")
+@click.option(
+    "--batch",
+    type=click.IntRange(512),
+    default=8192,
+    show_default=True,
+    help="Global batch in env steps (a multiple of 512).",
+)
 @click.option("--updates", type=click.IntRange(1), default=5, show_default=True, help="Timed updates per run.")
 @click.option("--epochs", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--minibatches", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--subscribers", default="1,4", show_default=True, help="Broadcast subscriber counts.")
 @click.option("--dtypes", default="float32,bfloat16", show_default=True, help="Broadcast transport precisions.")
 @click.option("--chunk-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True)
-@click.option("--broadcast-hidden", default=",".join(map(str, BIG_MODEL["hidden"])), show_default=True,
-              help="Hidden sizes of the broadcast model (64-dim observations, 4 actions).")
-@click.option("--gpus", default=None, help="Measure shards on these devices instead ('0', '0,1': 1 shard on the "
-                                         "first, then one per device), as `zddrl learner --gpus` takes them.")
+@click.option(
+    "--broadcast-hidden",
+    default=",".join(map(str, BIG_MODEL["hidden"])),
+    show_default=True,
+    help="Hidden sizes of the broadcast model (64-dim observations, 4 actions).",
+)
+@click.option(
+    "--gpus",
+    default=None,
+    help="Measure shards on these devices instead ('0', '0,1': 1 shard on the "
+    "first, then one per device), as `zddrl learner --gpus` takes them.",
+)
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
-def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches, subscribers, dtypes, chunk_bytes,
-            broadcast_hidden, gpus, no_broadcast) -> None:
+def learner(
+    as_json,
+    shards,
+    hiddens,
+    mode,
+    batch,
+    updates,
+    epochs,
+    minibatches,
+    subscribers,
+    dtypes,
+    chunk_bytes,
+    broadcast_hidden,
+    gpus,
+    no_broadcast,
+) -> None:
     """Learner throughput with 1 and N shards (CPU, or --gpus), and ~10M-parameter broadcast (fp32/bf16 chunks
     vs pickle)."""
     if batch % 512:
@@ -279,10 +394,16 @@ def learner(as_json, shards, hiddens, mode, batch, updates, epochs, minibatches,
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         runs = [(devices[:1], 1)] + ([(devices, 1)] if len(devices) > 1 else [])
-    throughput = [run_throughput(devices, threads, hidden, batch, updates, mode, epochs, minibatches)
-                  for hidden in (_ints(h) for h in hiddens) for devices, threads in runs]
-    broadcast, pickled = ([], None) if no_broadcast else run_broadcast(_ints(subscribers), dtypes.split(","),
-                                                                        chunk_bytes, _ints(broadcast_hidden))
+    throughput = [
+        run_throughput(devices, threads, hidden, batch, updates, mode, epochs, minibatches)
+        for hidden in (_ints(h) for h in hiddens)
+        for devices, threads in runs
+    ]
+    broadcast, pickled = (
+        ([], None)
+        if no_broadcast
+        else run_broadcast(_ints(subscribers), dtypes.split(","), chunk_bytes, _ints(broadcast_hidden))
+    )
     report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "cpu_count": os.cpu_count()}
     click.echo(json.dumps(report) if as_json else format_report(report))
 

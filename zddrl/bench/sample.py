@@ -11,6 +11,7 @@ Measured in one run, phases alternating so that machine noise hits both alike:
 
 The figure is pipeline env steps/s divided by the summed plain loops' env steps/s.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,9 +38,16 @@ WARMUP_S = 1.0
 
 
 def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Config().algo.max_in_flight) -> Config:
-    return Config(name="bench-sample").replace({"env.id": env_id, "env.num_envs": envs, "env.rollout_len": rollout_len,
-                                                "algo.mode": "async", "algo.max_staleness": 1_000_000,
-                                                "algo.max_in_flight": max_in_flight})
+    return Config(name="bench-sample").replace(
+        {
+            "env.id": env_id,
+            "env.num_envs": envs,
+            "env.rollout_len": rollout_len,
+            "algo.mode": "async",
+            "algo.max_staleness": 1_000_000,
+            "algo.max_in_flight": max_in_flight,
+        }
+    )
 
 
 def _params(config: Config) -> tuple[np.ndarray, list]:
@@ -48,8 +56,9 @@ def _params(config: Config) -> tuple[np.ndarray, list]:
     return flatten_params(ActorCritic(probe_spec(config.env.id), config.model))
 
 
-def _plain_loop(env_id: str, envs: int, actor_id: int, flat: np.ndarray, layout: list, seconds: float,
-                out: mp.Queue) -> None:
+def _plain_loop(
+    env_id: str, envs: int, actor_id: int, flat: np.ndarray, layout: list, seconds: float, out: mp.Queue
+) -> None:
     """What an actor does minus the bus: step, infer, store nothing."""
     from zddrl.actor.policy import NumpyPolicy
 
@@ -79,8 +88,9 @@ def _gym_torch_loop(env_id: str, envs: int, actor_id: int, seconds: float, out: 
     # gymnasium types spaces loosely (shape may be None, a Space has no n): here a Box and a Discrete
     n_in = vec.single_observation_space.shape[0]  # type: ignore[index]
     n_out = vec.single_action_space.n  # type: ignore[attr-defined]
-    net = torch.nn.Sequential(torch.nn.Linear(n_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
-                              torch.nn.Linear(64, n_out))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(n_in, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, n_out)
+    )
     steps, start = 0, time.monotonic()
     begin = start + WARMUP_S
     while time.monotonic() < begin + seconds:
@@ -114,15 +124,28 @@ class CountingLearner:
 
     def __init__(self, connect: str, config: Config, flat: np.ndarray, layout: list) -> None:
         self.ctx: zmq.Context = zmq.Context.instance()
-        hello = P.Hello(role="learner", peer_id="bench-learner", run_id=f"bench-{time.time_ns()}",
-                        run=config.to_dict(), **hello_fields())
+        hello = P.Hello(
+            role="learner",
+            peer_id="bench-learner",
+            run_id=f"bench-{time.time_ns()}",
+            run=config.to_dict(),
+            **hello_fields(),
+        )
         self.link = BrokerLink(connect, hello, context=self.ctx).start()
         welcome = self.link.wait_welcome(30)
         if welcome is None:
             raise click.ClickException(f"no broker at {connect}")
         self.channel = DataChannel(self.ctx, self.link, "bench-learner", welcome.max_message_bytes)
-        self.channel.send(P.Parameters(run_id=hello.run_id, peer_id="bench-learner", policy_version=0,
-                                       param_hash=P.param_hash(flat), layout=layout, arrays={"flat": flat}))
+        self.channel.send(
+            P.Parameters(
+                run_id=hello.run_id,
+                peer_id="bench-learner",
+                policy_version=0,
+                param_hash=P.param_hash(flat),
+                layout=layout,
+                arrays={"flat": flat},
+            )
+        )
 
     def count(self, seconds: float, actors: int, start_timeout_s: float = 60.0) -> float:
         """Env steps/s received over ``seconds``, counted from a warm-up after every actor has sent data."""
@@ -155,8 +178,22 @@ def _pipeline(config: Config, actors: int, seconds: float, flat: np.ndarray, lay
     ports = free_ports(4)
     connect = f"tcp://127.0.0.1:{ports[0]}"
     cmd = [sys.executable, "-m", "zddrl", "--log-level", "WARNING"]
-    procs = [subprocess.Popen([*cmd, "broker", "--bind", connect, "--trajectory-port", str(ports[1]),
-                               "--learner-port", str(ports[2]), "--params-port", str(ports[3])])]
+    procs = [
+        subprocess.Popen(
+            [
+                *cmd,
+                "broker",
+                "--bind",
+                connect,
+                "--trajectory-port",
+                str(ports[1]),
+                "--learner-port",
+                str(ports[2]),
+                "--params-port",
+                str(ports[3]),
+            ]
+        )
+    ]
     learner = None
     try:
         learner = CountingLearner(connect, config, flat, layout)
@@ -175,8 +212,15 @@ def _pipeline(config: Config, actors: int, seconds: float, flat: np.ndarray, lay
                 p.kill()
 
 
-def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id: str = "CartPole-v1",
-                     rollout_len: int = 32, max_in_flight: int = Config().algo.max_in_flight) -> dict[str, Any]:
+def run_sample_bench(
+    seconds: float,
+    actors: int,
+    envs: int,
+    rounds: int,
+    env_id: str = "CartPole-v1",
+    rollout_len: int = 32,
+    max_in_flight: int = Config().algo.max_in_flight,
+) -> dict[str, Any]:
     config = _config(env_id, envs, rollout_len, max_in_flight)
     flat, layout = _params(config)
     plain, pipe, gym_torch = [], [], []
@@ -185,12 +229,21 @@ def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id
         pipe.append(_pipeline(config, actors, seconds, flat, layout)["sps"])
     gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
     ratios = [p / q for p, q in zip(pipe, plain)]
-    return {"env_id": env_id, "actors": actors, "envs_per_actor": envs, "rollout_len": rollout_len,
-            "max_in_flight": max_in_flight,
-            "seconds": seconds, "rounds": rounds,
-            "plain_sps": statistics.median(plain), "pipeline_sps": statistics.median(pipe),
-            "gym_torch_sps": statistics.median(gym_torch), "ratio": statistics.median(ratios),
-            "ratios": ratios, "target_ratio": 0.7}
+    return {
+        "env_id": env_id,
+        "actors": actors,
+        "envs_per_actor": envs,
+        "rollout_len": rollout_len,
+        "max_in_flight": max_in_flight,
+        "seconds": seconds,
+        "rounds": rounds,
+        "plain_sps": statistics.median(plain),
+        "pipeline_sps": statistics.median(pipe),
+        "gym_torch_sps": statistics.median(gym_torch),
+        "ratio": statistics.median(ratios),
+        "ratios": ratios,
+        "target_ratio": 0.7,
+    }
 
 
 @click.command("sample")
@@ -200,8 +253,13 @@ def run_sample_bench(seconds: float, actors: int, envs: int, rounds: int, env_id
 @click.option("--rollout-len", type=int, default=128, show_default=True, help="Steps per env per trajectory message.")
 @click.option("--rounds", type=int, default=2, show_default=True, help="Alternating plain/pipeline rounds.")
 @click.option("--env-id", default="CartPole-v1", show_default=True)
-@click.option("--max-in-flight", type=int, default=Config().algo.max_in_flight, show_default=True,
-              help="algo.max_in_flight of the run (unread trajectories an actor may have queued).")
+@click.option(
+    "--max-in-flight",
+    type=int,
+    default=Config().algo.max_in_flight,
+    show_default=True,
+    help="algo.max_in_flight of the run (unread trajectories an actor may have queued).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def sample(seconds, actors, envs, rollout_len, rounds, env_id, max_in_flight, as_json) -> None:
     """Pipeline env steps/s (broker + actors + counting learner) vs plain loops side by side."""
@@ -209,11 +267,11 @@ def sample(seconds, actors, envs, rollout_len, rounds, env_id, max_in_flight, as
     if as_json:
         click.echo(json.dumps(result))
         return
-    click.echo(f"{actors} actors x {envs} {env_id}, rollouts of {rollout_len}, {seconds:.0f} s windows, "
-               f"{rounds} rounds (medians)")
+    click.echo(
+        f"{actors} actors x {envs} {env_id}, rollouts of {rollout_len}, {seconds:.0f} s windows, "
+        f"{rounds} rounds (medians)"
+    )
     click.echo(f"  plain loops (VecEnv + numpy MLP), summed : {result['plain_sps']:>9,.0f} env steps/s")
     click.echo(f"  pipeline actor -> broker -> learner      : {result['pipeline_sps']:>9,.0f} env steps/s")
     click.echo(f"  gym SyncVectorEnv + torch MLP, summed    : {result['gym_torch_sps']:>9,.0f} env steps/s")
     click.echo(f"  pipeline / plain = {result['ratio']:.2f}  (target >= {result['target_ratio']})")
-
-

@@ -6,6 +6,7 @@ the command's wall time measured from outside. With ``--sb3 SCRIPT`` the Stable-
 anchor script (shared/anchors/sb3_ppo_cartpole.py) runs for the same seeds in the same
 session, interleaved, so both figures come from the same machine state.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,11 @@ from typing import Any
 import click
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-DEFAULT_CONFIGS = {"sync": EXAMPLES / "cartpole_ppo.toml", "async": EXAMPLES / "cartpole_ppo.toml",
-                   "impala": EXAMPLES / "cartpole_impala.toml"}
+DEFAULT_CONFIGS = {
+    "sync": EXAMPLES / "cartpole_ppo.toml",
+    "async": EXAMPLES / "cartpole_ppo.toml",
+    "impala": EXAMPLES / "cartpole_impala.toml",
+}
 """Each mode runs with its own tuned example unless --config MODE=PATH says otherwise."""
 
 
@@ -31,38 +35,77 @@ def _median(values: list[Any]) -> float | None:
 
 
 def run_zddrl(config: str | Path, seed: int, mode: str | None, extra: list[str], run_dir: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "zddrl", "--log-level", "WARNING", "train", str(config), "--seed", str(seed),
-           "--run-dir", str(run_dir), *(["--mode", mode] if mode else []), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "zddrl",
+        "--log-level",
+        "WARNING",
+        "train",
+        str(config),
+        "--seed",
+        str(seed),
+        "--run-dir",
+        str(run_dir),
+        *(["--mode", mode] if mode else []),
+        *extra,
+    ]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise click.ClickException(f"zddrl train failed (seed {seed}): {done.stderr[-2000:]}")
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"impl": "zddrl", "mode": mode or summary["mode"], "seed": seed, "reached": summary["reached"],
-            "wall_s_to_target": summary["wall_s_to_target"], "env_steps_to_target": summary["env_steps_to_target"],
-            "command_wall_s": round(wall, 3), "sps": summary["sps"], "total_env_steps": summary["total_env_steps"]}
+    return {
+        "impl": "zddrl",
+        "mode": mode or summary["mode"],
+        "seed": seed,
+        "reached": summary["reached"],
+        "wall_s_to_target": summary["wall_s_to_target"],
+        "env_steps_to_target": summary["env_steps_to_target"],
+        "command_wall_s": round(wall, 3),
+        "sps": summary["sps"],
+        "total_env_steps": summary["total_env_steps"],
+    }
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["impl"], row["mode"]), []).append(row)
-    return [{"impl": impl, "mode": mode, "runs": len(rs), "reached": sum(r["reached"] for r in rs),
-             "median_wall_s_to_target": _median([r["wall_s_to_target"] for r in rs]),
-             "median_env_steps_to_target": _median([r["env_steps_to_target"] for r in rs]),
-             "median_command_wall_s": _median([r["command_wall_s"] for r in rs]),
-             "median_sps": _median([r["sps"] for r in rs])} for (impl, mode), rs in groups.items()]
+    return [
+        {
+            "impl": impl,
+            "mode": mode,
+            "runs": len(rs),
+            "reached": sum(r["reached"] for r in rs),
+            "median_wall_s_to_target": _median([r["wall_s_to_target"] for r in rs]),
+            "median_env_steps_to_target": _median([r["env_steps_to_target"] for r in rs]),
+            "median_command_wall_s": _median([r["command_wall_s"] for r in rs]),
+            "median_sps": _median([r["sps"] for r in rs]),
+        }
+        for (impl, mode), rs in groups.items()
+    ]
 
 
 @click.command("train")
-@click.option("--config", "configs", multiple=True, metavar="MODE=PATH",
-              help="Config for a mode (default: examples/cartpole_ppo.toml for sync and async, "
-                   "examples/cartpole_impala.toml for impala).")
+@click.option(
+    "--config",
+    "configs",
+    multiple=True,
+    metavar="MODE=PATH",
+    help="Config for a mode (default: examples/cartpole_ppo.toml for sync and async, "
+    "examples/cartpole_impala.toml for impala).",
+)
 @click.option("--seeds", default="1,2,3", show_default=True, help="Comma-separated seeds.")
 @click.option("--modes", default="sync", show_default=True, help="Comma-separated modes (sync,async,impala).")
-@click.option("--sb3", "sb3_script", default=None, help="Path of the SB3 anchor script to run side by side. "
-              "Run with a python that has stable-baselines3: --sb3-python.")
+@click.option(
+    "--sb3",
+    "sb3_script",
+    default=None,
+    help="Path of the SB3 anchor script to run side by side. "
+    "Run with a python that has stable-baselines3: --sb3-python.",
+)
 @click.option("--sb3-python", default=None, help="Interpreter for the SB3 script (default: this one).")
 @click.option("--set", "sets", multiple=True, help="Passed to every `zddrl train` (e.g. train.actors=3).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -82,19 +125,28 @@ def train(configs, seeds, modes, sb3_script, sb3_python, sets, as_json) -> None:
                 rows.append(run_zddrl(paths[mode], seed, mode, extra, Path(tmp) / f"{mode}-s{seed}"))
             if sb3_script:
                 rows.append(run_sb3_with(sb3_python or sys.executable, sb3_script, seed))
-    result = {"configs": {m: str(paths[m]) for m in modes.split(",")}, "sets": list(sets), "runs": rows,
-              "summary": summarize(rows)}
+    result = {
+        "configs": {m: str(paths[m]) for m in modes.split(",")},
+        "sets": list(sets),
+        "runs": rows,
+        "summary": summarize(rows),
+    }
     if as_json:
         click.echo(json.dumps(result))
         return
-    click.echo(f"{'impl':6} {'mode':6} {'reached':>8} {'s to target':>12} {'steps to target':>16} "
-               f"{'command s':>10} {'sps':>8}")
+    click.echo(
+        f"{'impl':6} {'mode':6} {'reached':>8} {'s to target':>12} {'steps to target':>16} {'command s':>10} {'sps':>8}"
+    )
     for s in result["summary"]:
+
         def fmt(v, spec):
             return format(v, spec) if v is not None else "-"
-        click.echo(f"{s['impl']:6} {s['mode']:6} {s['reached']:>4}/{s['runs']:<3} "
-                   f"{fmt(s['median_wall_s_to_target'], '>12.2f')} {fmt(s['median_env_steps_to_target'], '>16,.0f')} "
-                   f"{fmt(s['median_command_wall_s'], '>10.2f')} {fmt(s['median_sps'], '>8,.0f')}")
+
+        click.echo(
+            f"{s['impl']:6} {s['mode']:6} {s['reached']:>4}/{s['runs']:<3} "
+            f"{fmt(s['median_wall_s_to_target'], '>12.2f')} {fmt(s['median_env_steps_to_target'], '>16,.0f')} "
+            f"{fmt(s['median_command_wall_s'], '>10.2f')} {fmt(s['median_sps'], '>8,.0f')}"
+        )
 
 
 def run_sb3_with(python: str, script: str, seed: int) -> dict[str, Any]:
@@ -102,15 +154,28 @@ def run_sb3_with(python: str, script: str, seed: int) -> dict[str, Any]:
     what came before (interpreter, imports, set-up), measured from outside, to compare like for like
     with zddrl's ``wall_s_to_target``."""
     t0 = time.perf_counter()
-    done = subprocess.run([python, script, "--config", "zoo", "--threads", "1", "--seed", str(seed)],
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [python, script, "--config", "zoo", "--threads", "1", "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     wall = time.perf_counter() - t0
     if done.returncode != 0:
         raise click.ClickException(f"SB3 anchor failed (seed {seed}): {done.stderr[-2000:]}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     before_learn = wall - out["train_s"] - out["eval_s"]  # interpreter + imports + set-up (+ exit)
     hit = out["hit_s"]
-    return {"impl": "sb3", "mode": "zoo", "seed": seed, "reached": hit is not None,
-            "wall_s_to_target": None if hit is None else round(before_learn + hit, 3),
-            "learn_s_to_target": hit, "env_steps_to_target": out["hit_steps"], "command_wall_s": round(wall, 3),
-            "setup_s": out["setup_s"], "sps": out["sps"], "total_env_steps": out["env_steps"]}
+    return {
+        "impl": "sb3",
+        "mode": "zoo",
+        "seed": seed,
+        "reached": hit is not None,
+        "wall_s_to_target": None if hit is None else round(before_learn + hit, 3),
+        "learn_s_to_target": hit,
+        "env_steps_to_target": out["hit_steps"],
+        "command_wall_s": round(wall, 3),
+        "setup_s": out["setup_s"],
+        "sps": out["sps"],
+        "total_env_steps": out["env_steps"],
+    }

@@ -16,6 +16,7 @@ socket queues fill to their high-water marks and actors block in ``send``: backp
 unbounded buffer, never a silent drop. Every message read is forwarded or dropped with a reason,
 so ``received == forwarded + sum(dropped) + in_flight`` always holds.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,8 +38,9 @@ from zddrl.broker.membership import (
     Member,
     checked_stats,
     credit_batch_of,
-    id_conflict,
+    hello_conflict,
     log_health_events,
+    member_of,
     staleness_of,
     trajectory_refusal,
 )
@@ -108,8 +110,9 @@ class Broker:
         s = open_sockets(self.ctx, c)
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
         self.ports = s.ports
-        self.publisher = Publisher(self.params, partial(self._send_frames, self.control), self.counters, self._ratelog,
-                                   c.heartbeat_interval_s)
+        self.publisher = Publisher(
+            self.params, partial(self._send_frames, self.control), self.counters, self._ratelog, c.heartbeat_interval_s
+        )
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.learners, zmq.POLLIN)
@@ -176,8 +179,9 @@ class Broker:
             except Exception as exc:  # noqa: BLE001
                 # Bad input must never stop the broker, whatever it raises: count, log (rate-limited), serve on.
                 self.counters[f"{what}_errors"] += 1
-                self._ratelog.warning(f"{what}_error", f"error handling a {what} message "
-                                                       f"({type(exc).__name__}: {exc}); message dropped")
+                self._ratelog.warning(
+                    f"{what}_error", f"error handling a {what} message ({type(exc).__name__}: {exc}); message dropped"
+                )
 
     def _decode(self, frames: Sequence[Any]) -> P.Message:
         """``P.decode`` that raises nothing but ProtocolError. An unexpected exception in decode once stopped
@@ -214,8 +218,11 @@ class Broker:
                 # and the actor it can be attributed to gets its credit back.
                 actor = self._joined_actor(P.claimed_peer_id(frames))
                 if self._decided == decided:
-                    self._drop("malformed", actor, f"dropped a trajectory: error while routing it "
-                                                   f"({type(exc).__name__}: {exc})")
+                    self._drop(
+                        "malformed",
+                        actor,
+                        f"dropped a trajectory: error while routing it ({type(exc).__name__}: {exc})",
+                    )
             finally:
                 self.in_flight -= 1
             if actor is not None:
@@ -249,8 +256,11 @@ class Broker:
         elif not self.departures.actor_left_lately(msg["peer_id"]):
             # Learners keep per-actor figures, which made-up peer ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
-            self._drop("unknown_sender", None, f"dropped a trajectory from {msg['peer_id']!r}, which is not an actor "
-                                               "that joined with hello")
+            self._drop(
+                "unknown_sender",
+                None,
+                f"dropped a trajectory from {msg['peer_id']!r}, which is not an actor that joined with hello",
+            )
             return None
         # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
@@ -266,8 +276,9 @@ class Broker:
             try:
                 send_frames(self.learners, frames, prefix=shard.peer_id.encode())
             except zmq.ZMQError as exc:  # the shard went away between credit and send
-                self._ratelog.warning("shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); "
-                                                    "its credit is withdrawn")
+                self._ratelog.warning(
+                    "shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); its credit is withdrawn"
+                )
                 self._set_credit(shard, 0)
                 continue
             self._set_credit(shard, shard.credit - 1)
@@ -319,8 +330,9 @@ class Broker:
             self._log_health()
         elif isinstance(msg, P.Bye):
             if msg.reason.startswith(P.CRASH_PREFIX):
-                self.log.error(f"{member.role} {member.peer_id} on {member.host or '?'} (pid {member.pid}) "
-                               f"{msg.reason}")
+                self.log.error(
+                    f"{member.role} {member.peer_id} on {member.host or '?'} (pid {member.pid}) {msg.reason}"
+                )
             else:
                 self.log.info(f"{member.role} {member.peer_id} left: {msg.reason or 'bye'}")
             self._remove(member, msg.reason or "bye")
@@ -329,34 +341,20 @@ class Broker:
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
         # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
-        try:
-            if msg.role not in P.ROLES:
-                raise P.ProtocolError(f"hello with unknown role {msg.role!r}")
-            refusal = P.hello_refusal(msg)
-            if refusal:
-                raise P.ProtocolError(f"hello: {refusal}")
-            if msg.role == "actor" and not self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host):
-                raise P.ProtocolError(f"the fleet is full: its message would exceed {P.MAX_HEADER_BYTES} bytes "
-                                      f"with this actor (docs/protocol.md section 5.5)")
-            new_run = msg.role == "learner" and msg.run_id and msg.run_id != self.run_id
-            if new_run:
-                if msg.run is None:
-                    raise P.ProtocolError("a learner hello for a new run must carry the run spec")
-                staleness, credit_batch = staleness_of(msg.run), credit_batch_of(msg.run)
-            self._check_id_free(msg)
-        except P.ProtocolError as exc:
-            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{exc}"))
-            raise
-        if new_run and msg.run is not None:
-            self._start_run(msg.run_id, msg.run, staleness, credit_batch)
+        room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
+        why = hello_conflict(msg, self.members.get(msg.peer_id), room, self.run_id, self.config.heartbeat_interval_s)
+        if why:
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
+            raise P.ProtocolError(why)
+        if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
+            self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
         if old is not None:
             self._forget(old)
             if (old.host, old.pid) != (msg.host, msg.pid):  # another process took the id: judge it afresh
                 self.departures.record(old, f"replaced by pid {msg.pid} on {msg.host or '?'}")
                 self.health.forget(msg.peer_id)
-        member = Member(peer_id=msg.peer_id, role=msg.role, identity=identity, host=msg.host, pid=msg.pid,
-                        num_envs=msg.num_envs, run_id=msg.run_id)
+        member = member_of(msg, identity)
         if old is not None:
             # A learner's credit starts again from zero with every hello: a shard re-grants its window
             # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
@@ -377,11 +375,6 @@ class Broker:
         elif msg.role == "learner" and member.run_id == self.run_id:
             self._send_fleet(member)  # the last announced one; a change pending follows within FLEET_COALESCE_S
 
-    def _check_id_free(self, msg: P.Hello) -> None:
-        conflict = id_conflict(self.members.get(msg.peer_id), msg, self.config.heartbeat_interval_s)
-        if conflict:
-            raise P.ProtocolError(conflict)
-
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
@@ -398,10 +391,15 @@ class Broker:
 
     def _welcome(self, peer_id: str) -> P.Welcome:
         c = self.config
-        return P.Welcome(peer_id=peer_id, run_id=self.run_id, run=self.run_spec,
-                         ports={k: v for k, v in self.ports.items() if k != "control"},
-                         heartbeat_interval_s=c.heartbeat_interval_s, heartbeat_liveness=c.heartbeat_liveness,
-                         max_message_bytes=c.max_message_bytes)
+        return P.Welcome(
+            peer_id=peer_id,
+            run_id=self.run_id,
+            run=self.run_spec,
+            ports={k: v for k, v in self.ports.items() if k != "control"},
+            heartbeat_interval_s=c.heartbeat_interval_s,
+            heartbeat_liveness=c.heartbeat_liveness,
+            max_message_bytes=c.max_message_bytes,
+        )
 
     # ---------------------------------------------------------------- learner socket
     def _on_learner(self, identity: bytes, frames: Sequence[Any]) -> None:

@@ -5,6 +5,7 @@ Kept apart from the routing loop in ``broker.py``: a plain record with no socket
 ``announce`` at most once per FLEET_COALESCE_S, which says whether the map changed since the last
 announcement (docs/protocol.md section 5.5).
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,10 @@ class Fleet:
     def room_for(self, peer_id: str, num_envs: int, host: str) -> bool:
         """Whether the fleet message stays under MAX_HEADER_BYTES with this actor in it (replacing its old entry)."""
         old = self._entries.get(peer_id)
-        return self.nbytes - (old[2] if old else 0) + P.fleet_entry_bytes(peer_id, num_envs, host) \
+        return (
+            self.nbytes - (old[2] if old else 0) + P.fleet_entry_bytes(peer_id, num_envs, host)
             <= P.MAX_FLEET_ACTORS_BYTES
+        )
 
     def joined(self, peer_id: str, num_envs: int, host: str) -> None:
         self.left(peer_id)
@@ -79,6 +82,9 @@ class Fleet:
         """The fleet message of the last announced map for ``run_id``, encoded once per (run, seq)."""
         cached = self._frames
         if cached is None or cached[0] != run_id or cached[1] != self.seq:
-            cached = self._frames = (run_id, self.seq, P.encode(P.Fleet(run_id=run_id, seq=self.seq,
-                                                                        actors=self.actors)))
+            cached = self._frames = (
+                run_id,
+                self.seq,
+                P.encode(P.Fleet(run_id=run_id, seq=self.seq, actors=self.actors)),
+            )
         return cached[2]

@@ -27,6 +27,7 @@ they read:
 * ``same_initial_obs`` (``first_obs_hash``): two or more actors report the same hash of their first
   observation after the first reset: their env seeds are not split.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, deque
@@ -72,8 +73,12 @@ class HealthWarning:
     """Onset, on the caller's clock (the broker's time.monotonic())."""
 
     def row(self, now: float) -> dict[str, Any]:
-        return {"member": self.member, "check": self.check, "message": self.message,
-                "since_s": round(max(now - self.since, 0.0), 1)}
+        return {
+            "member": self.member,
+            "check": self.check,
+            "message": self.message,
+            "since_s": round(max(now - self.since, 0.0), 1),
+        }
 
 
 @dataclass
@@ -214,9 +219,15 @@ class HealthMonitor:
         if share is None:
             return
         track.comm_high = track.comm_high + 1 if share > COMM_SHARE_MAX else 0
-        self._set(member, "comm_share", None if track.comm_high < COMM_SHARE_REPORTS else
-                  f"spends {share:.0%} of its time waiting for parameters or sending (limit "
-                  f"{COMM_SHARE_MAX:.0%}): the learner or the network bounds sampling", now)
+        self._set(
+            member,
+            "comm_share",
+            None
+            if track.comm_high < COMM_SHARE_REPORTS
+            else f"spends {share:.0%} of its time waiting for parameters or sending (limit "
+            f"{COMM_SHARE_MAX:.0%}): the learner or the network bounds sampling",
+            now,
+        )
 
     def _check_sps(self, member: str, track: _Track, sps: float | None, now: float) -> None:
         if sps is None:
@@ -224,9 +235,15 @@ class HealthMonitor:
         track.sps_peak = max(track.sps_peak, sps)
         low = track.sps_peak > 0 and sps < SPS_COLLAPSE_SHARE * track.sps_peak
         track.sps_low = track.sps_low + 1 if low else 0
-        self._set(member, "sps_collapse", None if track.sps_low < SPS_COLLAPSE_REPORTS else
-                  f"steps {sps:.0f} env steps/s, under {SPS_COLLAPSE_SHARE:.0%} of its own peak "
-                  f"{track.sps_peak:.0f} for {track.sps_low} reports", now)
+        self._set(
+            member,
+            "sps_collapse",
+            None
+            if track.sps_low < SPS_COLLAPSE_REPORTS
+            else f"steps {sps:.0f} env steps/s, under {SPS_COLLAPSE_SHARE:.0%} of its own peak "
+            f"{track.sps_peak:.0f} for {track.sps_low} reports",
+            now,
+        )
 
     def _check_rss(self, member: str, track: _Track, rss: float | None, now: float) -> None:
         if rss is None or rss <= 0 or now - track.rss_at < RSS_SAMPLE_EVERY_S:
@@ -241,18 +258,30 @@ class HealthMonitor:
             s = list(track.rss)
             a, b, c = (sorted(part)[len(part) // 2] for part in (s[:k], s[k:-k], s[-k:]))
             growing = a < b < c and c > a * (1 + RSS_GROWTH)
-        self._set(member, "rss_growth", None if not growing else
-                  f"RSS grew steadily from {a:.0f} to {c:.0f} MB (+{c / a - 1:.0%}) over the last "
-                  f"{RSS_WINDOW * RSS_SAMPLE_EVERY_S / 60:.0f} min: a leak?", now)
+        self._set(
+            member,
+            "rss_growth",
+            None
+            if not growing
+            else f"RSS grew steadily from {a:.0f} to {c:.0f} MB (+{c / a - 1:.0%}) over the last "
+            f"{RSS_WINDOW * RSS_SAMPLE_EVERY_S / 60:.0f} min: a leak?",
+            now,
+        )
 
     def _check_params(self, member: str, track: _Track, now: float) -> None:
         h, v = track.param_hash, track.version
         oldest = next(iter(self._hashes), None)
         if h is None or v is None or oldest is None or v < oldest:
             return  # nothing published yet, or older than what this broker saw: cannot judge
-        self._set(member, "unknown_params", None if h in self._known else
-                  f"acts with parameters {h} (version {v}) that were never published in this run "
-                  f"(version {v} was {self._hashes.get(v, 'never published')})", now)
+        self._set(
+            member,
+            "unknown_params",
+            None
+            if h in self._known
+            else f"acts with parameters {h} (version {v}) that were never published in this run "
+            f"(version {v} was {self._hashes.get(v, 'never published')})",
+            now,
+        )
 
     def _check_stuck(self, member: str, track: _Track, now: float) -> None:
         v = track.version
@@ -265,8 +294,13 @@ class HealthMonitor:
             track.behind_since = now
         stuck_s = now - track.behind_since
         if stuck_s > STUCK_AFTER_S:
-            self._set(member, "stuck_version", f"acts with version {v}, {behind} behind the latest "
-                      f"{self.latest}, for {stuck_s:.0f} s: are parameters reaching it?", now)
+            self._set(
+                member,
+                "stuck_version",
+                f"acts with version {v}, {behind} behind the latest "
+                f"{self.latest}, for {stuck_s:.0f} s: are parameters reaching it?",
+                now,
+            )
 
     def _regroup(self, member: str, track: _Track, first: str, now: float) -> None:
         if track.first_obs_hash is not None:
@@ -289,6 +323,12 @@ class HealthMonitor:
         for member in group:
             others = [m for m in group if m != member]
             named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-            self._set(member, "same_initial_obs", None if not others else
-                      f"same first observations as {named} (first_obs_hash {first}): env seeds are not "
-                      "split (a distinct --actor-id per actor?)", now)
+            self._set(
+                member,
+                "same_initial_obs",
+                None
+                if not others
+                else f"same first observations as {named} (first_obs_hash {first}): env seeds are not "
+                "split (a distinct --actor-id per actor?)",
+                now,
+            )

@@ -3,6 +3,7 @@
 Kept apart from the routing loop in ``broker.py``: these are plain records and checks with no
 sockets.
 """
+
 from __future__ import annotations
 
 import time
@@ -72,9 +73,17 @@ class Member:
             counters["env_steps"] += env_steps
 
     def row(self, now: float) -> dict[str, Any]:
-        return {"role": self.role, "host": self.host, "pid": self.pid, "num_envs": self.num_envs,
-                "policy_version": self.policy_version, "last_seen_s": round(now - self.last_seen, 3),
-                "credit": self.credit, **self.counters, "stats": self.stats}
+        return {
+            "role": self.role,
+            "host": self.host,
+            "pid": self.pid,
+            "num_envs": self.num_envs,
+            "policy_version": self.policy_version,
+            "last_seen_s": round(now - self.last_seen, 3),
+            "credit": self.credit,
+            **self.counters,
+            "stats": self.stats,
+        }
 
 
 LEFT_ACTORS_KEPT = 1024
@@ -104,13 +113,23 @@ class Departures:
                 self._actors_left.popitem(last=False)
         if len(reason) > DEPARTURE_REASON_CHARS:  # the status body must stay under MAX_HEADER_BYTES
             reason = reason[:DEPARTURE_REASON_CHARS] + "\n... (truncated by the broker)"
-        self._rows.appendleft({"member": member.peer_id, "role": member.role, "host": member.host,
-                               "pid": member.pid, "reason": reason, "crashed": reason.startswith(P.CRASH_PREFIX),
-                               "time": time.time(), "at": time.monotonic()})
+        self._rows.appendleft(
+            {
+                "member": member.peer_id,
+                "role": member.role,
+                "host": member.host,
+                "pid": member.pid,
+                "reason": reason,
+                "crashed": reason.startswith(P.CRASH_PREFIX),
+                "time": time.time(),
+                "at": time.monotonic(),
+            }
+        )
 
     def rows(self, now: float) -> list[dict[str, Any]]:
-        return [{**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)}
-                for row in self._rows]
+        return [
+            {**{k: v for k, v in row.items() if k != "at"}, "ago_s": round(now - row["at"], 1)} for row in self._rows
+        ]
 
     def actor_left_lately(self, peer_id: str, now: float | None = None) -> bool:
         """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``grace_s`` ago: what it
@@ -129,14 +148,12 @@ def checked_stats(stats: dict) -> dict:
         if not isinstance(key, str):
             raise P.ProtocolError(f"stats: key {key!r} is not a string")
         if not (value is None or isinstance(value, (bool, int, float, str))):
-            raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, "
-                                  f"not {type(value).__name__}")
+            raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, not {type(value).__name__}")
         if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
             raise P.ProtocolError(f"stats: {key!r} must be a number")
         if isinstance(value, str) and len(value) > MAX_STATS_STRING:
             raise P.ProtocolError(f"stats: {key!r} is longer than {MAX_STATS_STRING} characters")
     return stats
-
 
 
 def staleness_of(run: Any) -> int:
@@ -155,7 +172,6 @@ def staleness_of(run: Any) -> int:
     return 0 if mode == "sync" else staleness
 
 
-
 def credit_batch_of(run: dict) -> int:
     """How many of an actor's trajectories the broker reads before it returns their credit: half the run's
     ``algo.max_in_flight`` (at least 1), as a learner shard returns half its window. An actor that may
@@ -172,12 +188,14 @@ def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_sta
     peer_id, version = header["peer_id"], header["policy_version"]
     # With no run yet (run_id "") a trajectory stamped run_id "" must not pass as the run's.
     if not run_id or header["run_id"] != run_id:
-        return "unknown_run", (f"dropped a trajectory of unknown run {header['run_id']!r} from {peer_id} "
-                               f"(current run {run_id!r})")
+        return "unknown_run", (
+            f"dropped a trajectory of unknown run {header['run_id']!r} from {peer_id} (current run {run_id!r})"
+        )
     # Negative versions are never published: -1 must not pass before version 0 exists.
     if version < 0 or version > latest:
-        return "unknown_version", (f"dropped a trajectory from {peer_id} with version {version} "
-                                   f"never published (latest {latest})")
+        return "unknown_version", (
+            f"dropped a trajectory from {peer_id} with version {version} never published (latest {latest})"
+        )
     if version < latest - max_staleness:
         return "stale", f"dropped stale data from {peer_id}: version {version}, latest {latest}"
     return "", ""
@@ -201,5 +219,45 @@ def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
     silent = time.monotonic() - old.last_seen
     if silent >= interval_s:
         return ""
-    return (f"peer id {hello.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago); "
-            "give each actor host its own --actor-id")
+    return (
+        f"peer id {hello.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago); "
+        "give each actor host its own --actor-id"
+    )
+
+
+def hello_conflict(msg: P.Hello, old: Member | None, fleet_has_room: bool, run_id: str, interval_s: float) -> str:
+    """Why the broker refuses ``msg`` (one line for the reject), or "": an unknown role, a field out of bounds
+    (``P.hello_refusal``), a full fleet message, a new run without a usable spec, or a peer id another live
+    process holds (``id_conflict``)."""
+    if msg.role not in P.ROLES:
+        return f"hello with unknown role {msg.role!r}"
+    refusal = P.hello_refusal(msg)
+    if refusal:
+        return f"hello: {refusal}"
+    if msg.role == "actor" and not fleet_has_room:
+        return (
+            f"the fleet is full: its message would exceed {P.MAX_HEADER_BYTES} bytes with this actor "
+            "(docs/protocol.md section 5.5)"
+        )
+    if msg.role == "learner" and msg.run_id and msg.run_id != run_id:  # a new run: its spec must be usable
+        if msg.run is None:
+            return "a learner hello for a new run must carry the run spec"
+        try:
+            staleness_of(msg.run)
+            credit_batch_of(msg.run)
+        except P.ProtocolError as exc:
+            return str(exc)
+    return id_conflict(old, msg, interval_s)
+
+
+def member_of(msg: P.Hello, identity: bytes) -> Member:
+    """The member a hello makes (its counters are its own unless it replaces an earlier session)."""
+    return Member(
+        peer_id=msg.peer_id,
+        role=msg.role,
+        identity=identity,
+        host=msg.host,
+        pid=msg.pid,
+        num_envs=msg.num_envs,
+        run_id=msg.run_id,
+    )

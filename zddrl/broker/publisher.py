@@ -16,6 +16,7 @@ a version reaches an actor later by about one chunk's hashing, not by the whole 
 whole version until it verified would have added the broker's two passes over all of it and the
 broker-to-actor transfer to every chunked broadcast: tens of ms for a 40 MB model.)
 """
+
 from __future__ import annotations
 
 import time
@@ -37,8 +38,14 @@ PARAMS_REQUEST_MIN_INTERVAL_S = 0.25
 class Publisher:
     """``add`` what learners send; ``on_join``/``on_heartbeat``/``on_request`` give actors the snapshot."""
 
-    def __init__(self, pub: zmq.Socket, send: Callable[[bytes, Sequence[Any]], None], counters: dict[str, int],
-                 ratelog: RateLimitedLog, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        pub: zmq.Socket,
+        send: Callable[[bytes, Sequence[Any]], None],
+        counters: dict[str, int],
+        ratelog: RateLimitedLog,
+        heartbeat_interval_s: float,
+    ) -> None:
         self.pub = pub
         self._send = send
         """Sends frames to a control identity (counting what cannot be routed)."""
@@ -68,9 +75,12 @@ class Publisher:
         self.counters["params_incomplete"] += cache.abandoned - abandoned
         if outcome not in ("building", "complete"):
             self.counters[f"params_{outcome}"] += 1
-            self._ratelog.warning(f"params_{outcome}", f"dropped a {msg.KIND} message of run {msg.run_id!r} version "
-                                                      f"{msg.policy_version} ({outcome}; run {run_id!r} is at "
-                                                      f"version {cache.version})")
+            self._ratelog.warning(
+                f"params_{outcome}",
+                f"dropped a {msg.KIND} message of run {msg.run_id!r} version "
+                f"{msg.policy_version} ({outcome}; run {run_id!r} is at "
+                f"version {cache.version})",
+            )
             return False
         self.pub.send_multipart(frames, copy=False)
         self.counters["params_bytes"] += P.message_nbytes(frames)

@@ -3,6 +3,7 @@
 Ports: control at the bind port, the trajectories, learners and params sockets at the next three unless the
 profile or the CLI sets them (docs/protocol.md section 1).
 """
+
 from __future__ import annotations
 
 import errno
@@ -15,13 +16,13 @@ from zddrl.config import BrokerConfig, ConfigError, split_endpoint
 
 PORT_OPTIONS = {
     "control": "--bind tcp://HOST:PORT (the profile's bind) moves it, and with it every port not set on its own "
-               "(PORT+1, +2, +3)",
+    "(PORT+1, +2, +3)",
     "trajectories": "--trajectory-port (the profile's trajectory_port) moves it; --bind tcp://HOST:PORT moves all "
-                    "four (PORT, PORT+1, +2, +3)",
+    "four (PORT, PORT+1, +2, +3)",
     "learners": "--learner-port (the profile's learner_port) moves it; --bind tcp://HOST:PORT moves all four "
-                "(PORT, PORT+1, +2, +3)",
+    "(PORT, PORT+1, +2, +3)",
     "params": "--params-port (the profile's params_port) moves it; --bind tcp://HOST:PORT moves all four "
-              "(PORT, PORT+1, +2, +3)",
+    "(PORT, PORT+1, +2, +3)",
 }
 """How to choose another port for each broker socket (the CLI option, the profile key)."""
 
@@ -77,8 +78,12 @@ def open_sockets(ctx: zmq.Context, c: BrokerConfig) -> BrokerSockets:
     params = socket(zmq.PUB)
     params.setsockopt(zmq.SNDHWM, c.params_hwm)
     base = None if port == "*" else int(port)
-    plan = [("control", control, base), ("trajectories", trajectories, c.trajectory_port),
-            ("learners", learners, c.learner_port), ("params", params, c.params_port)]
+    plan = [
+        ("control", control, base),
+        ("trajectories", trajectories, c.trajectory_port),
+        ("learners", learners, c.learner_port),
+        ("params", params, c.params_port),
+    ]
     ports: dict[str, int] = {}
     for offset, (name, sock, wanted) in enumerate(plan):
         port_text = str(wanted) if wanted else ("*" if base is None else str(base + offset))

@@ -6,6 +6,7 @@ updates (when set) and every ``train.checkpoint_every_s`` seconds, and a final o
 ``check_run_dir`` is the one place that decides whether a run directory may be used: `zddrl train`,
 `zddrl learner` and the learner node itself all call it.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,8 +29,10 @@ def check_run_dir(config: Config, run_dir: Path | None, resume: bool) -> Path | 
     checkpoint = latest_checkpoint(run_dir)
     if not resume:
         if checkpoint is not None:
-            raise ConfigError(f"{run_dir} holds the checkpoints of another run: continue it with --resume, "
-                              "or choose another --run-dir")
+            raise ConfigError(
+                f"{run_dir} holds the checkpoints of another run: continue it with --resume, "
+                "or choose another --run-dir"
+            )
         return None
     if checkpoint is None:
         raise ConfigError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")

@@ -10,6 +10,7 @@ makes one batch and the batch stays fixed when actors join or leave.
 Straggler events are logged aggregated, once per ``STRAGGLER_LOG_EVERY_S``: on a busy host an actor
 can miss every other round, and one line per event buries everything else in the log.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,9 @@ class Fleet:
     """``refresh(snapshot)`` with each new fleet message; ``expected()`` during a round; ``round_closed(...)``
     after it; ``back_in_quota(peer_id)`` when a straggler's data is less than one version late."""
 
-    def __init__(self, default_envs: int, batch_size: int, rollout_len: int, log: Any,
-                 sizes_rollouts: bool = True) -> None:
+    def __init__(
+        self, default_envs: int, batch_size: int, rollout_len: int, log: Any, sizes_rollouts: bool = True
+    ) -> None:
         self.default_envs = default_envs
         self.batch_size = batch_size
         self.rollout_len = rollout_len
@@ -94,9 +96,11 @@ class Fleet:
             return
         self._next_log = now + STRAGGLER_LOG_EVERY_S
         missed = ", ".join(f"{peer} x{n}" for peer, n in sorted(self._missed.items())) or "none"
-        self._log.warning(f"stragglers since the last such line (rounds missed; their data is dropped as late "
-                          f"until they keep up): {missed}; {self._timeouts} round(s) closed by the straggler "
-                          f"timeout, {sum(self._returned.values())} return(s) to the quota")
+        self._log.warning(
+            f"stragglers since the last such line (rounds missed; their data is dropped as late "
+            f"until they keep up): {missed}; {self._timeouts} round(s) closed by the straggler "
+            f"timeout, {sum(self._returned.values())} return(s) to the quota"
+        )
         self._missed.clear()
         self._returned.clear()
         self._timeouts = 0

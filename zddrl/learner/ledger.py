@@ -5,6 +5,7 @@ the shards' exchange (``records.py``). Every received trajectory counts toward e
 returns, trained on or not; every refused one is counted per actor and reason and logged (the first, then
 every 100th per actor).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ def _tally(drops: dict[str, int], peer_id: str) -> int:
 class Ledger:
     """``published`` per version, ``account`` or ``drop_*`` per received trajectory, ``row`` per update."""
 
-    def __init__(self, config: Config, log: Any, t0: float, world_size: int = 1,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self, config: Config, log: Any, t0: float, world_size: int = 1, progress: Progress | None = None
+    ) -> None:
         self.config = config
         self.log = log
         self.t0 = t0
@@ -66,28 +68,36 @@ class Ledger:
         self.progress.count_steps(r.peer_id, r.total_env_steps, r.env_steps, r.incarnation)
         expected = self.hashes.get(r.policy_version)
         if expected is not None and r.param_hash != expected:
-            self.log.error(f"actor {r.peer_id} acts with parameters {r.param_hash} that were never published "
-                           f"for version {r.policy_version} (published {expected})")
+            self.log.error(
+                f"actor {r.peer_id} acts with parameters {r.param_hash} that were never published "
+                f"for version {r.policy_version} (published {expected})"
+            )
         self.progress.add_episodes(r.ep_returns)
 
     def drop_stale(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_stale, r.peer_id)
         if n:
-            self.log.warning(f"dropped stale data from {r.peer_id}: version {r.policy_version} is "
-                             f"{version - r.policy_version} behind {version} (max_staleness "
-                             f"{self.config.algo.max_staleness}; {n} so far)")
+            self.log.warning(
+                f"dropped stale data from {r.peer_id}: version {r.policy_version} is "
+                f"{version - r.policy_version} behind {version} (max_staleness "
+                f"{self.config.algo.max_staleness}; {n} so far)"
+            )
 
     def drop_late(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_late, r.peer_id)
         if n:
-            self.log.warning(f"dropped late data from {r.peer_id}: version {r.policy_version}, round {version} "
-                             f"({n} so far from this actor)")
+            self.log.warning(
+                f"dropped late data from {r.peer_id}: version {r.policy_version}, round {version} "
+                f"({n} so far from this actor)"
+            )
 
     def drop_invalid(self, r: Record) -> None:
         n = _tally(self.progress.dropped_invalid, r.peer_id)
         if n:
-            self.log.warning(f"dropped a trajectory from {r.peer_id} (seq {r.seq}) that this run cannot train "
-                             f"on: {r.invalid} ({n} so far from this actor)")
+            self.log.warning(
+                f"dropped a trajectory from {r.peer_id} (seq {r.seq}) that this run cannot train "
+                f"on: {r.invalid} ({n} so far from this actor)"
+            )
 
     def watch_lag(self) -> None:
         """Warn when the median actor lag keeps growing: the 'actors never get new parameters' failure."""
@@ -96,8 +106,10 @@ class Ledger:
         self.lag_medians.append(float(np.median(list(self.lag.values()))))
         m = list(self.lag_medians)
         if len(m) == LAG_WINDOW and all(b >= a for a, b in zip(m, m[1:])) and m[-1] - m[0] >= 3:
-            self.log.warning(f"median actor lag keeps growing ({m[0]:.0f} -> {m[-1]:.0f} versions over "
-                             f"{LAG_WINDOW} updates): are parameters reaching the actors?")
+            self.log.warning(
+                f"median actor lag keeps growing ({m[0]:.0f} -> {m[-1]:.0f} versions over "
+                f"{LAG_WINDOW} updates): are parameters reaching the actors?"
+            )
             self.lag_medians.clear()
 
     def env_steps(self) -> int:
@@ -118,33 +130,60 @@ class Ledger:
         """The metrics row of an update (``columns``: version, actors, rollout length, timings, skipped steps);
         records the target the first time the return reaches it."""
         wall, steps, ret, p = self.wall_s(), self.env_steps(), self.return_mean(), self.progress
-        row = {"wall_s": wall, "env_steps": steps, "sps": steps / wall, "return_mean_20": ret, "episodes": p.episodes,
-               "staleness_mean": 0.0, "staleness_max": 0, "staleness_hist": f"0:{figures.get('batch_steps', 0)}",
-               **figures, "dropped_late": sum(p.dropped_late.values()), "dropped_stale": sum(p.dropped_stale.values()),
-               "dropped_invalid": sum(p.dropped_invalid.values()), **columns}
+        row = {
+            "wall_s": wall,
+            "env_steps": steps,
+            "sps": steps / wall,
+            "return_mean_20": ret,
+            "episodes": p.episodes,
+            "staleness_mean": 0.0,
+            "staleness_max": 0,
+            "staleness_hist": f"0:{figures.get('batch_steps', 0)}",
+            **figures,
+            "dropped_late": sum(p.dropped_late.values()),
+            "dropped_stale": sum(p.dropped_stale.values()),
+            "dropped_invalid": sum(p.dropped_invalid.values()),
+            **columns,
+        }
         self.last_row = row
         target = self.config.train.until_return
         if not p.target and ret >= target:
-            p.target = {"wall_s_to_target": round(wall, 3), "env_steps_to_target": steps,
-                        "return_at_target": round(ret, 2)}
+            p.target = {
+                "wall_s_to_target": round(wall, 3),
+                "env_steps_to_target": steps,
+                "return_at_target": round(ret, 2),
+            }
             self.log.info(f"target return {target} reached: {ret:.1f} after {steps} env steps, {wall:.2f} s")
         return row
 
     def drops(self) -> dict[str, int]:
         p = self.progress
-        return {"dropped_late": sum(p.dropped_late.values()), "dropped_stale": sum(p.dropped_stale.values()),
-                "dropped_invalid": sum(p.dropped_invalid.values())}
+        return {
+            "dropped_late": sum(p.dropped_late.values()),
+            "dropped_stale": sum(p.dropped_stale.values()),
+            "dropped_invalid": sum(p.dropped_invalid.values()),
+        }
 
     def summary(self, **run: Any) -> dict[str, Any]:
         """summary.json (docs/run-directory.md); ``run``: policy version, mode, seed, run id, shards."""
         wall, steps, ret, p = self.wall_s(), self.env_steps(), self.return_mean(), self.progress
         target = self.config.train.until_return
-        return {"target_return": None if math.isinf(target) else target, "reached": bool(p.target),
-                "wall_s_to_target": p.target.get("wall_s_to_target"),
-                "env_steps_to_target": p.target.get("env_steps_to_target"),
-                "return_at_target": p.target.get("return_at_target"), "total_env_steps": steps,
-                "wall_s": round(wall, 3), "sps": round(steps / max(wall, 1e-9), 1),
-                "return_mean_20": None if math.isnan(ret) else round(ret, 2), "episodes": p.episodes,
-                "updates": p.updates, "dropped_late": dict(p.dropped_late), "dropped_stale": dict(p.dropped_stale),
-                "dropped_invalid": dict(p.dropped_invalid), "lag": dict(self.lag),
-                "shard_trajectories": list(self.shard_trajectories), **run}
+        return {
+            "target_return": None if math.isinf(target) else target,
+            "reached": bool(p.target),
+            "wall_s_to_target": p.target.get("wall_s_to_target"),
+            "env_steps_to_target": p.target.get("env_steps_to_target"),
+            "return_at_target": p.target.get("return_at_target"),
+            "total_env_steps": steps,
+            "wall_s": round(wall, 3),
+            "sps": round(steps / max(wall, 1e-9), 1),
+            "return_mean_20": None if math.isnan(ret) else round(ret, 2),
+            "episodes": p.episodes,
+            "updates": p.updates,
+            "dropped_late": dict(p.dropped_late),
+            "dropped_stale": dict(p.dropped_stale),
+            "dropped_invalid": dict(p.dropped_invalid),
+            "lag": dict(self.lag),
+            "shard_trajectories": list(self.shard_trajectories),
+            **run,
+        }

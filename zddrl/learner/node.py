@@ -11,6 +11,7 @@ in step with the others (``poll.ShardPoller``); each trains on its own trajector
 averaged over the group (``zddrl.dist.shards``); the main shard (rank 0) alone counts (``ledger.Ledger``),
 sizes rounds from the fleet (``fleet.Fleet``), publishes, logs and checkpoints.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,9 +46,22 @@ from zddrl.transport.params import split as split_params
 
 WELCOME_TIMEOUT_S = 60.0
 STATS_EVERY_S = 1.0
-REPORTED_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance",
-                    "grad_norm", "lr", "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean",
-                    "rho_mean", "sps")
+REPORTED_FIGURES = (
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "approx_kl",
+    "clipfrac",
+    "explained_variance",
+    "grad_norm",
+    "lr",
+    "staleness_mean",
+    "staleness_max",
+    "staleness_hist",
+    "is_weight_mean",
+    "rho_mean",
+    "sps",
+)
 """The last update's figures that go to `zddrl status` with the learner's stats."""
 
 
@@ -66,9 +80,18 @@ class LearnerNode:
     poller: ShardPoller
     """This shard's data socket, polled in step with the others (set by ``run``, once welcomed)."""
 
-    def __init__(self, connect: str, config: Config, run_dir: str | Path, *, t0: float | None = None,
-                 peer_id: str | None = None, context: zmq.Context | None = None, resume: bool = False,
-                 group: ShardGroup | None = None) -> None:
+    def __init__(
+        self,
+        connect: str,
+        config: Config,
+        run_dir: str | Path,
+        *,
+        t0: float | None = None,
+        peer_id: str | None = None,
+        context: zmq.Context | None = None,
+        resume: bool = False,
+        group: ShardGroup | None = None,
+    ) -> None:
         self.connect = connect
         self.config = config
         self.algo = config.algo
@@ -94,9 +117,16 @@ class LearnerNode:
             runlog = RunLog(run_dir, config.to_dict(), resume_version=self.policy_version if resume else None)
             self.own = MainShard(
                 Ledger(config, self.log, t0 if t0 is not None else time.time(), self.group.world_size, progress),
-                runlog, Checkpoints(runlog, config.train),
-                Fleet(config.env.num_envs, self.algo.batch_size, self.rollout_len, self.log,
-                      sizes_rollouts=self.algo.mode == "sync"))
+                runlog,
+                Checkpoints(runlog, config.train),
+                Fleet(
+                    config.env.num_envs,
+                    self.algo.batch_size,
+                    self.rollout_len,
+                    self.log,
+                    sizes_rollouts=self.algo.mode == "sync",
+                ),
+            )
         self.updates = progress.updates if progress is not None else 0
         self.max_chunk_bytes = 1 << 30
         self.next_stats = 0.0
@@ -106,35 +136,20 @@ class LearnerNode:
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
-        hello = P.Hello(role="learner", peer_id=self.peer_id, run_id=self.run_id, run=self.config.to_dict(),
-                        shard=self.group.rank, num_shards=self.group.world_size, **hello_fields())
+        hello = P.Hello(
+            role="learner",
+            peer_id=self.peer_id,
+            run_id=self.run_id,
+            run=self.config.to_dict(),
+            shard=self.group.rank,
+            num_shards=self.group.world_size,
+            **hello_fields(),
+        )
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
         crashed = False
         try:
-            welcome = link.wait_welcome(WELCOME_TIMEOUT_S)
-            if welcome is None or link.refused:
-                if link.refused:
-                    raise Refused(link.refused)
-                raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
-            window, limit = self._window(), welcome.max_message_bytes
-            self.poller = ShardPoller(link, lambda: DataChannel(self.ctx, link, self.peer_id, limit, window),
-                                      self.run_id, self.group, self._mismatch, self.log)
-            # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
-            self.max_chunk_bytes = max(1024, limit // 2)
-            self._refresh_fleet()
-            self._publish()
-            if self.own is not None:
-                self.own.runlog.meta({"run_id": self.run_id, "mode": self.algo.mode,
-                                      "resumed_from_version": self.policy_version, "broker": self.connect,
-                                      "shards": self.group.world_size})
-                self.log.info(f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch "
-                              f"{self.algo.batch_size} steps, {self.group.world_size} shard(s), version "
-                              f"{self.policy_version} published")
+            collector = self._join(link)
             own = self.own
-            ledger = own.ledger if own is not None else None
-            collector = SyncRounds(self.poller, self.algo, self.log, own.fleet if own is not None else None, ledger,
-                                   self._refresh_fleet) if self.algo.mode == "sync" else \
-                AsyncStream(self.poller, self.algo, ledger)
             while self._step(collector.collect(stop, self.policy_version)):
                 self._report()
                 if own is not None and own.checkpoints.due(self.updates):
@@ -149,6 +164,46 @@ class LearnerNode:
             summary = self._finish(crashed)
             link.close(reason="learner finished")
         return summary
+
+    def _join(self, link: BrokerLink) -> SyncRounds | AsyncStream:
+        """Once welcomed: open the data channel, publish the current version, record the run; the collector."""
+        welcome = link.wait_welcome(WELCOME_TIMEOUT_S)
+        if welcome is None or link.refused:
+            if link.refused:
+                raise Refused(link.refused)
+            raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
+        window, limit = self._window(), welcome.max_message_bytes
+        self.poller = ShardPoller(
+            link,
+            lambda: DataChannel(self.ctx, link, self.peer_id, limit, window),
+            self.run_id,
+            self.group,
+            self._mismatch,
+            self.log,
+        )
+        # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
+        self.max_chunk_bytes = max(1024, limit // 2)
+        self._refresh_fleet()
+        self._publish()
+        own = self.own
+        if own is not None:
+            meta = {
+                "run_id": self.run_id,
+                "mode": self.algo.mode,
+                "resumed_from_version": self.policy_version,
+                "broker": self.connect,
+                "shards": self.group.world_size,
+            }
+            own.runlog.meta(meta)
+            self.log.info(
+                f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch {self.algo.batch_size} "
+                f"steps, {self.group.world_size} shard(s), version {self.policy_version} published"
+            )
+        ledger = own.ledger if own is not None else None
+        if self.algo.mode != "sync":
+            return AsyncStream(self.poller, self.algo, ledger)
+        fleet = own.fleet if own is not None else None
+        return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
 
     def _step(self, got: CollectedBatch) -> bool:
         """One update on a collected batch, then publish and log; False when the run is over."""
@@ -171,9 +226,15 @@ class LearnerNode:
             figures.update(got.figures or {})
             if self.algo.mode != "sync":
                 ledger.watch_lag()
-            row = ledger.row(figures, policy_version=self.policy_version, skipped_steps=self.core.skipped_steps,
-                                  actors=got.actors, rollout_len=self.rollout_len, round_s=got.round_s,
-                                  update_s=update_s)
+            row = ledger.row(
+                figures,
+                policy_version=self.policy_version,
+                skipped_steps=self.core.skipped_steps,
+                actors=got.actors,
+                rollout_len=self.rollout_len,
+                round_s=got.round_s,
+                update_s=update_s,
+            )
             self.own.runlog.write(row)
         return True
 
@@ -225,9 +286,17 @@ class LearnerNode:
             return
         self.rollout_len = own.fleet.rollout_len
         lc = self.config.learner
-        messages = split_params(run_id=self.run_id, peer_id=self.peer_id, version=self.policy_version, flat=flat,
-                                layout=layout, extras=extra, meta={"rollout_len": self.rollout_len},
-                                chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes), dtype=lc.param_dtype)
+        messages = split_params(
+            run_id=self.run_id,
+            peer_id=self.peer_id,
+            version=self.policy_version,
+            flat=flat,
+            layout=layout,
+            extras=extra,
+            meta={"rollout_len": self.rollout_len},
+            chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes),
+            dtype=lc.param_dtype,
+        )
         head = messages[0]
         if not isinstance(head, P.Parameters):
             raise TypeError(f"split() must put the version's params message first, not {type(head).__name__}")
@@ -243,32 +312,55 @@ class LearnerNode:
         elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": self.group.comm_s}
-        stats: dict[str, Any] = {"shard": self.group.rank, "shards": self.group.world_size,
-                 "updates_per_s": timing["updates"] / elapsed, "samples_per_s": timing["samples"] / elapsed,
-                 "wait_data_share": timing["wait_s"] / elapsed,
-                 "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed, "rss_mb": rss_mb(),
-                 "policy_version": self.policy_version}
+        stats: dict[str, Any] = {
+            "shard": self.group.rank,
+            "shards": self.group.world_size,
+            "updates_per_s": timing["updates"] / elapsed,
+            "samples_per_s": timing["samples"] / elapsed,
+            "wait_data_share": timing["wait_s"] / elapsed,
+            "collective_share": (self.group.comm_s - timing["comm_s"]) / elapsed,
+            "rss_mb": rss_mb(),
+            "policy_version": self.policy_version,
+        }
         if self.own is not None:  # the run's figures are the main shard's to report
             ledger = self.own.ledger
             ret = ledger.return_mean()
-            stats = {**{k: v for k, v in ledger.last_row.items()
-                        if k in REPORTED_FIGURES and isinstance(v, (int, float, str))},
-                     **stats, "updates": self.updates, "env_steps": ledger.env_steps(),
-                     "return_mean_20": None if math.isnan(ret) else ret,
-                     **{f"lag/{actor}": lag for actor, lag in ledger.lag.items()}, **ledger.drops()}
+            stats = {
+                **{
+                    k: v
+                    for k, v in ledger.last_row.items()
+                    if k in REPORTED_FIGURES and isinstance(v, (int, float, str))
+                },
+                **stats,
+                "updates": self.updates,
+                "env_steps": ledger.env_steps(),
+                "return_mean_20": None if math.isnan(ret) else ret,
+                **{f"lag/{actor}": lag for actor, lag in ledger.lag.items()},
+                **ledger.drops(),
+            }
         self.link.send(P.Stats(peer_id=self.peer_id, role="learner", stats=stats))
 
     def _summary(self) -> dict[str, Any]:
-        run = {"policy_version": self.policy_version, "mode": self.algo.mode, "seed": self.config.env.seed,
-               "run_id": self.run_id, "shards": self.group.world_size}
+        run = {
+            "policy_version": self.policy_version,
+            "mode": self.algo.mode,
+            "seed": self.config.env.seed,
+            "run_id": self.run_id,
+            "shards": self.group.world_size,
+        }
         return self.own.ledger.summary(**run) if self.own is not None else {"updates": self.updates, **run}
 
     # ---------------------------------------------------------------- checkpoints
     def _checkpoint(self, own: MainShard, final: bool = False) -> None:
         ledger = own.ledger
-        state = {**self.core.state(), "policy_version": self.policy_version, "config": self.config.to_dict(),
-                 "progress": ledger.progress.state(ledger.wall_s()), "rollout_len": self.rollout_len,
-                 "env_steps": ledger.env_steps()}
+        state = {
+            **self.core.state(),
+            "policy_version": self.policy_version,
+            "config": self.config.to_dict(),
+            "progress": ledger.progress.state(ledger.wall_s()),
+            "rollout_len": self.rollout_len,
+            "env_steps": ledger.env_steps(),
+        }
         path = own.checkpoints.write(state, self.policy_version, self.updates, final)
         self.log.debug(f"checkpoint {path.name} written")
 
@@ -279,14 +371,18 @@ class LearnerNode:
         saved = state.get("config", {})
         for section in ("env", "model"):
             if saved.get(section) != self.config.to_dict()[section]:
-                raise ConfigError(f"--resume: the [{section}] of {path.name} differs from this config; resume "
-                                  f"with the run's own config.toml")
+                raise ConfigError(
+                    f"--resume: the [{section}] of {path.name} differs from this config; resume "
+                    f"with the run's own config.toml"
+                )
         self.core.load_state(state)
         self.policy_version = int(state["policy_version"])
         self.rollout_len = int(state.get("rollout_len", self.rollout_len))
         progress = Progress.from_state(state["progress"])
-        self.log.info(f"resumed from {path}: version {self.policy_version}, {progress.env_steps()} env steps, "
-                      f"{progress.updates} updates")
+        self.log.info(
+            f"resumed from {path}: version {self.policy_version}, {progress.env_steps()} env steps, "
+            f"{progress.updates} updates"
+        )
         return progress
 
 

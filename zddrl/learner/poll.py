@@ -6,6 +6,7 @@ other shard (``records.py``). Every shard calls it the same number of times, so 
 the same poll everywhere; decisions that depend on time (the straggler timeout, run limits) come from
 the main shard as ``control`` in that same exchange.
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,8 +41,15 @@ class ShardPoller:
     says why the run cannot use a trajectory ("" when it can); ``open_channel()`` opens a data channel to the
     link's learners port (again when a re-welcome names another)."""
 
-    def __init__(self, link: BrokerLink, open_channel: Callable[[], DataChannel], run_id: str, group: ShardGroup,
-                 check: Callable[[P.Trajectory], str], log: Any) -> None:
+    def __init__(
+        self,
+        link: BrokerLink,
+        open_channel: Callable[[], DataChannel],
+        run_id: str,
+        group: ShardGroup,
+        check: Callable[[P.Trajectory], str],
+        log: Any,
+    ) -> None:
         self.link, self.open_channel, self.run_id = link, open_channel, run_id
         self.group, self.check, self.log = group, check, log
         self.poll_ms = SHARDED_POLL_MS if group.sharded else RECV_POLL_MS
@@ -64,8 +72,13 @@ class ShardPoller:
     def close(self) -> None:
         self.channel.close()
 
-    def poll(self, stop: threading.Event, control: dict[str, Any],
-             use: Callable[[P.Trajectory], bool], batch: list[P.Trajectory]) -> Polled:
+    def poll(
+        self,
+        stop: threading.Event,
+        control: dict[str, Any],
+        use: Callable[[P.Trajectory], bool],
+        batch: list[P.Trajectory],
+    ) -> Polled:
         """One poll, then one exchange. A received trajectory for which ``use(msg)`` is true is appended to
         ``batch`` (this shard's part of the batch being collected)."""
         self._reconnect_if_needed()
@@ -77,14 +90,18 @@ class ShardPoller:
             if taken:
                 batch.append(msg)
             mine.append(record_of(msg, fresh, taken, why))
-        parts = self.group.exchange({"records": [list(r) for r in mine], "stop": stop.is_set(),
-                                     "control": control if self.group.is_main else None})
+        parts = self.group.exchange(
+            {
+                "records": [list(r) for r in mine],
+                "stop": stop.is_set(),
+                "control": control if self.group.is_main else None,
+            }
+        )
         control = dict(parts[0]["control"])
         control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
         everything = records_of([p["records"] for p in parts])
         received = [sum(r.fresh and not r.invalid for r in map(Record._make, p["records"])) for p in parts]
-        return Polled([r for r in everything if not r.invalid], [r for r in everything if r.invalid], received,
-                      control)
+        return Polled([r for r in everything if not r.invalid], [r for r in everything if r.invalid], received, control)
 
     def _receive(self) -> tuple[P.Trajectory | None, bool]:
         """The next trajectory of this run (its credit returned) and whether it is new, or (None, False) after a

@@ -5,6 +5,7 @@ Env steps are counted from what actors report (each trajectory carries the actor
 actor hosts outlive runs and learner restarts, so their totals include steps this run never saw.
 Steps and wall time of earlier incarnations of the run (before a resume) are carried as offsets.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ class Progress:
             self.actor_steps[peer_id] = self.actor_steps.get(peer_id, 0) + env_steps
             return
         stream = self.actor_streams.get(peer_id)
-        restarted = stream is not None and (stream[0] != incarnation if incarnation is not None
-                                            else reported_total < stream[2])
+        restarted = stream is not None and (
+            stream[0] != incarnation if incarnation is not None else reported_total < stream[2]
+        )
         if stream is None or restarted:
             carried = self.actor_steps.get(peer_id, 0)
             stream = self.actor_streams[peer_id] = [incarnation, reported_total - env_steps, reported_total, carried]
@@ -73,15 +75,27 @@ class Progress:
 
     def state(self, wall_s: float) -> dict[str, Any]:
         """Plain values for a checkpoint (loadable with ``torch.load(weights_only=True)``)."""
-        return {"returns": list(self.returns), "episodes": self.episodes, "updates": self.updates,
-                "env_steps": self.env_steps(), "wall_s": wall_s, "dropped_late": dict(self.dropped_late),
-                "dropped_stale": dict(self.dropped_stale), "dropped_invalid": dict(self.dropped_invalid),
-                "target": dict(self.target)}
+        return {
+            "returns": list(self.returns),
+            "episodes": self.episodes,
+            "updates": self.updates,
+            "env_steps": self.env_steps(),
+            "wall_s": wall_s,
+            "dropped_late": dict(self.dropped_late),
+            "dropped_stale": dict(self.dropped_stale),
+            "dropped_invalid": dict(self.dropped_invalid),
+            "target": dict(self.target),
+        }
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Progress:
-        p = cls(episodes=int(state["episodes"]), updates=int(state["updates"]), steps_before=int(state["env_steps"]),
-                wall_before=float(state["wall_s"]), target=dict(state["target"]))
+        p = cls(
+            episodes=int(state["episodes"]),
+            updates=int(state["updates"]),
+            steps_before=int(state["env_steps"]),
+            wall_before=float(state["wall_s"]),
+            target=dict(state["target"]),
+        )
         p.returns.extend(float(r) for r in state["returns"])
         p.dropped_late.update(state["dropped_late"])
         p.dropped_stale.update(state["dropped_stale"])

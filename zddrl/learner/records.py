@@ -5,6 +5,7 @@ socket, so that all of them count the same global batch. A record carries what c
 episodes, staleness, the parameter-hash check), never the arrays. Records travel through
 ``ShardGroup.exchange`` as plain lists (msgpack) and are rebuilt with ``Record(*row)``.
 """
+
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -35,9 +36,19 @@ class Record(NamedTuple):
 def record_of(msg: P.Trajectory, fresh: bool, used: bool, invalid: str = "") -> Record:
     info = msg.info
     total, incarnation = info.get("total_env_steps"), info.get("incarnation")
-    return Record(msg.peer_id, msg.seq, msg.policy_version, msg.env_steps,
-                  total if isinstance(total, int) and not isinstance(total, bool) else None, msg.param_hash,
-                  incarnation if isinstance(incarnation, str) else None, list(msg.ep_returns), fresh, used, invalid)
+    return Record(
+        msg.peer_id,
+        msg.seq,
+        msg.policy_version,
+        msg.env_steps,
+        total if isinstance(total, int) and not isinstance(total, bool) else None,
+        msg.param_hash,
+        incarnation if isinstance(incarnation, str) else None,
+        list(msg.ep_returns),
+        fresh,
+        used,
+        invalid,
+    )
 
 
 def records_of(parts: list[Any]) -> list[Record]:

@@ -13,6 +13,7 @@ batch is full. Actors never wait.
 Both return a ``CollectedBatch`` (this shard's part of the batch and what the update's row needs), or one with
 ``stopped`` set when the run is over. Counting (``Ledger``) and the fleet are the main shard's alone.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -65,8 +66,15 @@ class SyncRounds:
     """``collect(stop, version)`` runs one round. ``fleet`` and ``ledger`` are the main shard's (None on the
     others); ``refresh_fleet()`` reads the broker's newest fleet message into ``fleet``."""
 
-    def __init__(self, poller: ShardPoller, algo: AlgoConfig, log: Any, fleet: Fleet | None = None,
-                 ledger: Ledger | None = None, refresh_fleet: Callable[[], bool] = lambda: False) -> None:
+    def __init__(
+        self,
+        poller: ShardPoller,
+        algo: AlgoConfig,
+        log: Any,
+        fleet: Fleet | None = None,
+        ledger: Ledger | None = None,
+        refresh_fleet: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.poller, self.algo, self.log = poller, algo, log
         self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
         self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
@@ -127,8 +135,10 @@ class SyncRounds:
         round_s = time.monotonic() - started
         if fleet is not None:
             if not steps:
-                self.log.warning(f"round {version}: no rollout could be used ({sorted(unusable)}); version "
-                                 f"{version + 1} keeps the weights so that the actors sample again")
+                self.log.warning(
+                    f"round {version}: no rollout could be used ({sorted(unusable)}); version "
+                    f"{version + 1} keeps the weights so that the actors sample again"
+                )
             fleet.round_closed(expected, reported | unusable, by_timeout)
         return CollectedBatch(batch, round_s, len(reported))
 
@@ -147,8 +157,7 @@ class AsyncStream:
         max_staleness = self.algo.max_staleness
         while steps < self.algo.batch_size:
             control = {"stop": self.ledger.finished()} if self.ledger is not None else {}
-            polled = self.poller.poll(stop, control, lambda m: 0 <= version - m.policy_version <= max_staleness,
-                                      batch)
+            polled = self.poller.poll(stop, control, lambda m: 0 <= version - m.policy_version <= max_staleness, batch)
             _account(self.ledger, polled, version)
             for r in polled.records:
                 if r.used:
@@ -162,6 +171,9 @@ class AsyncStream:
         staleness = np.repeat([s for _, s, _ in used], [n for _, _, n in used])
         hist = np.bincount(staleness)
         mean = float(staleness.mean())
-        figures = {"staleness_mean": mean, "staleness_max": int(staleness.max()),
-                   "staleness_hist": " ".join(f"{v}:{n}" for v, n in enumerate(hist) if n)}
+        figures = {
+            "staleness_mean": mean,
+            "staleness_max": int(staleness.max()),
+            "staleness_hist": " ".join(f"{v}:{n}" for v, n in enumerate(hist) if n),
+        }
         return CollectedBatch(batch, time.monotonic() - started, len({peer for peer, _, _ in used}), mean, figures)

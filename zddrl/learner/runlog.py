@@ -10,6 +10,7 @@ Layout (names that scripts and CI rely on; docs/run-directory.md documents each 
     RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
     RUN_DIR/checkpoints/final.pt   the last state: model, optimizer, version, statistics, RNG, config
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,15 +29,57 @@ from zddrl.config import to_toml
 from zddrl.learner.tensorboard import make_tensorboard_writer
 
 METRIC_COLUMNS = (
-    "wall_s", "env_steps", "policy_version", "sps", "return_mean_20", "episodes", "batch_steps",
-    "policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm", "lr",
-    "staleness_mean", "staleness_max", "staleness_hist", "is_weight_mean", "rho_mean", "dropped_late", "dropped_stale",
-    "dropped_invalid", "skipped_steps", "actors", "rollout_len", "round_s", "update_s",
+    "wall_s",
+    "env_steps",
+    "policy_version",
+    "sps",
+    "return_mean_20",
+    "episodes",
+    "batch_steps",
+    "policy_loss",
+    "value_loss",
+    "entropy",
+    "approx_kl",
+    "clipfrac",
+    "explained_variance",
+    "grad_norm",
+    "lr",
+    "staleness_mean",
+    "staleness_max",
+    "staleness_hist",
+    "is_weight_mean",
+    "rho_mean",
+    "dropped_late",
+    "dropped_stale",
+    "dropped_invalid",
+    "skipped_steps",
+    "actors",
+    "rollout_len",
+    "round_s",
+    "update_s",
 )
-SUMMARY_KEYS = ("target_return", "reached", "wall_s_to_target", "env_steps_to_target", "return_at_target",
-                "total_env_steps", "wall_s", "sps", "return_mean_20", "episodes", "policy_version", "updates",
-                "dropped_late", "dropped_stale", "dropped_invalid", "lag", "mode", "seed", "shards",
-                "shard_trajectories")
+SUMMARY_KEYS = (
+    "target_return",
+    "reached",
+    "wall_s_to_target",
+    "env_steps_to_target",
+    "return_at_target",
+    "total_env_steps",
+    "wall_s",
+    "sps",
+    "return_mean_20",
+    "episodes",
+    "policy_version",
+    "updates",
+    "dropped_late",
+    "dropped_stale",
+    "dropped_invalid",
+    "lag",
+    "mode",
+    "seed",
+    "shards",
+    "shard_trajectories",
+)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -128,8 +171,12 @@ def _fmt(value: Any) -> Any:
 def git_sha() -> str | None:
     """The commit of the zddrl source tree this process runs, when it is a git checkout."""
     try:
-        out = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
@@ -143,10 +190,20 @@ def run_metadata() -> dict[str, Any]:
 
     from zddrl import __version__
 
-    return {"zddrl": __version__, "git_sha": git_sha(), "host": socket.gethostname(), "pid": os.getpid(),
-            "argv": sys.argv, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": platform.python_version(),
-            "torch": torch.__version__, "gymnasium": gymnasium.__version__, "numpy": numpy.__version__,
-            "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
+    return {
+        "zddrl": __version__,
+        "git_sha": git_sha(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gymnasium": gymnasium.__version__,
+        "numpy": numpy.__version__,
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+    }
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

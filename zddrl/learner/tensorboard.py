@@ -10,6 +10,7 @@ torch's ``SummaryWriter``. ``make_tensorboard_writer`` returns None when it is n
 
 View with ``tensorboard --logdir runs/`` (every run directory's tb/ shows up as one run).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,17 @@ TB_DIR = "tb"
 TAGS: dict[str, tuple[str, ...]] = {
     "charts": ("return_mean_20", "episodes", "sps", "policy_version"),
     "losses": ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance", "grad_norm"),
-    "perf": ("round_s", "update_s", "staleness_mean", "staleness_max", "lr", "batch_steps", "dropped_late",
-             "dropped_stale", "dropped_invalid"),
+    "perf": (
+        "round_s",
+        "update_s",
+        "staleness_mean",
+        "staleness_max",
+        "lr",
+        "batch_steps",
+        "dropped_late",
+        "dropped_stale",
+        "dropped_invalid",
+    ),
 }
 """Namespace -> metrics.csv columns logged under it as ``namespace/column``."""
 FLUSH_SECS = 10

@@ -1,4 +1,5 @@
 """`zddrl eval`: deterministic evaluation of a checkpoint on fresh envs."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -23,8 +24,14 @@ def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
     model.load_state_dict(state["model"])
     flat, layout = flatten_params(model)
     rms = state.get("obs_rms")
-    policy = NumpyPolicy(flat, layout, config.model.activation, vec.spec.discrete,
-                         None if rms is None else rms["mean"].numpy(), None if rms is None else rms["var"].numpy())
+    policy = NumpyPolicy(
+        flat,
+        layout,
+        config.model.activation,
+        vec.spec.discrete,
+        None if rms is None else rms["mean"].numpy(),
+        None if rms is None else rms["var"].numpy(),
+    )
     rng = np.random.default_rng(seed)
     try:
         while len(vec.finished) < episodes:
@@ -32,5 +39,10 @@ def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
     finally:
         vec.close()
     returns = np.array([r for r, _ in vec.finished[:episodes]])
-    return {"env_id": config.env.id, "episodes": episodes, "mean": float(returns.mean()), "std": float(returns.std()),
-            "policy_version": int(state.get("policy_version", -1))}
+    return {
+        "env_id": config.env.id,
+        "episodes": episodes,
+        "mean": float(returns.mean()),
+        "std": float(returns.std()),
+        "policy_version": int(state.get("policy_version", -1)),
+    }

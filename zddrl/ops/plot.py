@@ -4,6 +4,7 @@ Reads RUN_DIR/metrics.csv (required), RUN_DIR/summary.json and RUN_DIR/config.to
 target line; a run still in progress has no summary yet). Needs matplotlib (``pip install 'zddrl[plot]'``); it
 draws with the Agg canvas directly, so no display is needed and pyplot's global state is never touched.
 """
+
 from __future__ import annotations
 
 import csv
@@ -69,8 +70,10 @@ def load_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     path = run_dir / "metrics.csv"
     if not path.is_file():
-        raise PlotError(f"{run_dir} is not a run directory: it has no metrics.csv (written by `zddrl train` or "
-                        f"`zddrl learner --run-dir`)")
+        raise PlotError(
+            f"{run_dir} is not a run directory: it has no metrics.csv (written by `zddrl train` or "
+            f"`zddrl learner --run-dir`)"
+        )
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         missing = [c for c in REQUIRED if c not in (reader.fieldnames or ())]
@@ -136,16 +139,23 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
         style.append(Line2D([], [], color="0.35", ls="--", label=f"target {target:g}"))
     if any(r.summary.get("reached") for r in runs):
         style.append(Line2D([], [], color="0.35", marker="o", ls="", label="target first reached"))
-    stale.legend(handles=[Line2D([], [], color="0.2", lw=1.6, label="mean over the batch"),
-                          Line2D([], [], color="0.2", lw=1.0, ls=":", label="max in the batch")],
-                 loc="upper right", ncols=2, fontsize=9)
+    stale.legend(
+        handles=[
+            Line2D([], [], color="0.2", lw=1.6, label="mean over the batch"),
+            Line2D([], [], color="0.2", lw=1.0, ls=":", label="max in the batch"),
+        ],
+        loc="upper right",
+        ncols=2,
+        fontsize=9,
+    )
 
     steps_fmt = EngFormatter(sep="")
     for ax, title, xlabel, ylabel in (
-            (ret_steps, "Return vs env steps", "env steps (all actors)", "mean return, last 20 episodes"),
-            (ret_wall, "Return vs wall time", "wall time since command start (s)", "mean return, last 20 episodes"),
-            (sps_wall, "Throughput", "wall time since command start (s)", "env steps / s (average since start)"),
-            (stale, "Policy lag of trained data", "env steps (all actors)", "staleness (policy versions)")):
+        (ret_steps, "Return vs env steps", "env steps (all actors)", "mean return, last 20 episodes"),
+        (ret_wall, "Return vs wall time", "wall time since command start (s)", "mean return, last 20 episodes"),
+        (sps_wall, "Throughput", "wall time since command start (s)", "env steps / s (average since start)"),
+        (stale, "Policy lag of trained data", "env steps (all actors)", "staleness (policy versions)"),
+    ):
         ax.set_title(title, fontsize=11)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)

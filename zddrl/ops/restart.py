@@ -10,6 +10,7 @@ again). It comes back from the newest checkpoint of its run directory with ``--r
 as a person would continue the run; with no checkpoint yet it starts the run afresh in the same
 directory (a fresh learner refuses a directory only once it holds checkpoints: ``cli._check_run_dir``).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,8 +51,13 @@ class RestartBudget:
     ``min(max_s, first_s * factor ** (n - 1))`` seconds. Restarts are counted over the whole run:
     a learner that keeps dying, early or late, runs out."""
 
-    def __init__(self, max_restarts: int, first_s: float = RESTART_BACKOFF_FIRST_S,
-                 factor: float = RESTART_BACKOFF_FACTOR, max_s: float = RESTART_BACKOFF_MAX_S) -> None:
+    def __init__(
+        self,
+        max_restarts: int,
+        first_s: float = RESTART_BACKOFF_FIRST_S,
+        factor: float = RESTART_BACKOFF_FACTOR,
+        max_s: float = RESTART_BACKOFF_MAX_S,
+    ) -> None:
         if max_restarts < 0 or first_s < 0 or factor < 1 or max_s < first_s:
             raise ValueError("need max_restarts >= 0, first_s >= 0, factor >= 1 and max_s >= first_s")
         self.max_restarts = max_restarts
@@ -63,7 +69,7 @@ class RestartBudget:
         """Grant one more restart and return its back-off in seconds, or None when the budget is spent."""
         if self.used >= self.max_restarts:
             return None
-        delay = min(self.max_s, self.first_s * self.factor ** self.used)
+        delay = min(self.max_s, self.first_s * self.factor**self.used)
         self.used += 1
         return delay
 
@@ -140,8 +146,9 @@ def wait_for_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> float:
         except PermissionError:  # not ours: nothing to wait for
             return 0.0
         if time.monotonic() - started >= grace_s:
-            logger.warning(f"processes of the dead learner's group {pgid} still run after {grace_s:.0f} s: "
-                           "killing them")
+            logger.warning(
+                f"processes of the dead learner's group {pgid} still run after {grace_s:.0f} s: killing them"
+            )
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
@@ -152,8 +159,11 @@ def wait_for_group(pgid: int, grace_s: float = ORPHAN_GRACE_S) -> float:
 
 def describe_restart(n: int, budget: RestartBudget, cause: str, delay_s: float, resume: bool, tail: str) -> str:
     """The log line of a restart: which one, why, when, from where; and the dead learner's last words."""
-    source = ("the newest checkpoint" if resume
-              else "scratch (no checkpoint yet; the run starts afresh in the same directory)")
+    source = (
+        "the newest checkpoint"
+        if resume
+        else "scratch (no checkpoint yet; the run starts afresh in the same directory)"
+    )
     text = f"the learner {cause}: restart {n} of {budget.max_restarts} in {delay_s:.1f} s, from {source}"
     if tail:
         text += "; the end of its log:\n" + "\n".join(f"    | {line}" for line in tail.splitlines())
@@ -163,10 +173,15 @@ def describe_restart(n: int, budget: RestartBudget, cause: str, delay_s: float, 
 def give_up_message(budget: RestartBudget, cause: str, where: str | Path, run_dir: Path, tail: str = "") -> str:
     """The error of a learner that died once more than the budget allows."""
     last = tail.strip().splitlines()[-1].strip() if tail.strip() else ""
-    then = (f"continue the run with --resume {run_dir} once the cause is fixed" if latest_checkpoint(run_dir)
-            else "the run has no checkpoint to continue from")
-    return (f"the learner {cause} after {budget.used} restart(s) ({budget.max_restarts} allowed): giving up"
-            f"{f' (its last line: {last})' if last else ''}; see {where}; {then}")
+    then = (
+        f"continue the run with --resume {run_dir} once the cause is fixed"
+        if latest_checkpoint(run_dir)
+        else "the run has no checkpoint to continue from"
+    )
+    return (
+        f"the learner {cause} after {budget.used} restart(s) ({budget.max_restarts} allowed): giving up"
+        f"{f' (its last line: {last})' if last else ''}; see {where}; {then}"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,8 +223,9 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
     try:
         while True:
             args = [*base, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
-            child[:] = [subprocess.Popen([sys.executable, "-m", "zddrl", *args],
-                                         preexec_fn=own_group_dying_with_parent)]
+            child[:] = [
+                subprocess.Popen([sys.executable, "-m", "zddrl", *args], preexec_fn=own_group_dying_with_parent)
+            ]
             proc = child[0]
             if stopping:  # a signal between two children
                 proc.send_signal(stopping[0])

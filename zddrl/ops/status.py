@@ -6,6 +6,7 @@ feed the plain-text table and the live view: ``rich`` when it is installed and s
 otherwise plain text (the screen cleared between frames on a terminal, frames one after another when
 piped to a file).
 """
+
 from __future__ import annotations
 
 import sys
@@ -69,45 +70,85 @@ def _number(value: Any, fmt: str, default: str = "-") -> str:
 def summary_lines(body: dict[str, Any]) -> list[str]:
     b = body["broker"]
     dropped = ", ".join(f"{k} {v}" for k, v in b["dropped"].items())
-    lines = [f"broker {b['host']}  run {b['run_id'] or '-'}  version {b['policy_version']}  up {b['uptime_s']:.0f} s",
-             f"trajectories: received {b['received']} = forwarded {b['forwarded']} + dropped "
-             f"{sum(b['dropped'].values())} ({dropped}) + in flight {b['in_flight']}"
-             f"  [{'ok' if b['accounted'] else 'MISMATCH'}]",
-             f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}",
-             f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
-             f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}"]
+    lines = [
+        f"broker {b['host']}  run {b['run_id'] or '-'}  version {b['policy_version']}  up {b['uptime_s']:.0f} s",
+        f"trajectories: received {b['received']} = forwarded {b['forwarded']} + dropped "
+        f"{sum(b['dropped'].values())} ({dropped}) + in flight {b['in_flight']}"
+        f"  [{'ok' if b['accounted'] else 'MISMATCH'}]",
+        f"bytes in {b['bytes_in']}  out {b['bytes_out']}  params published {b.get('params_published', 0)}",
+        f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
+        f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}",
+    ]
     learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
     learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
     if learner:
         ret = learner.get("return_mean_20")
-        lines.append(f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')} "
-                     f"({learner.get('updates_per_s', 0):.1f}/s, {learner.get('samples_per_s', 0):.0f} samples/s, "
-                     f"waiting {100 * learner.get('wait_data_share', 0):.0f}%)  return "
-                     f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
-                     f"stale {learner.get('dropped_stale')} invalid {learner.get('dropped_invalid', 0)}")
+        lines.append(
+            f"learner: version {learner.get('policy_version')}  updates {learner.get('updates')} "
+            f"({learner.get('updates_per_s', 0):.1f}/s, {learner.get('samples_per_s', 0):.0f} samples/s, "
+            f"waiting {100 * learner.get('wait_data_share', 0):.0f}%)  return "
+            f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
+            f"stale {learner.get('dropped_stale')} invalid {learner.get('dropped_invalid', 0)}"
+        )
     return lines
 
 
 def member_rows(body: dict[str, Any]) -> list[list[str]]:
     # The learner reports each actor's lag (its version minus the actor's newest trajectory's).
-    lags = {k[4:]: v for m in body["members"].values() if m["role"] == "learner"
-            for k, v in m.get("stats", {}).items() if k.startswith("lag/")}
+    lags = {
+        k[4:]: v
+        for m in body["members"].values()
+        if m["role"] == "learner"
+        for k, v in m.get("stats", {}).items()
+        if k.startswith("lag/")
+    }
     warned: dict[str, int] = {}
     for w in body.get("health", []):
         warned[w["member"]] = warned.get(w["member"], 0) + 1
-    rows = [["member", "role", "host", "envs", "version", "lag", "msgs", "env_steps", "drops", "sps", "comm", "wait",
-             "rss_mb", "warn", "seen_s"]]
+    rows = [
+        [
+            "member",
+            "role",
+            "host",
+            "envs",
+            "version",
+            "lag",
+            "msgs",
+            "env_steps",
+            "drops",
+            "sps",
+            "comm",
+            "wait",
+            "rss_mb",
+            "warn",
+            "seen_s",
+        ]
+    ]
     for peer, m in sorted(body["members"].items()):
         s = m.get("stats", {})
         drops = sum(v for k, v in m.items() if k.startswith("dropped_"))
         envs = m["num_envs"] or s.get("num_envs", 0)  # actors started without --envs use the run's
         # A learner shard that does not publish (rank > 0) reports its version in its stats.
         version = m["policy_version"] if m["policy_version"] >= 0 else s.get("policy_version", -1)
-        rows.append([peer, m["role"], f"{m['host']}:{m['pid']}", str(envs), str(version),
-                     str(lags.get(peer, "-")), str(m.get("messages", 0)), str(m.get("env_steps", 0)), str(drops),
-                     f"{s.get('sps', 0):.0f}", f"{100 * s.get('comm_share', 0):.0f}%",
-                     f"{100 * s.get('wait_share', s.get('wait_data_share', 0)):.0f}%",
-                     _number(s.get("rss_mb"), ".0f"), str(warned.get(peer, "-")), f"{m['last_seen_s']:.1f}"])
+        rows.append(
+            [
+                peer,
+                m["role"],
+                f"{m['host']}:{m['pid']}",
+                str(envs),
+                str(version),
+                str(lags.get(peer, "-")),
+                str(m.get("messages", 0)),
+                str(m.get("env_steps", 0)),
+                str(drops),
+                f"{s.get('sps', 0):.0f}",
+                f"{100 * s.get('comm_share', 0):.0f}%",
+                f"{100 * s.get('wait_share', s.get('wait_data_share', 0)):.0f}%",
+                _number(s.get("rss_mb"), ".0f"),
+                str(warned.get(peer, "-")),
+                f"{m['last_seen_s']:.1f}",
+            ]
+        )
     return rows
 
 
@@ -120,7 +161,7 @@ def health_rows(body: dict[str, Any]) -> list[list[str]]:
 
 def _first_line(text: str) -> str:
     line = text.splitlines()[0] if text else ""
-    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+    return line if len(line) <= REASON_CHARS else line[: REASON_CHARS - 3] + "..."
 
 
 def departure_rows(body: dict[str, Any]) -> list[list[str]]:
@@ -195,12 +236,18 @@ class RichScreen:
             parts.append(Text("\n".join(summary_lines(body)), style="dim" if problem else ""))
             parts.append(_rich_table(member_rows(body), "members", lambda r: "yellow" if r[-2] != "-" else ""))
             health = health_rows(body)
-            parts.append(_rich_table(health, "health warnings", lambda r: "yellow") if len(health) > 1
-                         else Text("health: ok", style="green"))
+            parts.append(
+                _rich_table(health, "health warnings", lambda r: "yellow")
+                if len(health) > 1
+                else Text("health: ok", style="green")
+            )
             departures = departure_rows(body)
             if len(departures) > 1:
-                parts.append(_rich_table(departures, "departures (newest first)",
-                                         lambda r: "red" if r[-1].startswith("crashed") else ""))
+                parts.append(
+                    _rich_table(
+                        departures, "departures (newest first)", lambda r: "red" if r[-1].startswith("crashed") else ""
+                    )
+                )
         self.live.update(Group(*parts), refresh=True)
 
 
@@ -226,8 +273,9 @@ def _screen(out: TextIO, use_rich: bool | None) -> PlainScreen | RichScreen:
     return PlainScreen(out)
 
 
-def watch_status(connect: str, interval_s: float, timeout_s: float, *, out: TextIO | None = None,
-                 use_rich: bool | None = None) -> None:
+def watch_status(
+    connect: str, interval_s: float, timeout_s: float, *, out: TextIO | None = None, use_rich: bool | None = None
+) -> None:
     """Show the broker's status every ``interval_s`` until Ctrl-C (a clean exit).
 
     A broker that does not answer within ``timeout_s`` is reported as unreachable, above the last
@@ -247,9 +295,14 @@ def watch_status(connect: str, interval_s: float, timeout_s: float, *, out: Text
                 now = time.monotonic()
                 if body is not None:
                     last, last_at = body, now
-                problem = None if body is not None else (
-                    f"broker unreachable at {connect}: {why}" +
-                    (f"; last status {now - last_at:.0f} s ago, shown below" if last else ""))
+                problem = (
+                    None
+                    if body is not None
+                    else (
+                        f"broker unreachable at {connect}: {why}"
+                        + (f"; last status {now - last_at:.0f} s ago, shown below" if last else "")
+                    )
+                )
                 header = f"zddrl status {connect}  {time.strftime('%H:%M:%S')}  every {interval_s:g} s  (Ctrl-C quits)"
                 screen.show(header, last, problem)
                 time.sleep(max(interval_s, MIN_INTERVAL_S))

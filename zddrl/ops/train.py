@@ -10,6 +10,7 @@ A learner (or shard group) that dies is restarted from the run's newest checkpoi
 follow the restarted learner's run. Its log goes on in the same ``logs/learner.log``, after a line
 that says which restart it is and why.
 """
+
 from __future__ import annotations
 
 import csv
@@ -62,8 +63,13 @@ class LocalProcesses:
             log.write(f"\n---- {time.strftime('%H:%M:%S')} {banner} ----\n")
             log.flush()
         cmd = [sys.executable, "-m", "zddrl", "--log-file", str(self.log_dir / f"{name}.loguru.log"), *args]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=own_group_dying_with_parent if own_group else die_with_parent)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=own_group_dying_with_parent if own_group else die_with_parent,
+        )
         log.close()
         self.procs[name] = proc
         return proc
@@ -96,12 +102,40 @@ def _progress(metrics: Path, t0: float) -> str | None:
     if r is None:
         return None
     ret = r["return_mean_20"] or "-"
-    return (f"[{time.time() - t0:6.1f} s] steps {int(r['env_steps']):>9,}  sps {float(r['sps']):>7.0f}  "
-            f"return {ret:>7}  version {r['policy_version']}")
+    return (
+        f"[{time.time() - t0:6.1f} s] steps {int(r['env_steps']):>9,}  sps {float(r['sps']):>7.0f}  "
+        f"return {ret:>7}  version {r['policy_version']}"
+    )
 
 
-def run_training(config: Config, run_dir: str | Path | None = None, show_progress: bool = True,
-                 t0: float | None = None, resume: bool = False) -> dict[str, Any]:
+def _start(
+    procs: LocalProcesses,
+    config: Config,
+    connect: str,
+    data_ports: tuple[int, int, int],
+    learner_args: list[str],
+    resume: bool,
+) -> subprocess.Popen:
+    """The broker (on ``connect`` and the trajectories, learners and params ports), the learner (in a process group
+    of its own, with its shards) and the actors; returns the learner."""
+    traj, learn, params = (str(p) for p in data_ports)
+    broker = ["broker", "--bind", connect, "--trajectory-port", traj, "--learner-port", learn, "--params-port", params]
+    procs.start("broker", broker)
+    learner = procs.start("learner", [*learner_args, *(["--resume"] if resume else [])], own_group=True)
+    slowdowns = config.train.slowdowns
+    for i in range(config.train.actors):
+        slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
+        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
+    return learner
+
+
+def run_training(
+    config: Config,
+    run_dir: str | Path | None = None,
+    show_progress: bool = True,
+    t0: float | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
     """Run the whole system locally until the learner stops; return its summary.
 
     ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it.
@@ -120,14 +154,7 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir)]
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
-        procs.start("broker", ["broker", "--bind", connect, "--trajectory-port", str(traj),
-                               "--learner-port", str(learn), "--params-port", str(params)])
-        learner = procs.start("learner", [*learner_args, "--t0", repr(t0), *(["--resume"] if resume else [])],
-                              own_group=True)
-        slowdowns = config.train.slowdowns
-        for i in range(config.train.actors):
-            slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
-            procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
+        learner = _start(procs, config, connect, (traj, learn, params), [*learner_args, "--t0", repr(t0)], resume)
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
         next_line = 0.0
         stopping = False
@@ -142,8 +169,9 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
             if dead:
                 raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
             if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
-                logger.info(f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted "
-                            "learner")
+                logger.info(
+                    f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted learner"
+                )
                 learner.send_signal(signal.SIGTERM)  # a clean stop: summary and final checkpoint
                 stopping = True
             try:
@@ -161,8 +189,9 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
         procs.stop()
     summary_path = run_dir / "summary.json"
     if learner.returncode != 0 or not summary_path.exists():
-        raise click.ClickException(f"the learner failed ({exit_cause(learner.returncode)}); see "
-                                   f"{log_dir / 'learner.log'}")
+        raise click.ClickException(
+            f"the learner failed ({exit_cause(learner.returncode)}); see {log_dir / 'learner.log'}"
+        )
     summary = json.loads(summary_path.read_text())
     summary["wall_s_command"] = round(time.time() - t0, 3)
     summary["run_dir"] = str(run_dir)
@@ -170,8 +199,14 @@ def run_training(config: Config, run_dir: str | Path | None = None, show_progres
     return summary
 
 
-def _restart_learner(procs: LocalProcesses, budget: RestartBudget, learner_args: list[str], run_dir: Path, t0: float,
-                     dead: subprocess.Popen) -> tuple[subprocess.Popen, float]:
+def _restart_learner(
+    procs: LocalProcesses,
+    budget: RestartBudget,
+    learner_args: list[str],
+    run_dir: Path,
+    t0: float,
+    dead: subprocess.Popen,
+) -> tuple[subprocess.Popen, float]:
     """The learner ``dead`` died: after the back-off, start it again from the newest checkpoint (or
     afresh); return the new process and its clock. Raises ClickException once the budget is spent."""
     log = procs.log_dir / "learner.log"
@@ -185,5 +220,6 @@ def _restart_learner(procs: LocalProcesses, budget: RestartBudget, learner_args:
     time.sleep(max(0.0, delay - waited))  # the back-off (a Ctrl-C meanwhile still ends the run in the finally)
     resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed meanwhile
     args = [*learner_args, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]
-    return procs.start("learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner "
-                                               f"{cause}", own_group=True), learner_t0
+    return procs.start(
+        "learner", args, banner=f"restart {budget.used} of {budget.max_restarts}: the learner {cause}", own_group=True
+    ), learner_t0

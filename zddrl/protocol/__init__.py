@@ -18,6 +18,7 @@ zddrl/protocol/rules.py, the messages themselves in zddrl/protocol/messages.py; 
 
 A ROUTER socket prepends the peer's identity frame; ``split_routed`` separates it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -163,8 +164,13 @@ def _unpack_header(frames: Sequence[Any]) -> dict[str, Any]:
     if len(frames) > MAX_ARRAYS + 2:
         raise ProtocolError(f"too many frames: {len(frames)} > {MAX_ARRAYS + 2}")
     first = frames[0]
-    if not (type(first) is bytes and first == PREAMBLE
-            or type(first) is ZmqFrame and len(first) == len(PREAMBLE) and first.bytes == PREAMBLE):
+    if not (
+        type(first) is bytes
+        and first == PREAMBLE
+        or type(first) is ZmqFrame
+        and len(first) == len(PREAMBLE)
+        and first.bytes == PREAMBLE
+    ):
         check_preamble(first)
     raw = frames[1]
     if type(raw) is not bytes and type(raw) is not ZmqFrame:  # those two msgpack reads as they are
@@ -191,8 +197,9 @@ def _check_kind(header: dict[str, Any]) -> type[Message]:
     return MESSAGE_TYPES[kind]
 
 
-def _read(frames: Sequence[Any], max_message_bytes: int, views: bool,
-          expect: type[Message] | None = None) -> tuple[type[Message], dict[str, Any]]:
+def _read(
+    frames: Sequence[Any], max_message_bytes: int, views: bool, expect: type[Message] | None = None
+) -> tuple[type[Message], dict[str, Any]]:
     """``(class, fields)`` of a message (of class ``expect`` if given); raises ProtocolError on any defect.
 
     The usual message (every field present with its sender's type) goes through its class's generated
@@ -212,8 +219,9 @@ def _read(frames: Sequence[Any], max_message_bytes: int, views: bool,
     return cls, fields  # type: ignore[return-value]  # a class on both paths: the fast one or _check_kind
 
 
-def _fields(cls: type[Message], header: dict[str, Any], frames: Sequence[Any], max_message_bytes: int,
-            views: bool) -> dict[str, Any]:
+def _fields(
+    cls: type[Message], header: dict[str, Any], frames: Sequence[Any], max_message_bytes: int, views: bool
+) -> dict[str, Any]:
     """Every field of ``cls`` from a checked ``header`` (defaults filled in); raises on any defect.
 
     ``arrays`` becomes views over the frames if ``views``, else stays the header's (checked) specs.
@@ -289,8 +297,9 @@ def claimed_peer_id(frames: Sequence[Any]) -> str | None:
         if len(raw) > MAX_HEADER_BYTES:
             return None
         try:
-            header = msgpack.unpackb(raw, raw=False, strict_map_key=False, use_list=False,
-                                     unicode_errors="surrogateescape")
+            header = msgpack.unpackb(
+                raw, raw=False, strict_map_key=False, use_list=False, unicode_errors="surrogateescape"
+            )
         except msgpack.ExtraData as extra:  # a whole map, then trailing bytes
             header = extra.unpacked
         peer_id = header.get("peer_id") if type(header) is dict else None
@@ -299,11 +308,18 @@ def claimed_peer_id(frames: Sequence[Any]) -> str | None:
     return peer_id if type(peer_id) is str else None
 
 
-_CHECKS = {Welcome: check_welcome, Parameters: check_params, ParamChunk: check_chunk, Trajectory: check_trajectory,
-           Fleet: check_fleet}
+_CHECKS = {
+    Welcome: check_welcome,
+    Parameters: check_params,
+    ParamChunk: check_chunk,
+    Trajectory: check_trajectory,
+    Fleet: check_fleet,
+}
 _LAYOUT_RULES: dict[type[Message], Callable[[Layout], None]] = {Trajectory: check_trajectory_layout}
-_FAST = {cls: fast_reader(_FIELDS[cls], check_arrays if cls.HAS_ARRAYS else None, _LAYOUT_RULES.get(cls),
-                          _CHECKS.get(cls)) for cls in MESSAGE_TYPES.values()}
+_FAST = {
+    cls: fast_reader(_FIELDS[cls], check_arrays if cls.HAS_ARRAYS else None, _LAYOUT_RULES.get(cls), _CHECKS.get(cls))
+    for cls in MESSAGE_TYPES.values()
+}
 
 
 def split_routed(frames: Sequence[Any]) -> tuple[bytes, Sequence[Any]]:

@@ -6,6 +6,7 @@ only exact built-in types (None, bool, int, float, str, bytes, list, dict, ExtTy
 ``type(v) is int`` is the field test "int and not bool", ``type(v) is str`` is isinstance(v, str),
 and so on: one cheap test each.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -121,11 +122,16 @@ def builder(cls: type) -> Callable[[dict[str, Any]], Any]:
         obj: Any = object.__new__(cls)
         obj.__dict__.update(fields)
         return obj
+
     return build
 
 
-def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule: Callable[..., None] | None,
-                check: Callable[[dict[str, Any]], None] | None) -> Callable[..., dict[str, Any] | None]:
+def fast_reader(
+    table: FieldTable,
+    read_arrays: Callable[..., Any] | None,
+    rule: Callable[..., None] | None,
+    check: Callable[[dict[str, Any]], None] | None,
+) -> Callable[..., dict[str, Any] | None]:
     """A straight-line reader of a message class's header (``table``: its field_table) for the usual
     message: every field present, each of the exact type its peer_id writes, nothing else in the header.
 
@@ -141,13 +147,15 @@ def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule:
     """
     names = table.names
     scope: dict[str, Any] = {"read_arrays": read_arrays, "rule": rule, "check": check}
-    lines = ["def read(header, frames, max_message_bytes, views):",
-             f"    if len(header) != {len(names) + 1}{'' if read_arrays else ' or len(frames) != 2'}:",  # + "kind"
-             "        return None",
-             "    try:",
-             *([f"        v{i} = header[{name!r}]" for i, name in enumerate(names)] or ["        pass"]),
-             "    except KeyError:",
-             "        return None"]
+    lines = [
+        "def read(header, frames, max_message_bytes, views):",
+        f"    if len(header) != {len(names) + 1}{'' if read_arrays else ' or len(frames) != 2'}:",  # + "kind"
+        "        return None",
+        "    try:",
+        *([f"        v{i} = header[{name!r}]" for i, name in enumerate(names)] or ["        pass"]),
+        "    except KeyError:",
+        "        return None",
+    ]
     # Exact-type tests first, then predicates (which may walk a whole map): a header that fails a cheap
     # test goes to the generic path without paying for the dear ones twice. ``arrays`` has no test here:
     # it is read once every other field passed, so the generic path (field by field, in order) would
@@ -158,8 +166,10 @@ def fast_reader(table: FieldTable, read_arrays: Callable[..., Any] | None, rule:
         bad = f"type(v{i}) is not t{i}" if isinstance(test, type) else f"not t{i}(v{i})"
         lines += [f"    if {bad}:", "        return None"]
     arrays_call = "read_arrays(v{}, frames[2:], max_message_bytes, views, rule)"
-    values = ", ".join(f"{name!r}: {arrays_call.format(i) if test is None else f'v{i}'}"
-                       for i, (name, test, _) in enumerate(table.rows))
+    values = ", ".join(
+        f"{name!r}: {arrays_call.format(i) if test is None else f'v{i}'}"
+        for i, (name, test, _) in enumerate(table.rows)
+    )
     lines.append(f"    fields = {{{values}}}")
     if check is not None:
         lines.append("    check(fields)")

@@ -6,6 +6,7 @@ most of their cost, so it is written for speed: exact-type tests instead of isin
 values come from msgpack, no memoryview per frame when the frame is a flat byte buffer already,
 and one numpy call per received array.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -113,8 +114,10 @@ def check_preamble(frame: Any) -> None:
         raise ProtocolError(f"bad signature {head!r}: not a zddrl message")
     if first.nbytes != len(PREAMBLE) or head[4] != PROTOCOL_VERSION:
         version = head[4] if len(head) > 4 else None
-        raise ProtocolError(f"unsupported protocol version {version} in a {first.nbytes}-byte preamble "
-                            f"(this side speaks {PROTOCOL_VERSION}: preamble {PREAMBLE.hex()})")
+        raise ProtocolError(
+            f"unsupported protocol version {version} in a {first.nbytes}-byte preamble "
+            f"(this side speaks {PROTOCOL_VERSION}: preamble {PREAMBLE.hex()})"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,15 +339,19 @@ def _frame_sizes(frames: Sequence[Any]) -> tuple[Sequence[Any], list[int]]:
     """
     if _SOCKET_FRAMES.issuperset(map(type, frames)):
         return frames, list(map(len, frames))
-    if (_PLAIN_ARRAY.issuperset(map(type, frames)) and all(map(_C_CONTIGUOUS, frames))
-            and _WIRE_DTYPES.issuperset(map(_DTYPE, frames))):
+    if (
+        _PLAIN_ARRAY.issuperset(map(type, frames))
+        and all(map(_C_CONTIGUOUS, frames))
+        and _WIRE_DTYPES.issuperset(map(_DTYPE, frames))
+    ):
         return frames, list(map(_NBYTES, frames))
     pairs = [frame_buffer(f) for f in frames]
     return [buffer for buffer, _ in pairs], [size for _, size in pairs]
 
 
-def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views: bool,
-                 rule: Callable[[Layout], None] | None = None) -> Any:
+def check_arrays(
+    blob: Any, frames: Sequence[Any], max_message_bytes: int, views: bool, rule: Callable[[Layout], None] | None = None
+) -> Any:
     """Check the header's ``arrays`` value (a packed layout) against the array frames.
 
     Returns the arrays as zero-copy views over the frames if ``views``, else the layout's specs. The
@@ -363,8 +370,7 @@ def check_arrays(blob: Any, frames: Sequence[Any], max_message_bytes: int, views
     if got != sizes:
         i = next(i for i, (a, b) in enumerate(zip(got, sizes)) if a != b)
         name, dtype_name, shape = layout.specs[i]
-        raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {sizes[i]} bytes, "
-                            f"frame has {got[i]}")
+        raise ProtocolError(f"array {name!r}: shape {shape} x {dtype_name} needs {sizes[i]} bytes, frame has {got[i]}")
     if rule is not None:  # the kind's own rules, once the frames are known to fit the layout
         _follows(rule, blob, layout)
     if not views:

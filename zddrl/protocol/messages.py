@@ -1,6 +1,7 @@
 """Every message of the zddrl wire protocol: one frozen dataclass per kind, whose fields are the header's keys
 and whose ``arrays`` are the frames (docs/protocol.md section 3 lists each kind's fields). The codec that turns
 them into frames and back is ``zddrl.protocol`` (``encode``, ``decode``), which re-exports all of this."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -216,6 +217,20 @@ class Bye(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
-    for cls in (Hello, Welcome, Heartbeat, Reject, Trajectory, Parameters, ParamChunk, ParamsRequest, Credit,
-                Stats, StatusRequest, Status, Fleet, Bye)
+    for cls in (
+        Hello,
+        Welcome,
+        Heartbeat,
+        Reject,
+        Trajectory,
+        Parameters,
+        ParamChunk,
+        ParamsRequest,
+        Credit,
+        Stats,
+        StatusRequest,
+        Status,
+        Fleet,
+        Bye,
+    )
 }

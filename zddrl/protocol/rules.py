@@ -4,6 +4,7 @@ Part of the protocol's definition (docs/protocol.md sections 2.4 and 6); zddrl.p
 after the generic header checks and re-exports the constants. Each raises ``ProtocolError`` with the
 reason.
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,9 @@ def hello_refusal(hello: Any) -> str:
 
 def fleet_entry_bytes(peer_id: str, num_envs: int, host: str) -> int:
     """Bytes one actor takes in a fleet's ``actors`` map: its packed key and packed value."""
-    return (len(msgpack.packb(peer_id, use_bin_type=True))
-            + len(msgpack.packb({"num_envs": num_envs, "host": host}, use_bin_type=True)))
+    return len(msgpack.packb(peer_id, use_bin_type=True)) + len(
+        msgpack.packb({"num_envs": num_envs, "host": host}, use_bin_type=True)
+    )
 
 
 def check_fleet(fields: dict[str, Any]) -> None:
@@ -64,8 +66,9 @@ def check_fleet(fields: dict[str, Any]) -> None:
             raise ProtocolError(f"fleet: actor {peer_id!r} must map to {{num_envs, host}}, got {entry!r}")
         num_envs, host = entry.get("num_envs"), entry.get("host")
         if type(num_envs) is not int or not 0 <= num_envs <= MAX_NUM_ENVS or type(host) is not str:
-            raise ProtocolError(f"fleet: actor {peer_id!r} must map to {{num_envs: int in 0..{MAX_NUM_ENVS}, "
-                                f"host: str}}, got {entry!r}")
+            raise ProtocolError(
+                f"fleet: actor {peer_id!r} must map to {{num_envs: int in 0..{MAX_NUM_ENVS}, host: str}}, got {entry!r}"
+            )
 
 
 def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
@@ -104,15 +107,19 @@ def check_params(fields: dict[str, Any]) -> None:
             raise ProtocolError(f"params: layout row {i}: name {name!r} must be a unique non-empty string")
         names.add(name)
         if dtype_name != "float32":  # the rows describe the float32 buffer receivers rebuild, whatever param_dtype
-            raise ProtocolError(f"params: layout row {name!r}: dtype {dtype_name!r} is not allowed (\"float32\": "
-                                "the rows describe the float32 buffer a receiver rebuilds)")
+            raise ProtocolError(
+                f'params: layout row {name!r}: dtype {dtype_name!r} is not allowed ("float32": '
+                "the rows describe the float32 buffer a receiver rebuilds)"
+            )
         if not _shape_ok(shape):
             raise ProtocolError(f"params: layout row {name!r}: bad shape {shape!r}")
         if not _is_int(offset, 0):
             raise ProtocolError(f"params: layout row {name!r}: offset {offset!r} must be a non-negative int")
         if numel is not None and offset + math.prod(shape) > numel:
-            raise ProtocolError(f"params: layout row {name!r} (offset {offset}, shape {shape}) does not fit "
-                                f"the flat buffer of {numel} elements")
+            raise ProtocolError(
+                f"params: layout row {name!r} (offset {offset}, shape {shape}) does not fit "
+                f"the flat buffer of {numel} elements"
+            )
 
 
 def _hash_ok(value: Any) -> bool:
@@ -121,8 +128,7 @@ def _hash_ok(value: Any) -> bool:
 
 def _check_chunking(fields: dict[str, Any], flat: np.ndarray | None) -> int | None:
     """The whole buffer's element count (None if unknown: no flat buffer, no chunk table)."""
-    dtype, hashes, numel, per = (fields["param_dtype"], fields["chunk_hashes"], fields["numel"],
-                                 fields["chunk_numel"])
+    dtype, hashes, numel, per = (fields["param_dtype"], fields["chunk_hashes"], fields["numel"], fields["chunk_numel"])
     if dtype not in PARAM_DTYPES:
         raise ProtocolError(f"params: param_dtype {dtype!r} is not one of {sorted(PARAM_DTYPES)}")
     if flat is not None and flat.dtype != DTYPES[PARAM_DTYPES[dtype]]:
@@ -180,21 +186,31 @@ def check_trajectory_layout(layout: Layout) -> None:
         raise ProtocolError(f"trajectory: unknown arrays {unknown}")
     obs_dtype, obs_shape = arrays["obs"]
     if obs_dtype != _F32 or len(obs_shape) < 2 or 0 in obs_shape[:2]:
-        raise ProtocolError(f"trajectory: 'obs' must be float32 [T, N, *obs_shape] with T, N >= 1, "
-                            f"got {obs_dtype} {list(obs_shape)}")
+        raise ProtocolError(
+            f"trajectory: 'obs' must be float32 [T, N, *obs_shape] with T, N >= 1, got {obs_dtype} {list(obs_shape)}"
+        )
     steps, observation = obs_shape[:2], obs_shape[2:]
 
     def need(name: str, dtype: np.dtype, shape: tuple) -> None:
         if arrays[name] != (dtype, shape):
             got_dtype, got_shape = arrays[name]
-            raise ProtocolError(f"trajectory: {name!r} must be {DTYPE_NAMES[dtype]} {list(shape)}, "
-                                f"got {DTYPE_NAMES[got_dtype]} {list(got_shape)}")
+            raise ProtocolError(
+                f"trajectory: {name!r} must be {DTYPE_NAMES[dtype]} {list(shape)}, "
+                f"got {DTYPE_NAMES[got_dtype]} {list(got_shape)}"
+            )
 
     actions_dtype, actions_shape = arrays["actions"]
-    if not (actions_dtype == _I64 and actions_shape == steps
-            or actions_dtype == _F32 and len(actions_shape) == 3 and actions_shape[:2] == steps):
-        raise ProtocolError(f"trajectory: 'actions' must be int64 {list(steps)} or float32 {list(steps)} + [A], "
-                            f"got {DTYPE_NAMES[actions_dtype]} {list(actions_shape)}")
+    if not (
+        actions_dtype == _I64
+        and actions_shape == steps
+        or actions_dtype == _F32
+        and len(actions_shape) == 3
+        and actions_shape[:2] == steps
+    ):
+        raise ProtocolError(
+            f"trajectory: 'actions' must be int64 {list(steps)} or float32 {list(steps)} + [A], "
+            f"got {DTYPE_NAMES[actions_dtype]} {list(actions_shape)}"
+        )
     for name, dtype in STEP_ARRAYS.items():
         need(name, dtype, steps)
     need("next_obs", _F32, steps[1:] + observation)
@@ -225,7 +241,9 @@ def check_trajectory(fields: dict[str, Any]) -> None:
     if env_steps != _steps_of(fields["arrays"]):
         raise ProtocolError(f"trajectory: env_steps {env_steps} must be T * N = {_steps_of(fields['arrays'])}")
     if len(returns) != len(lengths) or len(lengths) > env_steps:
-        raise ProtocolError(f"trajectory: {len(returns)} episode returns and {len(lengths)} lengths must pair up, "
-                            f"at most one per env step")
+        raise ProtocolError(
+            f"trajectory: {len(returns)} episode returns and {len(lengths)} lengths must pair up, "
+            f"at most one per env step"
+        )
     if lengths and min(lengths) < 1:
         raise ProtocolError("trajectory: episode lengths must be >= 1")

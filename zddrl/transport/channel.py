@@ -1,4 +1,5 @@
 """A learner shard's data channel to the broker: credit out, trajectories in, parameters out."""
+
 from __future__ import annotations
 
 import zmq
@@ -30,8 +31,9 @@ class DataChannel:
     ``window`` stays as it is).
     """
 
-    def __init__(self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int,
-                 window: int = CREDIT_WINDOW) -> None:
+    def __init__(
+        self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int, window: int = CREDIT_WINDOW
+    ) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())

@@ -3,6 +3,7 @@
 They call pyzmq's compiled send/recv directly: zmq.Socket.send is a Python wrapper (routing_id and
 group options) around them that costs ~0.2 us per frame, and a trajectory is 16 frames each way.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -8,6 +8,7 @@ ZeroMQ sockets are not thread-safe, so the link's sockets live in its
 thread only; data sockets (PUSH for actors, DEALER for learners) belong to the caller's thread and
 are rebuilt whenever ``generation`` changes (a new welcome).
 """
+
 from __future__ import annotations
 
 import os
@@ -52,8 +53,9 @@ class BrokerLink:
         params = link.wait_params(newer_than=-1, timeout_s=30)
     """
 
-    def __init__(self, connect: str, hello: P.Hello, *, subscribe_params: bool = False,
-                 context: zmq.Context | None = None) -> None:
+    def __init__(
+        self, connect: str, hello: P.Hello, *, subscribe_params: bool = False, context: zmq.Context | None = None
+    ) -> None:
         self.host, port = split_endpoint(connect)
         self.connect = connect
         self.hello = hello
@@ -93,8 +95,12 @@ class BrokerLink:
     def wait_welcome(self, timeout_s: float, need_run: bool = False) -> P.Welcome | None:
         """Block until a welcome (with a run spec if ``need_run``) arrived, or the timeout."""
         with self._cond:
-            self._cond.wait_for(lambda: self.welcome is not None and (self.welcome.run is not None or not need_run)
-                                or self._stop.is_set(), timeout_s)
+            self._cond.wait_for(
+                lambda: (
+                    self.welcome is not None and (self.welcome.run is not None or not need_run) or self._stop.is_set()
+                ),
+                timeout_s,
+            )
             return self.welcome
 
     def wait_params(self, newer_than: int, timeout_s: float) -> P.Parameters | None:
@@ -362,8 +368,10 @@ class BrokerLink:
         whole = self.assembler.add(msg)
         if sum(self.assembler.rejected[r] for r in REFUSED_PARAMS) > refused:
             self.params_rejected += 1
-            self.log.warning(f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
-                             f"({dict(self.assembler.rejected)} so far)")
+            self.log.warning(
+                f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
+                f"({dict(self.assembler.rejected)} so far)"
+            )
         if whole is None:
             return
         msg = whole
@@ -394,8 +402,10 @@ def crash_reason(exc: BaseException) -> str:
         message = message[:CRASH_MESSAGE_CHARS] + " ..."
     try:
         # Each piece bounded too: the last one repeats the message, which must not crowd out the frames.
-        tb = "".join(p if len(p) <= CRASH_MESSAGE_CHARS else p[:CRASH_MESSAGE_CHARS] + " ...\n"
-                     for p in traceback.format_exception(type(exc), exc, exc.__traceback__))
+        tb = "".join(
+            p if len(p) <= CRASH_MESSAGE_CHARS else p[:CRASH_MESSAGE_CHARS] + " ...\n"
+            for p in traceback.format_exception(type(exc), exc, exc.__traceback__)
+        )
     except Exception:  # noqa: BLE001
         tb = ""
     if len(tb) > CRASH_TRACEBACK_CHARS:

@@ -10,6 +10,7 @@ an actor can never act with a mix of two versions.
 Transport precision (``param_dtype``): float32, float16, or bfloat16 (the upper half of each
 float32, carried as uint16; rounding to nearest even). Receivers always get float32 back.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -57,14 +58,23 @@ def from_transport(buf: np.ndarray, dtype: str) -> np.ndarray:
     return np.asarray(buf, dtype=np.float32)
 
 
-def split(*, run_id: str, peer_id: str, version: int, flat: np.ndarray, layout: list,
-          extras: Mapping[str, np.ndarray] | None = None, meta: dict | None = None,
-          chunk_bytes: int = 4 << 20, dtype: str = "float32") -> list[P.Message]:
+def split(
+    *,
+    run_id: str,
+    peer_id: str,
+    version: int,
+    flat: np.ndarray,
+    layout: list,
+    extras: Mapping[str, np.ndarray] | None = None,
+    meta: dict | None = None,
+    chunk_bytes: int = 4 << 20,
+    dtype: str = "float32",
+) -> list[P.Message]:
     """The messages that publish one version: ``Parameters`` (chunk 0) then a ``ParamChunk`` per
     further chunk of at most ``chunk_bytes``. ``param_hash`` of the first is the version's hash."""
     wire = to_transport(flat, dtype)
     per = max(1, chunk_bytes // wire.itemsize)
-    pieces = [wire[i:i + per] for i in range(0, max(wire.size, 1), per)]
+    pieces = [wire[i : i + per] for i in range(0, max(wire.size, 1), per)]
     if len(pieces) == 1:
         hashes = [P.param_hash(wire)]
         whole = hashes[0]
@@ -73,11 +83,34 @@ def split(*, run_id: str, peer_id: str, version: int, flat: np.ndarray, layout: 
         whole_future = pool.submit(P.param_hash, wire)
         hashes = list(pool.map(P.param_hash, pieces))
         whole = whole_future.result()
-    first = P.Parameters(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=whole, layout=layout,
-                         arrays={"flat": pieces[0], **(extras or {})}, meta=meta or {}, param_dtype=dtype,
-                         numel=wire.size, chunk_numel=per, chunk_hashes=hashes)
-    return [first, *(P.ParamChunk(run_id=run_id, peer_id=peer_id, policy_version=version, param_hash=whole, index=i,
-                                  chunk_hash=hashes[i], arrays={"data": pieces[i]}) for i in range(1, len(pieces)))]
+    first = P.Parameters(
+        run_id=run_id,
+        peer_id=peer_id,
+        policy_version=version,
+        param_hash=whole,
+        layout=layout,
+        arrays={"flat": pieces[0], **(extras or {})},
+        meta=meta or {},
+        param_dtype=dtype,
+        numel=wire.size,
+        chunk_numel=per,
+        chunk_hashes=hashes,
+    )
+    return [
+        first,
+        *(
+            P.ParamChunk(
+                run_id=run_id,
+                peer_id=peer_id,
+                policy_version=version,
+                param_hash=whole,
+                index=i,
+                chunk_hash=hashes[i],
+                arrays={"data": pieces[i]},
+            )
+            for i in range(1, len(pieces))
+        ),
+    ]
 
 
 _POOL: ThreadPoolExecutor | None = None
@@ -108,7 +141,7 @@ class _Build:
     def feed(self) -> None:
         per = self.head.chunk_numel or self.buffer.size
         while self.hashed < self.head.num_chunks and self.hashed not in self.missing:
-            self.whole.update(self.buffer[self.hashed * per:(self.hashed + 1) * per])
+            self.whole.update(self.buffer[self.hashed * per : (self.hashed + 1) * per])
             self.hashed += 1
 
 
@@ -157,7 +190,7 @@ class Assembler:
         while len(self.building) >= self.max_pending:  # the oldest gives way
             del self.building[min(self.building)]
         buffer = np.empty(numel, dtype=flat.dtype)
-        buffer[:flat.size] = flat
+        buffer[: flat.size] = flat
         extras = {k: np.array(v) for k, v in head.arrays.items() if k != "flat"}  # own copies: frames get reused
         self.building[key] = build = _Build(head, buffer, set(range(1, len(hashes))), extras)
         build.hashed = 1  # chunk 0 was just checked against its own hash: for one chunk, that is the whole
@@ -179,7 +212,7 @@ class Assembler:
         if chunk_hash != head.chunk_hashes[index] or P.param_hash(data) != chunk_hash:
             self.rejected["chunk_hash"] += 1
             return
-        build.buffer[start:start + data.size] = data
+        build.buffer[start : start + data.size] = data
         build.missing.discard(index)
         build.feed()
 
@@ -196,9 +229,17 @@ class Assembler:
         for older in [k for k in self.building if k[0] <= head.policy_version]:
             del self.building[older]
         flat = from_transport(build.buffer, head.param_dtype)
-        return P.Parameters(run_id=head.run_id, peer_id=head.peer_id, policy_version=head.policy_version,
-                            param_hash=head.param_hash, layout=head.layout, arrays={"flat": flat, **build.extras},
-                            meta=head.meta, param_dtype="float32", numel=flat.size)
+        return P.Parameters(
+            run_id=head.run_id,
+            peer_id=head.peer_id,
+            policy_version=head.policy_version,
+            param_hash=head.param_hash,
+            layout=head.layout,
+            arrays={"flat": flat, **build.extras},
+            meta=head.meta,
+            param_dtype="float32",
+            numel=flat.size,
+        )
 
 
 class _Pending:
@@ -317,6 +358,9 @@ class FrameCache:
         self._building = None
         if not building.whole_hash_ok():
             return "whole_hash"
-        self.version, self.param_hash, self.messages = building.head.policy_version, building.head.param_hash, \
-            building.messages()
+        self.version, self.param_hash, self.messages = (
+            building.head.policy_version,
+            building.head.param_hash,
+            building.messages(),
+        )
         return "complete"
