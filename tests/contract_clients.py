@@ -1,30 +1,19 @@
-"""Test-side clients of a real `zddrl broker` for the contract tests (test_fleet.py, test_broker_contract.py,
-test_protocol_status_doc.py): raw pyzmq sockets that speak docs/protocol.md, so that every message the broker
+"""Test-side clients of a real `zddrl broker` for the contract tests (broker/test_fleet.py, broker/test_contract.py,
+protocol/test_status_doc.py): raw pyzmq sockets that speak docs/protocol.md, so that every message the broker
 sends can be seen and counted. Every wait is on a condition with a deadline (conftest.wait_for)."""
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 
-from conftest import BrokerHandle, Bus, Procs, wait_for
+from broker_clients import WAIT_S, run_spec
+from conftest import BrokerHandle, Bus
 from zddrl import protocol as P
-from zddrl.config import Config
-from zddrl.ops.status import request_status
-
-WAIT_S = 10.0
-"""Upper bound of any single wait; a healthy broker answers in milliseconds."""
-
-
-def run_spec(**algo: Any) -> dict:
-    """A real run spec, as a learner announces it (``Config.to_dict()``)."""
-    return Config().replace({f"algo.{k}": v for k, v in algo.items()}).to_dict()
 
 
 def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0) -> P.Trajectory:
@@ -48,48 +37,6 @@ def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0) -> P.Traje
 
 def wire(msg: P.Message) -> list[bytes]:
     return [bytes(P.flat_buffer(f)) for f in P.encode(msg)]
-
-
-class ProfiledBroker(BrokerHandle):
-    """A real `zddrl broker` on free loopback ports, started with a profile of ``settings``."""
-
-    def __init__(self, procs: Procs, tmp_path: Path, **settings: Any) -> None:
-        super().__init__(procs, tmp_path)
-        self.profile = tmp_path / "broker.toml"
-        self.profile.write_text("[broker]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
-
-    def start(self) -> ProfiledBroker:
-        self.ready.unlink(missing_ok=True)
-        _, t, learners, p = self.ports
-        self.proc = self.procs.start(
-            "broker",
-            "broker",
-            "--profile",
-            str(self.profile),
-            "--bind",
-            self.connect,
-            "--trajectory-port",
-            str(t),
-            "--learner-port",
-            str(learners),
-            "--params-port",
-            str(p),
-            "--ready-file",
-            str(self.ready),
-        )
-        wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
-        assert self.proc.poll() is None, self.procs.log("broker")
-        return self
-
-
-def status(broker: BrokerHandle, bus: Bus) -> dict:
-    body = request_status(broker.connect, WAIT_S, bus.ctx)
-    assert body is not None, "the broker did not answer a status request"
-    return body
-
-
-def counters(broker: BrokerHandle, bus: Bus) -> dict:
-    return status(broker, bus)["broker"]
 
 
 class Control:

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 import zmq
 
+from broker_clients import WAIT_S, ProfiledBroker, counters, run_spec, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
-from contract_clients import WAIT_S, Control, Learner, ProfiledBroker, counters, run_spec, status, trajectory, wire
+from contract_clients import Control, Learner, trajectory, wire
 from zddrl import protocol as P
 from zddrl.broker.publisher import PARAMS_REQUEST_MIN_INTERVAL_S
 from zddrl.proc import free_ports

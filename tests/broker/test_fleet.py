@@ -14,8 +14,9 @@ import msgpack
 import pytest
 import zmq
 
+from broker_clients import WAIT_S, ProfiledBroker, counters, run_spec, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
-from contract_clients import WAIT_S, Control, Learner, ProfiledBroker, counters, run_spec, status, wire
+from contract_clients import Control, Learner, wire
 from zddrl import protocol as P
 from zddrl.broker.fleet import FLEET_COALESCE_S, Fleet
 from zddrl.transport.link import BrokerLink

@@ -15,8 +15,9 @@ import msgpack
 import numpy as np
 import zmq
 
+from broker_clients import WAIT_S, counters, status
 from conftest import BrokerHandle, Bus, wait_for
-from contract_clients import WAIT_S, Control, Learner, counters, status, trajectory, wire
+from contract_clients import Control, Learner, trajectory, wire
 from zddrl import protocol as P
 from zddrl.broker.broker import DROP_REASONS
 from zddrl.broker.health import CHECKS
