@@ -52,6 +52,9 @@ class FakeLink:
     def fleet(self) -> tuple[int, dict[str, dict]] | None:
         return self.fleet_seq, {peer: {"num_envs": n, "host": "testhost"} for peer, n in self.actors.items()}
 
+    def wait_fleet(self, timeout_s: float) -> tuple[int, dict[str, dict]] | None:
+        return self.fleet()
+
     def endpoint(self, name: str) -> str:
         return "tcp://127.0.0.1:9"
 

@@ -177,7 +177,9 @@ def test_a_learner_link_sees_joins_leaves_and_expiry(fast_broker: ProfiledBroker
     early = Control(bus, broker, P.Hello(role="actor", peer_id="early", host="h-e", num_envs=1))
     learner = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
     assert learner.wait_welcome(WAIT_S) is not None
-    # Right after its welcome: the actors already there.
+    # Right after its welcome: the actors already there (what a learner sizes its first rollouts from).
+    first = learner.wait_fleet(WAIT_S)
+    assert first is not None and first[1] == {"early": {"num_envs": 1, "host": "h-e"}}
     seq = wait_fleet(learner, {"early": {"num_envs": 1, "host": "h-e"}}, "the fleet after the welcome", early)
 
     joiner = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-a", host="h-a", num_envs=3))

@@ -45,6 +45,9 @@ from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.params import split as split_params
 
 WELCOME_TIMEOUT_S = 60.0
+FIRST_FLEET_TIMEOUT_S = 2.0
+"""How long a learner waits for the fleet message that follows its welcome before it publishes version 0 (the
+rollout length it publishes depends on the fleet); without one it publishes with ``env.rollout_len``."""
 STATS_EVERY_S = 1.0
 REPORTED_FIGURES = (
     "policy_loss",
@@ -183,7 +186,8 @@ class LearnerNode:
         )
         # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
         self.max_chunk_bytes = max(1024, limit // 2)
-        self._refresh_fleet()
+        if self.own is not None:  # size the first rollouts from the fleet the broker announces after the welcome
+            self.own.fleet.refresh(link.wait_fleet(FIRST_FLEET_TIMEOUT_S))
         self._publish()
         own = self.own
         if own is not None:

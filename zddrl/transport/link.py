@@ -148,6 +148,13 @@ class BrokerLink:
         with self._cond:
             return self._fleet
 
+    def wait_fleet(self, timeout_s: float) -> tuple[int, dict[str, dict]] | None:
+        """``fleet()`` once the first fleet message of the run arrived (the broker sends one right after a
+        learner's welcome), or None after ``timeout_s``."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._fleet is not None or self._stop.is_set(), timeout_s)
+            return self._fleet
+
     def _newer(self, version: int) -> bool:
         return self.params is not None and self.params.policy_version > version
 
