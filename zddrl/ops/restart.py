@@ -8,7 +8,7 @@ A learner is restarted when it exits with anything but 0 (it stopped by itself: 
 time limit, or asked to) or 2 (a usage error: the same command line or config would be refused
 again). It comes back from the newest checkpoint of its run directory with ``--resume``, exactly
 as a person would continue the run; with no checkpoint yet it starts the run afresh in the same
-directory (a fresh learner refuses a directory only once it holds checkpoints: ``cli._check_run_dir``).
+directory (a fresh learner refuses a directory only once it holds checkpoints: ``learner.checkpoints.check_run_dir``).
 """
 
 from __future__ import annotations
