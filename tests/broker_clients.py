@@ -165,27 +165,8 @@ class ProfiledBroker(BrokerHandle):
         self.profile = tmp_path / "broker.toml"
         self.profile.write_text("[broker]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in settings.items()))
 
-    def start(self) -> ProfiledBroker:
-        self.ready.unlink(missing_ok=True)
-        _, traj_port, learner_port, params_port = self.ports
-        self.proc = self.procs.start(
-            "broker",
-            "broker",
-            "--profile",
-            str(self.profile),
-            "--bind",
-            self.connect,
-            "--trajectory-port",
-            str(traj_port),
-            "--learner-port",
-            str(learner_port),
-            "--params-port",
-            str(params_port),
-            "--ready-file",
-            str(self.ready),
-        )
-        wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
-        assert self.proc.poll() is None, self.procs.log("broker")
+    def start(self, *options: str) -> ProfiledBroker:
+        super().start("--profile", str(self.profile), *options)
         return self
 
 

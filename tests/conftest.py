@@ -94,12 +94,14 @@ class BrokerHandle:
         self.ready = tmp_path / "broker-ready.json"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> BrokerHandle:
+    def start(self, *options: str) -> BrokerHandle:
+        """Start `zddrl broker` on this handle's ports (``options``: more of its options, e.g. a profile)."""
         self.ready.unlink(missing_ok=True)
         _, traj_port, learner_port, params_port = self.ports
         self.proc = self.procs.start(
             "broker",
             "broker",
+            *options,
             "--bind",
             self.connect,
             "--trajectory-port",
