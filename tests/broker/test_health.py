@@ -518,3 +518,20 @@ def test_a_crashing_actor_leaves_its_exception_in_status(
     text = cli("status", "--connect", broker.connect).stdout
     assert re.search(r"^  actor-0 +actor +\S+ +\d+ +crashed: RuntimeError: exploding_cartpole failed", text, re.M), text
     assert json.loads(cli("status", "--connect", broker.connect, "--json").stdout)["departures"][0]["crashed"]
+
+
+def test_a_thousand_actors_sharing_a_first_observation_cost_the_monitor_linear_work(monkeypatch) -> None:
+    """Each join touches at most two warnings (its own, and the first member's when the group forms): 1,000 actors
+    with one first_obs_hash used to cost a million message rebuilds and stalled the broker for seconds."""
+    mon = HealthMonitor()
+    calls = []
+    real_set = mon._set
+    monkeypatch.setattr(mon, "_set", lambda *args: calls.append(args[:2]) or real_set(*args))
+    for i in range(1000):
+        mon.observe(f"actor-{i}", "actor", {"first_obs_hash": "same"}, float(i))
+    assert len(calls) == 1000  # the first alone: none; the second: two; every later one: its own
+    assert len(mon.active()) == 1000
+    assert "actor-0, actor-1, actor-2 and 996 more" in next(w.message for w in mon.active() if w.member == "actor-999")
+    for i in range(999):
+        mon.forget(f"actor-{i}")
+    assert not mon.active(), "the last one alone again"

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from zddrl.values import finite_float
@@ -108,7 +109,8 @@ class HealthMonitor:
         self._hashes: OrderedDict[int, str] = OrderedDict()
         self._known: dict[str, int] = {}
         """Published hash -> how many kept versions carry it (a learner may republish a hash)."""
-        self._obs_groups: dict[str, set[str]] = {}
+        self._obs_groups: dict[str, dict[str, None]] = {}
+        """first_obs_hash -> the actors that reported it, in the order they did (a dict as an ordered set)."""
         self.latest = -1
         self.stuck_versions = STUCK_VERSIONS
         self.run_id = ""
@@ -303,32 +305,34 @@ class HealthMonitor:
             )
 
     def _regroup(self, member: str, track: _Track, first: str, now: float) -> None:
+        """``member`` reports ``first``. O(1) whatever the group's size: a fleet of a thousand actors sharing one seed
+        (or pretending to) must not stall the broker. Each member of a group of two or more is warned once,
+        naming up to three members that reported the hash before it (the first one is warned when the second
+        arrives); the messages are not rewritten as the group grows."""
         if track.first_obs_hash is not None:
             self._leave_group(member, track.first_obs_hash)
         track.first_obs_hash = first
-        self._obs_groups.setdefault(first, set()).add(member)
-        self._judge_group(first, now)
+        group = self._obs_groups.setdefault(first, {})
+        earlier = list(islice(group, 3))
+        group[member] = None
+        if len(group) == 2:
+            self._set(earlier[0], "same_initial_obs", self._same_obs_message(first, [member]), now)
+        if earlier:
+            self._set(member, "same_initial_obs", self._same_obs_message(first, earlier, len(group) - 1), now)
+
+    @staticmethod
+    def _same_obs_message(first: str, named: list[str], others: int = 1) -> str:
+        more = f" and {others - len(named)} more" if others > len(named) else ""
+        return (
+            f"same first observations as {', '.join(named)}{more} (first_obs_hash {first}): env seeds are not "
+            "split (a distinct --actor-id per actor?)"
+        )
 
     def _leave_group(self, member: str, first: str) -> None:
-        group = self._obs_groups.get(first, set())
-        group.discard(member)
+        group = self._obs_groups.get(first, {})
+        group.pop(member, None)
         self._clear(member, "same_initial_obs")
-        if group:  # the rest keep their warnings (onset unchanged) or, left alone, lose them
-            self._judge_group(first, now=0.0)
-        else:
+        if len(group) == 1:  # left alone: not the same as anyone any more
+            self._clear(next(iter(group)), "same_initial_obs")
+        if not group:
             self._obs_groups.pop(first, None)
-
-    def _judge_group(self, first: str, now: float) -> None:
-        group = sorted(self._obs_groups.get(first, ()))
-        for member in group:
-            others = [m for m in group if m != member]
-            named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-            self._set(
-                member,
-                "same_initial_obs",
-                None
-                if not others
-                else f"same first observations as {named} (first_obs_hash {first}): env seeds are not "
-                "split (a distinct --actor-id per actor?)",
-                now,
-            )
