@@ -245,6 +245,8 @@ class ActorHost:
         next_stats = 0.0
         try:
             while not stop.is_set() and not self._done():
+                if link.refused:  # a re-hello was refused (another process holds our peer id): the link has stopped
+                    raise Refused(link.refused)
                 welcome = link.welcome
                 if welcome is None or (welcome.run_id and welcome.run_id != run_id):
                     return  # another run (a "" run id is a restarted broker: same run, keep going)
