@@ -67,6 +67,8 @@ class ActorTimers:
     """Waiting for the broker to read earlier trajectories (the learner is the bottleneck)."""
     rollouts: int = 0
     nonfinite_episodes: int = 0
+    refused_versions: int = 0
+    """Parameter versions this actor could not act with (unusable_params), kept out of use."""
     _mark: tuple[float, int, float, float] | None = field(default=None, repr=False)
     """(time, env_steps, send seconds, waiting seconds) at the previous report."""
 
@@ -86,6 +88,7 @@ class ActorTimers:
             "sps": (self.env_steps - steps0) / window,
             "rollouts": self.rollouts,
             "nonfinite_episodes": self.nonfinite_episodes,
+            "refused_versions": self.refused_versions,
             "wait_params_s": self.wait_params_s,
             "backpressure_s": self.backpressure_s,
             "send_s": self.send_s,
@@ -162,6 +165,54 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, 
         )
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
     return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))
+
+
+MAX_ROLLOUT_LEN = 1 << 16
+"""Most steps per env a parameter version may ask of a rollout (``meta.rollout_len``); a rollout must also fit the
+broker's message limit. A version that asks for more is refused, not obeyed: one bogus number must not make every
+actor allocate gigabytes."""
+
+
+def rollout_len(params: P.Parameters, config: Config) -> int:
+    """Steps per env of the next rollout: the version's ``meta.rollout_len`` (sync mode sizes it from the fleet)."""
+    return int(params.meta.get("rollout_len", config.env.rollout_len))
+
+
+def policy_of(
+    params: P.Parameters, config: Config, vec: VecEnv, max_message_bytes: int
+) -> tuple[NumpyPolicy | None, str]:
+    """``(NumpyPolicy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
+    network for this env (observation and action sizes), its numbers must be finite, and the rollout it asks for
+    must be a size the actor can hold and the broker would take."""
+    T = params.meta.get("rollout_len", config.env.rollout_len)
+    if not isinstance(T, int) or isinstance(T, bool) or not 1 <= T <= MAX_ROLLOUT_LEN:
+        return None, f"meta.rollout_len {T!r} is not an int in 1..{MAX_ROLLOUT_LEN}"
+    step_bytes = vec.num_envs * (4 * (int(np.prod(vec.spec.obs_shape)) + 4 * max(vec.spec.action_dim, 2) + 3 * 4 + 2))
+    if T * step_bytes > max_message_bytes:
+        return (
+            None,
+            f"a rollout of {T} steps (~{T * step_bytes} bytes) would exceed max_message_bytes {max_message_bytes}",
+        )
+    try:
+        policy = NumpyPolicy(
+            params.arrays["flat"],
+            params.layout,
+            config.model.activation,
+            vec.spec.discrete,
+            params.arrays.get("obs_mean"),
+            params.arrays.get("obs_var"),
+        )
+        if not policy.pi or not policy.v:
+            return None, "its layout does not build this run's network (no policy or no value layers)"
+        values = policy.value(vec.obs)
+        outputs = policy.pi[-1][1].shape[0]
+    except Exception as exc:  # noqa: BLE001 - a version that does not build is refused, whatever the defect
+        return None, f"its layout does not build this run's network ({type(exc).__name__}: {exc})"
+    if outputs != vec.spec.action_dim:
+        return None, f"its policy has {outputs} outputs, the env has {vec.spec.action_dim} actions"
+    if values.shape != (vec.num_envs,) or not np.isfinite(values).all():
+        return None, "its value network gives non-finite or misshapen values"
+    return policy, ""
 
 
 def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
@@ -241,7 +292,10 @@ class ActorHost:
             f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, mode {config.algo.mode}"
         )
         generation, push = link.generation, self._push(link)
-        params, policy = None, None
+        params: P.Parameters | None = None
+        policy: NumpyPolicy | None = None
+        refused = -1  # the newest version judged unusable (policy_of): never judged again
+        limit = link.welcome.max_message_bytes if link.welcome is not None else P.DEFAULT_MAX_MESSAGE_BYTES
         next_stats = 0.0
         try:
             while not stop.is_set() and not self._done():
@@ -257,20 +311,21 @@ class ActorHost:
                     # A restarted broker may have lost our last rollout; in sync mode the learner would
                     # wait for it and we for the next version. Sample once more with the version held.
                     resample = params is not None
-                newest = params if resample else self._next_params(link, params, config.algo.mode)
+                judged = max(refused, params.policy_version if params is not None else -1)
+                newest = params if resample else self._next_params(link, params, judged, config.algo.mode)
                 if newest is None or newest.run_id != run_id:
                     continue
-                if policy is None or params is None or newest.policy_version != params.policy_version:
-                    params = newest
-                    policy = NumpyPolicy(
-                        params.arrays["flat"],
-                        params.layout,
-                        config.model.activation,
-                        vec.spec.discrete,
-                        params.arrays.get("obs_mean"),
-                        params.arrays.get("obs_var"),
-                    )
-                T = int(params.meta.get("rollout_len", config.env.rollout_len))
+                if newest.policy_version > judged or policy is None:  # a version not judged yet
+                    candidate, why = policy_of(newest, config, vec, limit)
+                    if candidate is None:  # act with the version held, or keep waiting for a usable one
+                        refused = max(refused, newest.policy_version)
+                        self.timers.refused_versions += 1
+                        self._ratelog.warning("refused_params", f"refused version {newest.policy_version}: {why}")
+                    else:
+                        params, policy = newest, candidate
+                if params is None or policy is None or (config.algo.mode == "sync" and refused > params.policy_version):
+                    continue  # nothing usable yet; sync mode samples only with the newest version (wait for one)
+                T = rollout_len(params, config)
                 t0 = time.monotonic()
                 rollout = collect(vec, policy, rng, T, self.slowdown)
                 self.timers.step_s += time.monotonic() - t0
@@ -306,12 +361,15 @@ class ActorHost:
             push.close(linger=0)
             vec.close()
 
-    def _next_params(self, link: BrokerLink, current: P.Parameters | None, mode: str) -> P.Parameters | None:
-        """Sync: wait for a version newer than the last one used. Async: the newest held, no waiting."""
+    def _next_params(
+        self, link: BrokerLink, current: P.Parameters | None, judged: int, mode: str
+    ) -> P.Parameters | None:
+        """Sync: wait for a version newer than every one judged (used or refused). Async: the newest held, no
+        waiting."""
         if mode != "sync" and current is not None:
             return link.latest_params()
         t0 = time.monotonic()
-        newest = link.wait_params(newer_than=-1 if current is None else current.policy_version, timeout_s=0.5)
+        newest = link.wait_params(newer_than=judged, timeout_s=0.5)
         self.timers.wait_params_s += time.monotonic() - t0
         return newest
 
