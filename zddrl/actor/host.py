@@ -339,27 +339,26 @@ class ActorHost:
                     )
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
-                    link.send(
-                        P.Stats(
-                            peer_id=self.peer_id,
-                            role="actor",
-                            stats={
-                                **self.timers.stats(),
-                                "num_envs": num_envs,
-                                "run_id": run_id,
-                                "policy_version": params.policy_version,
-                                "param_hash": params.param_hash,
-                                "reconnects": link.reconnects,
-                                "rss_mb": round(rss_mb(), 1),
-                                "first_obs_hash": first_obs,
-                            },
-                        )
-                    )
+                    self._report(link, run_id, params, num_envs, first_obs)
                     next_stats = time.monotonic() + STATS_EVERY_S
-                    self._ratelog.flush()
         finally:
             push.close(linger=0)
             vec.close()
+
+    def _report(self, link: BrokerLink, run_id: str, params: P.Parameters, num_envs: int, first_obs: str) -> None:
+        """Stats for `zddrl status` and the broker's health checks; repeated warnings held back so far go out too."""
+        stats = {
+            **self.timers.stats(),
+            "num_envs": num_envs,
+            "run_id": run_id,
+            "policy_version": params.policy_version,
+            "param_hash": params.param_hash,
+            "reconnects": link.reconnects,
+            "rss_mb": round(rss_mb(), 1),
+            "first_obs_hash": first_obs,
+        }
+        link.send(P.Stats(peer_id=self.peer_id, role="actor", stats=stats))
+        self._ratelog.flush()
 
     def _next_params(
         self, link: BrokerLink, current: P.Parameters | None, judged: int, mode: str
