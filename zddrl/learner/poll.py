@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from zddrl import protocol as P
 from zddrl.dist.shards import ShardGroup
-from zddrl.learner.records import Record, record_of, records_of
+from zddrl.learner.records import Record, in_order, record_of, records_of
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink
 
@@ -99,8 +99,9 @@ class ShardPoller:
         )
         control = dict(parts[0]["control"])
         control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
-        everything = records_of([p["records"] for p in parts])
-        received = [sum(r.fresh and not r.invalid for r in map(Record._make, p["records"])) for p in parts]
+        by_shard = [records_of(p["records"]) for p in parts]
+        received = [sum(r.fresh and not r.invalid for r in records) for records in by_shard]
+        everything = in_order(by_shard)
         return Polled([r for r in everything if not r.invalid], [r for r in everything if r.invalid], received, control)
 
     def _receive(self) -> tuple[P.Trajectory | None, bool]:

@@ -3,7 +3,7 @@
 After each poll every shard sends the others one ``Record`` per trajectory it took off its data
 socket, so that all of them count the same global batch. A record carries what counting needs (steps,
 episodes, staleness, the parameter-hash check), never the arrays. Records travel through
-``ShardGroup.exchange`` as plain lists (msgpack) and are rebuilt with ``Record(*row)``.
+``ShardGroup.exchange`` as plain lists (msgpack) and are rebuilt with ``records_of``.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ def record_of(msg: P.Trajectory, fresh: bool, used: bool, invalid: str = "") -> 
     )
 
 
-def records_of(parts: list[Any]) -> list[Record]:
-    """Every shard's exchanged rows as records, in (peer_id, seq) order: the same order on every shard."""
-    return sorted((Record(*row) for part in parts for row in part), key=lambda r: (r.peer_id, r.seq))
+def records_of(rows: list[Any]) -> list[Record]:
+    """One shard's exchanged rows as records."""
+    return [Record._make(row) for row in rows]
+
+
+def in_order(by_shard: list[list[Record]]) -> list[Record]:
+    """Every shard's records in (peer_id, seq) order: the same order on every shard."""
+    return sorted((r for records in by_shard for r in records), key=lambda r: (r.peer_id, r.seq))
