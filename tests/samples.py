@@ -76,19 +76,42 @@ def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.T
     )
 
 
-def rollout_of(peer: str, seq: int, version: int, T: int = 4, N: int = 1) -> P.Trajectory:
-    """A CartPole-shaped rollout of ``T`` steps of ``N`` envs from ``peer`` acting with ``version``."""
+def rollout_of(
+    peer: str,
+    seq: int,
+    version: int,
+    T: int = 4,
+    N: int = 1,
+    logp: float = -0.69,
+    trunc_at: tuple[int, int] | None = None,
+    ep_returns: tuple[float, ...] = (),
+) -> P.Trajectory:
+    """A CartPole-shaped rollout of ``T`` steps of ``N`` envs from ``peer`` acting with ``version``: observations
+    and actions drawn from a generator seeded with ``seq``, behaviour log-probabilities ``logp``, env
+    ``trunc_at[1]`` truncated at step ``trunc_at[0]`` if given, ``ep_returns`` (episodes of length 10) ended."""
+    rng = np.random.default_rng(seq)
+    truncated = np.zeros((T, N), dtype=bool)
+    trunc_idx = np.zeros(0, dtype=np.int64)
+    if trunc_at is not None:
+        truncated[trunc_at] = True
+        trunc_idx = np.array([trunc_at[0] * N + trunc_at[1]])
     arrays = {
-        "obs": np.zeros((T, N, 4), np.float32),
-        "actions": np.zeros((T, N), np.int64),
-        "logp": np.full((T, N), -0.69, np.float32),
+        "obs": rng.standard_normal((T, N, 4)).astype(np.float32),
+        "actions": rng.integers(0, 2, (T, N)),
+        "logp": np.full((T, N), logp, np.float32),
         "values": np.zeros((T, N), np.float32),
         "rewards": np.ones((T, N), np.float32),
         "terminated": np.zeros((T, N), bool),
-        "truncated": np.zeros((T, N), bool),
+        "truncated": truncated,
         "next_obs": np.zeros((N, 4), np.float32),
         "next_value": np.zeros(N, np.float32),
     }
+    if len(trunc_idx):
+        arrays.update(
+            trunc_idx=trunc_idx,
+            trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
+            trunc_value=np.zeros(len(trunc_idx), np.float32),
+        )
     return P.Trajectory(
         run_id="r",
         peer_id=peer,
@@ -98,6 +121,6 @@ def rollout_of(peer: str, seq: int, version: int, T: int = 4, N: int = 1) -> P.T
         env_steps=T * N,
         arrays=arrays,
         info={"total_env_steps": (seq + 1) * T * N},
-        ep_returns=[],
-        ep_lengths=[],
+        ep_returns=list(ep_returns),
+        ep_lengths=[10] * len(ep_returns),
     )

@@ -11,6 +11,7 @@ import torch
 from loguru import logger
 
 from fakes import FakeChannel, FakeLink
+from samples import rollout_of
 from zddrl import protocol as P
 from zddrl.algos.impala import ImpalaLearner, stack_time_major
 from zddrl.algos.ppo import PPOLearner
@@ -35,41 +36,8 @@ def trajectory(
     logp: float = -0.69,
     trunc_at: tuple[int, int] | None = (1, 0),
 ) -> P.Trajectory:
-    rng = np.random.default_rng(seq)
-    truncated = np.zeros((T, N), dtype=bool)
-    trunc_idx = np.zeros(0, dtype=np.int64)
-    if trunc_at is not None:
-        truncated[trunc_at] = True
-        trunc_idx = np.array([trunc_at[0] * N + trunc_at[1]])
-    arrays = {
-        "obs": rng.standard_normal((T, N, 4)).astype(np.float32),
-        "actions": rng.integers(0, 2, (T, N)),
-        "logp": np.full((T, N), logp, np.float32),
-        "values": np.zeros((T, N), np.float32),
-        "rewards": np.ones((T, N), np.float32),
-        "terminated": np.zeros((T, N), bool),
-        "truncated": truncated,
-        "next_obs": np.zeros((N, 4), np.float32),
-        "next_value": np.zeros(N, np.float32),
-    }
-    if len(trunc_idx):
-        arrays.update(
-            trunc_idx=trunc_idx,
-            trunc_obs=np.full((len(trunc_idx), 4), float(seq), np.float32),
-            trunc_value=np.zeros(len(trunc_idx), np.float32),
-        )
-    return P.Trajectory(
-        run_id="r",
-        peer_id=peer_id,
-        seq=seq,
-        policy_version=version,
-        param_hash="",
-        env_steps=T * N,
-        arrays=arrays,
-        info={"total_env_steps": (seq + 1) * T * N},
-        ep_returns=[10.0],
-        ep_lengths=[10],
-    )
+    """samples.rollout_of with this module's defaults: env 0 truncated at step 1, one episode of return 10 ended."""
+    return rollout_of(peer_id, seq, version, T, N, logp=logp, trunc_at=trunc_at, ep_returns=(10.0,))
 
 
 def test_stack_time_major_maps_truncation_indices_to_global_columns() -> None:
