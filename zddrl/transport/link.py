@@ -420,10 +420,5 @@ def crash_reason(exc: BaseException) -> str:
     return f"{P.CRASH_PREFIX}{type(exc).__name__}: {message}\n{tb}".rstrip("\n")
 
 
-def default_peer_id(role: str, index: int | str | None = None) -> str:
-    suffix = f"{index}" if index is not None else f"{os.getpid()}"
-    return f"{role}-{socket.gethostname()}-{suffix}"
-
-
 def hello_fields() -> dict[str, Any]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
