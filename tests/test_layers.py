@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
 LAYERS = [
     {"protocol"},
-    {"config", "logs", "proc", "values"},
+    {"config", "keys", "logs", "proc", "values"},
     {"envs"},
     {"dist"},
     {"algos", "transport"},
