@@ -78,7 +78,7 @@ class ServerKeys:
 
     public: bytes
     secret: bytes = field(repr=False)
-    allowed: dict[bytes, tuple[str, str]]
+    allowed: dict[bytes, tuple[str, str]] = field(default_factory=dict)
 
 
 def check_name(name: str) -> str:
