@@ -407,6 +407,12 @@ class BrokerConfig:
     """Seconds between heartbeats, both ways (clients take it from the welcome)."""
     heartbeat_liveness: int = 3
     """Beats a peer may miss before it is expired."""
+    keys: str = ""
+    """Key directory (docs/security.md): CURVE on every socket, ZAP against each role's allow-list, signed runs
+    and parameters. Empty: no keys, which only a loopback bind accepts unless ``insecure``."""
+    insecure: bool = False
+    """Allow a non-loopback bind without keys (a loud warning at each start): anyone who can reach the ports
+    can join, inject, read and exhaust."""
 
     def __post_init__(self) -> None:
         _require(

@@ -81,6 +81,31 @@ class ServerKeys:
     allowed: dict[bytes, tuple[str, str]] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """Everything a client process holds of the closed bus: its CURVE keys for every socket it opens to the
+    broker, the learners' signing keys it trusts, and (learners only) its own signing key."""
+
+    client: ClientKeys
+    pins: dict[str, Ed25519PublicKey] = field(default_factory=dict)
+    """Learner name -> Ed25519 public key: only runs and parameter versions signed by one of these are taken."""
+    signer: tuple[str, Ed25519PrivateKey] | None = field(default=None, repr=False)
+    """(name, key) of this learner's signing key; None for other roles."""
+
+    def apply(self, sock: zmq.Socket) -> None:
+        self.client.apply(sock)
+
+
+def credentials(root: Path, role: str, name: str | None = None) -> Credentials:
+    """A client's credentials from the key directory ``root`` (``role``: learner, actor or monitor)."""
+    client = client_keys(root, role, name)
+    signer = signing_key(root, client.name) if role == "learner" else None
+    pins = pinned_learners(root)
+    if role == "actor" and not pins:
+        raise KeysError(f"{folder(root, 'learner')} holds no learner signing key (NAME.sign.pub) for actors to pin")
+    return Credentials(client, pins, signer)
+
+
 def check_name(name: str) -> str:
     if not NAME_PATTERN.fullmatch(name):
         raise KeysError(f"key name {name!r}: use 1-64 letters, digits, '_', '.' or '-' (starting with a letter/digit)")
