@@ -43,7 +43,7 @@ def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(
 
     link = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
     assert link.wait_welcome(WAIT_S) is not None
-    channel = DataChannel(bus.ctx, link, "learner-0", link.welcome.max_message_bytes, window=8)
+    channel = DataChannel(link, "learner-0", link.welcome.max_message_bytes, window=8)
     try:
         channel.send(parameters("run-a", 0))
         wait_for(lambda: status(broker, bus)["members"]["learner-0"]["credit"] == 8, WAIT_S, "the first grant")

@@ -49,11 +49,11 @@ def pair():
     ctx = zmq.Context()
     endpoint = "inproc://learners"
     broker = FakeBroker(ctx, endpoint)
-    link = SimpleNamespace(endpoint=lambda name: endpoint, generation=0)
+    link = SimpleNamespace(endpoint=lambda name: endpoint, generation=0, socket=ctx.socket)
     channels: list[DataChannel] = []
 
     def make(window: int) -> DataChannel:
-        channels.append(DataChannel(ctx, link, "learner-0", P.DEFAULT_MAX_MESSAGE_BYTES, window))
+        channels.append(DataChannel(link, "learner-0", P.DEFAULT_MAX_MESSAGE_BYTES, window))
         return channels[-1]
 
     yield broker, make

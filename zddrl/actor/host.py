@@ -373,8 +373,7 @@ class ActorHost:
         return newest
 
     def _push(self, link: BrokerLink) -> zmq.Socket:
-        push = self.ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 0)
+        push = link.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 4)
         push.connect(link.endpoint("trajectories"))
         return push

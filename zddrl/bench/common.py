@@ -288,7 +288,7 @@ def receiver_main(
     # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
     link = _link(control, make_hello("learner", LEARNER_ID, run_id))
     try:
-        channel = DataChannel(ctx, link, LEARNER_ID, link.welcome.max_message_bytes, window)
+        channel = DataChannel(link, LEARNER_ID, link.welcome.max_message_bytes, window)
         channel.send(parameters(run_id, 0, np.zeros(16, np.float32)))
 
         def receive() -> P.Message | None:

@@ -135,7 +135,7 @@ class CountingLearner:
         welcome = self.link.wait_welcome(30)
         if welcome is None:
             raise click.ClickException(f"no broker at {connect}")
-        self.channel = DataChannel(self.ctx, self.link, "bench-learner", welcome.max_message_bytes)
+        self.channel = DataChannel(self.link, "bench-learner", welcome.max_message_bytes)
         self.channel.send(
             P.Parameters(
                 run_id=hello.run_id,

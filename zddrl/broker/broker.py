@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Sequence
 from functools import lru_cache, partial
 from operator import attrgetter
@@ -31,9 +31,11 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
+from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, is_loopback, user_of
 from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthMonitor
 from zddrl.broker.membership import (
+    LEFT_ACTORS_KEPT,
     Departures,
     Member,
     checked_stats,
@@ -47,11 +49,12 @@ from zddrl.broker.membership import (
 from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
 from zddrl.broker.sockets import open_sockets
-from zddrl.config import BrokerConfig, split_endpoint
+from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+from zddrl.keys import KeysError, server_keys
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
-DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")
+DROP_REASONS = ("malformed", "unknown_sender", "forged_sender", "unknown_run", "stale", "unknown_version", "no_route")
 POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
@@ -85,7 +88,7 @@ class Broker:
         self.run_spec: dict | None = None
         self.policy_version = -1
         """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
-        self.counters: dict[str, int] = defaultdict(int, dict.fromkeys(BROKER_COUNTERS, 0))
+        self.counters: dict[str, int] = defaultdict(int, dict.fromkeys((*BROKER_COUNTERS, *AUTH_COUNTERS), 0))
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
         self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
@@ -102,12 +105,19 @@ class Broker:
         """An actor's credit goes back once this many of its trajectories were read (membership.credit_batch_of)."""
         self.fleet = Fleet()
         """The joined actors, as fleet messages announce them to the learner shards of the run."""
+        self.auth: BrokerAuth | None = None
+        """CURVE and ZAP on every socket (``config.keys``); None on an open bus."""
+        self.handshakes: HandshakeCounter | None = None
+        self._actor_users: OrderedDict[str, str] = OrderedDict()
+        """Closed bus: actor peer id -> the user it joined as, of members and of the last LEFT_ACTORS_KEPT that
+        left (their trajectories still in flight count as theirs): a trajectory's header must name its key's."""
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
         """Create and bind every socket (``sockets.open_sockets``); returns the bound ports."""
         c = self.config
-        s = open_sockets(self.ctx, c)
+        self._secure()
+        s = open_sockets(self.ctx, c, self.auth)
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
         self.ports = s.ports
         self.publisher = Publisher(
@@ -116,15 +126,45 @@ class Broker:
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.learners, zmq.POLLIN)
-        self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}")
+        if self.auth is not None:
+            self.handshakes = HandshakeCounter(s[:4])
+            for monitor in self.handshakes.monitors:
+                self.poller.register(monitor, zmq.POLLIN)
+        closed = "closed (CURVE, keys from " + c.keys + ")" if self.auth is not None else "open (no keys)"
+        self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
         return dict(self.ports)
+
+    def _secure(self) -> None:
+        """Keys, or a loopback bind, or ``insecure`` said out loud: a reachable open bus is never an accident."""
+        c = self.config
+        host = split_endpoint(c.bind)[0]
+        if c.keys:
+            try:
+                self.auth = BrokerAuth(self.ctx, server_keys(c.keys))
+            except KeysError as exc:
+                raise ConfigError(f"broker --keys: {exc}") from None
+        elif not is_loopback(host):
+            if not c.insecure:
+                raise ConfigError(
+                    f"broker: binding {host} without keys would let anyone who reaches it join, inject, read and "
+                    "exhaust the bus; make keys (zddrl keys new broker NAME, docs/security.md) and pass --keys DIR, "
+                    "or bind 127.0.0.1, or pass --insecure"
+                )
+            self.log.warning(
+                f"INSECURE: bound on {host} with no keys: anyone who can reach these ports can join as any role, "
+                "push trajectories, publish parameters and read everything (docs/security.md)"
+            )
 
     def close(self) -> None:
         # Runs in the CLI's finally, also after a bind() that failed half-way: must not hide that error.
+        if self.handshakes is not None:
+            self.handshakes.close()
         for name in ("control", "trajectories", "learners", "params"):
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.close()
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> None:
@@ -141,6 +181,10 @@ class Broker:
                 self._drain(self.learners, self._on_learner)
             if self.trajectories in events or (self.credit > 0 and not self._poll_traj):
                 self._forward_trajectories()  # credit that just came: forward now, not after one more poll
+            if self.handshakes is not None:
+                for monitor in self.handshakes.monitors:
+                    if monitor in events:
+                        self.handshakes.drain(monitor, self.counters)
             now = time.monotonic()
             if self.fleet.changed and now >= self.fleet.next_at:
                 self._announce_fleet(now)
@@ -151,6 +195,8 @@ class Broker:
                 self._log_health()
                 self._ratelog.flush()
                 self._sample_rates(now)
+                if self.auth is not None:
+                    self.counters["zap_denied"] = sum(self.auth.allow.denied.values())
                 self._next_beat = now + self.config.heartbeat_interval_s
 
     def _update_trajectory_polling(self) -> None:
@@ -172,7 +218,7 @@ class Broker:
                 return
             try:
                 identity, body = P.split_routed(frames)
-                handler(identity, body)
+                handler(identity, body, user_of(frames[0]) if self.auth is not None else "")
             except P.ProtocolError as exc:
                 self.counters[f"{what}_malformed"] += 1
                 self._ratelog.warning(f"{what}_malformed", f"dropped a malformed {what} message: {exc}")
@@ -211,12 +257,13 @@ class Broker:
             self.counters["bytes_in"] += nbytes
             decided = self._decided
             actor = None
+            user = user_of(frames[0]) if self.auth is not None else ""
             try:
-                actor = self._route_trajectory(frames, nbytes)
+                actor = self._route_trajectory(frames, nbytes, user)
             except Exception as exc:  # noqa: BLE001
                 # Whatever happens, the message ends up forwarded or dropped with a reason (in_flight balances),
                 # and the actor it can be attributed to gets its credit back.
-                actor = self._joined_actor(P.claimed_peer_id(frames))
+                actor = self._joined_actor(P.claimed_peer_id(frames), user)
                 if self._decided == decided:
                     self._drop(
                         "malformed",
@@ -237,8 +284,9 @@ class Broker:
             self._send_frames(self.control, actor.identity, _credit_frames(actor.unacked))
             actor.unacked = 0
 
-    def _route_trajectory(self, frames: Sequence[Any], nbytes: int) -> Member | None:
-        """Forward ``frames`` to the shard with the most credit, or drop them with a reason.
+    def _route_trajectory(self, frames: Sequence[Any], nbytes: int, user: str) -> Member | None:
+        """Forward ``frames`` (sent from the key ``user``) to the shard with the most credit, or drop them with a
+        reason.
 
         Returns the sending actor (if it is a member) so that its credit can be returned."""
         try:  # full validation, but no arrays built: the broker forwards the frames untouched
@@ -247,9 +295,17 @@ class Broker:
             # Charged to the actor it can be attributed to (P.claimed_peer_id: docs/protocol.md section 8), whose
             # credit comes back all the same: an actor whose messages fail (a client bug) must see its drops in
             # `zddrl status`, not stall on lost credit.
-            actor = self._joined_actor(P.claimed_peer_id(frames))
+            actor = self._joined_actor(P.claimed_peer_id(frames), user)
             self._drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
             return actor
+        if self.auth is not None and self._actor_users.get(msg["peer_id"], user) != user:
+            # Another actor key's peer id: no credit goes back (a forger stalls), nothing reaches a learner.
+            self._drop(
+                "forged_sender",
+                None,
+                f"dropped a trajectory naming {msg['peer_id']!r} sent with the key {user!r}, not the one it joined",
+            )
+            return None
         actor = self._joined_actor(msg["peer_id"])
         if actor is not None:
             actor.last_seen = time.monotonic()
@@ -290,9 +346,12 @@ class Broker:
                 actor.count(nbytes, msg["env_steps"])
             return actor
 
-    def _joined_actor(self, peer_id: str | None) -> Member | None:
+    def _joined_actor(self, peer_id: str | None, user: str | None = None) -> Member | None:
+        """The actor member ``peer_id`` (if ``user`` is given: only if it joined with that key)."""
         member = self.members.get(peer_id) if peer_id is not None else None
-        return member if member is not None and member.role == "actor" else None
+        if member is None or member.role != "actor" or (user is not None and member.user != user):
+            return None
+        return member
 
     def _set_credit(self, shard: Member, credit: int) -> None:
         """Every change of a shard's credit goes through here, so the running total stays exact."""
@@ -307,13 +366,16 @@ class Broker:
         self._ratelog.warning(f"drop_{reason}", text)
 
     # ---------------------------------------------------------------- control socket
-    def _on_control(self, identity: bytes, frames: Sequence[Any]) -> None:
+    def _on_control(self, identity: bytes, frames: Sequence[Any], user: str) -> None:
         msg = self._decode(frames)
         member = self.by_identity.get(identity)
+        if member is not None and member.user != user:  # a routing id a member used, from another key
+            self.counters["auth_refused"] += 1
+            member = None
         if member is not None:
             member.last_seen = time.monotonic()
         if isinstance(msg, P.Hello):
-            self._on_hello(identity, msg)
+            self._on_hello(identity, msg, user)
         elif isinstance(msg, P.StatusRequest):
             self._send(self.control, identity, P.Status(body=self.status()))
         elif member is None:
@@ -339,10 +401,12 @@ class Broker:
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
-    def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+    def _on_hello(self, identity: bytes, msg: P.Hello, user: str) -> None:
         # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
-        why = hello_conflict(msg, self.members.get(msg.peer_id), room, self.run_id, self.config.heartbeat_interval_s)
+        why = self._key_refusal(msg, user) or hello_conflict(
+            msg, self.members.get(msg.peer_id), room, self.run_id, self.config.heartbeat_interval_s
+        )
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
@@ -355,6 +419,7 @@ class Broker:
                 self.departures.record(old, f"replaced by pid {msg.pid} on {msg.host or '?'}")
                 self.health.forget(msg.peer_id)
         member = member_of(msg, identity)
+        member.user = user
         if old is not None:
             # A learner's credit starts again from zero with every hello: a shard re-grants its window
             # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
@@ -368,12 +433,42 @@ class Broker:
             self.credit += member.credit
         elif member.role == "actor":
             self.fleet.joined(member.peer_id, member.num_envs, member.host)
+            self._note_actor_user(member)
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
         self._send(self.control, identity, self._welcome(msg.peer_id))
         if msg.role == "actor":
             self.publisher.on_join(member)
         elif msg.role == "learner" and member.run_id == self.run_id:
             self._send_fleet(member)  # the last announced one; a change pending follows within FLEET_COALESCE_S
+
+    def _key_refusal(self, msg: P.Hello, user: str) -> str:
+        """Closed bus: why this key may not say this hello (its role is the key's; a peer id held by a live
+        member is taken over by the same key only), or ""."""
+        if self.auth is None:
+            return ""
+        why = ""
+        role = user.partition(":")[0]
+        if role != msg.role:
+            why = f"the key {user!r} is a {role} key: it may not join as {msg.role}"
+        else:
+            old = self.members.get(msg.peer_id)
+            if old is not None and old.user != user:
+                why = f"peer id {msg.peer_id!r} is held by a member that joined with another key"
+        if why:
+            self.counters["auth_refused"] += 1
+        return why
+
+    def _note_actor_user(self, member: Member) -> None:
+        if self.auth is None:
+            return
+        users = self._actor_users
+        users[member.peer_id] = member.user
+        users.move_to_end(member.peer_id)
+        if len(users) > LEFT_ACTORS_KEPT + len(self.fleet.actors):  # forget the oldest that is not a member
+            for peer_id in users:
+                if peer_id not in self.members:
+                    del users[peer_id]
+                    break
 
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
@@ -402,10 +497,13 @@ class Broker:
         )
 
     # ---------------------------------------------------------------- learner socket
-    def _on_learner(self, identity: bytes, frames: Sequence[Any]) -> None:
+    def _on_learner(self, identity: bytes, frames: Sequence[Any], user: str) -> None:
         # Shards' data DEALERs use their peer id as ZeroMQ identity (their control link does not).
         member = self.members.get(identity.decode("utf-8", "replace"))
         msg = self._decode(frames)  # a ProtocolError is counted as learner_malformed by _drain
+        if member is not None and member.user != user:  # the identity of a learner, taken by another key
+            self.counters["auth_refused"] += 1
+            member = None
         if member is None or member.role != "learner":
             self._send(self.learners, identity, P.Reject(reason="unknown learner: send hello first", rehello=True))
             return

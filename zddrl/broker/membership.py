@@ -60,6 +60,9 @@ class Member:
     """...and that snapshot's version (a params_request for it is not answered twice in quick succession)."""
     fleet_seq: int = -1
     """Learners: seq of the last fleet message sent to it."""
+    user: str = ""
+    """The ZAP User-Id (``ROLE:NAME`` of its key) of the connection it joined from; "" on an open bus. Every
+    message after the hello must come from the same key."""
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int, MEMBER_COUNTERS))
     """``messages``, ``bytes``, ``env_steps`` (always in the status row) and ``dropped_<reason>`` once non-zero."""
     stats: dict[str, Any] = field(default_factory=dict)

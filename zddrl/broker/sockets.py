@@ -12,6 +12,7 @@ from typing import NamedTuple
 import zmq
 
 from zddrl import protocol as P
+from zddrl.broker.auth import BrokerAuth
 from zddrl.config import BrokerConfig, ConfigError, split_endpoint
 
 PORT_OPTIONS = {
@@ -50,32 +51,44 @@ def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
     return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
 
 
-def open_sockets(ctx: zmq.Context, c: BrokerConfig) -> BrokerSockets:
-    """Every socket made, configured and bound; ConfigError for a bad bind port, BindError for a port that is taken
-    (the sockets made so far are closed first)."""
+CONTROL_SNDHWM = 1000
+"""Replies queued per control connection before more are dropped (counted control_unroutable): a peer that
+never reads (status requests it never collects) holds at most this many, each of a bounded size."""
+LEARNERS_RCVHWM = 10_000
+"""Messages read ahead per learner connection: past it libzmq stops reading that connection (TCP pushes back,
+nothing is dropped); credit and parameter chunks are far fewer than this between two polls."""
+
+
+def open_sockets(ctx: zmq.Context, c: BrokerConfig, auth: BrokerAuth | None = None) -> BrokerSockets:
+    """Every socket made, configured and bound (CURVE servers of their ZAP domains when ``auth`` is given);
+    ConfigError for a bad bind port, BindError for a port that is taken (the sockets made so far are closed
+    first)."""
     host, port = split_endpoint(c.bind)
     # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
     if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"broker.bind port must be 1..65535 or *, got {c.bind!r}")
     made: list[zmq.Socket] = []
 
-    def socket(kind: int) -> zmq.Socket:
+    def socket(kind: int, domain: str) -> zmq.Socket:
         sock = ctx.socket(kind)
         made.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        if auth is not None:
+            auth.serve(sock, domain)
         return sock
 
-    control = socket(zmq.ROUTER)
+    control = socket(zmq.ROUTER, "control")
     control.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    trajectories = socket(zmq.PULL)
+    control.setsockopt(zmq.SNDHWM, CONTROL_SNDHWM)
+    trajectories = socket(zmq.PULL, "trajectories")
     trajectories.setsockopt(zmq.RCVHWM, c.trajectory_hwm)
-    learners = socket(zmq.ROUTER)
+    learners = socket(zmq.ROUTER, "learners")
     learners.setsockopt(zmq.ROUTER_MANDATORY, 1)
     learners.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting shard reuses its identity
     learners.setsockopt(zmq.SNDHWM, 0)  # bounded by credit, not by HWM
-    learners.setsockopt(zmq.RCVHWM, 0)  # parameters and credits must never be lost
-    params = socket(zmq.PUB)
+    learners.setsockopt(zmq.RCVHWM, LEARNERS_RCVHWM)  # a full pipe pushes back over TCP: nothing is lost
+    params = socket(zmq.PUB, "params")
     params.setsockopt(zmq.SNDHWM, c.params_hwm)
     base = None if port == "*" else int(port)
     plan = [

@@ -178,7 +178,7 @@ class LearnerNode:
         window, limit = self._window(), welcome.max_message_bytes
         self.poller = ShardPoller(
             link,
-            lambda: DataChannel(self.ctx, link, self.peer_id, limit, window),
+            lambda: DataChannel(link, self.peer_id, limit, window),
             self.run_id,
             self.group,
             self._mismatch,

@@ -18,6 +18,7 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
+from zddrl.keys import Credentials
 from zddrl.values import finite_float
 
 MIN_INTERVAL_S = 0.1
@@ -27,12 +28,16 @@ REASON_CHARS = 120
 traceback: `zddrl status --json` has it in full)."""
 
 
-def request_status(connect: str, timeout_s: float, context: zmq.Context | None = None) -> dict[str, Any] | None:
-    """One status request on a fresh DEALER; None if no broker answers within the timeout (or its answer
-    is not a valid status message: the learner asks every round and must not die of a bad answer)."""
+def request_status(
+    connect: str, timeout_s: float, context: zmq.Context | None = None, credentials: Credentials | None = None
+) -> dict[str, Any] | None:
+    """One status request on a fresh DEALER (a CURVE client with ``credentials`` on a closed bus); None if no
+    broker answers within the timeout (or its answer is not a valid status message)."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if credentials is not None:
+        credentials.apply(sock)
     try:
         sock.connect(connect)
         sock.send_multipart(P.encode(P.StatusRequest(peer_id="status")))

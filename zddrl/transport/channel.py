@@ -31,11 +31,8 @@ class DataChannel:
     ``window`` stays as it is).
     """
 
-    def __init__(
-        self, ctx: zmq.Context, link: BrokerLink, peer_id: str, max_message_bytes: int, window: int = CREDIT_WINDOW
-    ) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+    def __init__(self, link: BrokerLink, peer_id: str, max_message_bytes: int, window: int = CREDIT_WINDOW) -> None:
+        self.sock = link.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
         self.sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the credit we grant
         self.endpoint = link.endpoint("learners")

@@ -24,6 +24,7 @@ from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.config import split_endpoint
+from zddrl.keys import Credentials
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -54,13 +55,21 @@ class BrokerLink:
     """
 
     def __init__(
-        self, connect: str, hello: P.Hello, *, subscribe_params: bool = False, context: zmq.Context | None = None
+        self,
+        connect: str,
+        hello: P.Hello,
+        *,
+        subscribe_params: bool = False,
+        context: zmq.Context | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.host, port = split_endpoint(connect)
         self.connect = connect
         self.hello = hello
         self.subscribe_params = subscribe_params
         self.ctx = context or zmq.Context.instance()
+        self.credentials = credentials
+        """This client's keys on a closed bus (every socket to the broker is a CURVE client); None on an open one."""
         self.log = logger.bind(role=hello.role, peer=hello.peer_id)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -87,6 +96,15 @@ class BrokerLink:
     def start(self) -> BrokerLink:
         self._thread.start()
         return self
+
+    def socket(self, kind: int) -> zmq.Socket:
+        """A socket for talking to the broker: a CURVE client with this link's keys on a closed bus. Every
+        socket to the broker is made here (data sockets too), so none can be left open by mistake."""
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.credentials is not None:
+            self.credentials.apply(sock)
+        return sock
 
     def endpoint(self, port_name: str) -> str:
         assert self.welcome is not None, "no welcome yet"
@@ -207,8 +225,7 @@ class BrokerLink:
             self._cond.notify_all()
 
     def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
-        control = self.ctx.socket(zmq.DEALER)
-        control.setsockopt(zmq.LINGER, 0)
+        control = self.socket(zmq.DEALER)
         control.connect(self.connect)
         control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
         return control, None
@@ -294,8 +311,7 @@ class BrokerLink:
         return welcomed
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)

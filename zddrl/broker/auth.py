@@ -1,0 +1,154 @@
+"""The closed bus on the broker's side: CURVE on its four sockets, ZAP against each role's allow-list.
+
+pyzmq's ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) answers libzmq's handshake requests in a
+thread of its own; a client whose key is not allowed on a socket never gets a message to the broker's Python
+code. Each socket has a ZAP domain, and each domain admits the roles that have business there::
+
+    control       learner, actor, monitor   (hello, heartbeats, status; the hello's role must be the key's)
+    trajectories  actor
+    learners      learner
+    params        actor
+
+An admitted connection's messages carry the ZAP User-Id ``ROLE:NAME`` of its key (``user_of``); the broker
+binds a member's peer id to that user at hello and checks it on every message after (broker.py), so a
+role and a peer id come from the key, never from a header alone.
+
+Handshakes that fail (no key, a wrong server key, a key not on the list) happen inside libzmq: socket
+monitors count them (``HandshakeCounter``), so a stranger's attempts show in ``zddrl status``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+from zmq.utils.monitor import recv_monitor_message
+
+from zddrl.keys import ServerKeys
+
+DOMAINS = {
+    "control": ("learner", "actor", "monitor"),
+    "trajectories": ("actor",),
+    "learners": ("learner",),
+    "params": ("actor",),
+}
+"""ZAP domain (one per broker socket, named after it) -> the key roles admitted there."""
+HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+LOOPBACK_NAMES = ("localhost",)
+AUTH_COUNTERS = ("auth_refused", "zap_denied", "handshakes_ok", "handshakes_failed")
+"""In every status body (0 on an open bus): hellos and messages refused for their key, connections ZAP refused,
+CURVE handshakes that succeeded and failed."""
+
+
+class _AllowList:
+    """ZAP callback: a key is admitted on a domain if its role is one of the domain's. Counts refusals."""
+
+    def __init__(self, allowed: dict[bytes, tuple[str, str]]) -> None:
+        self.allowed = allowed
+        self.denied: dict[str, int] = dict.fromkeys(DOMAINS, 0)
+        self._lock = threading.Lock()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        who = self.allowed.get(key)
+        ok = who is not None and who[0] in DOMAINS.get(domain, ())
+        if not ok:
+            with self._lock:
+                self.denied[domain if domain in self.denied else "control"] += 1
+        return ok
+
+
+class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
+    """pyzmq's authenticator, whose User-Id for a CURVE client is its ``ROLE:NAME`` rather than its key."""
+
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, tuple[str, str]]) -> None:
+        super().__init__(ctx)
+        self._names = allowed
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        role, name = self._names[zmq.utils.z85.encode(client_public_key)]
+        return f"{role}:{name}"
+
+
+class BrokerAuth:
+    """Starts the ZAP thread and makes each broker socket a CURVE server of its domain. ``close()`` stops it."""
+
+    def __init__(self, ctx: zmq.Context, keys: ServerKeys) -> None:
+        self.keys = keys
+        self.allow = _AllowList(keys.allowed)
+        self._auth = _Authenticator(ctx, keys.allowed)
+        self._auth.start()
+        for domain in DOMAINS:
+            self._auth.configure_curve_callback(domain, credentials_provider=self.allow)
+
+    def serve(self, sock: zmq.Socket, domain: str) -> None:
+        """Before bind: ``sock`` accepts only CURVE clients that ZAP admits on ``domain``."""
+        sock.curve_server = True
+        sock.curve_secretkey = self.keys.secret
+        sock.curve_publickey = self.keys.public
+        sock.zap_domain = domain.encode()
+
+    def close(self) -> None:
+        self._auth.stop()
+
+
+def user_of(frame: zmq.Frame) -> str:
+    """The ZAP User-Id of the connection a received frame came from ("" on a socket without ZAP)."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:  # no metadata: an unauthenticated socket
+        return ""
+
+
+class HandshakeCounter:
+    """Socket monitors on the broker's sockets, counting handshakes that succeeded and that failed (and why)."""
+
+    COUNTERS = ("handshakes_ok", "handshakes_failed")
+
+    def __init__(self, socks: Iterable[zmq.Socket]) -> None:
+        self.monitors = [sock.get_monitor_socket(HANDSHAKE_EVENTS) for sock in socks]
+        self.failed_by_reason: dict[str, int] = {}
+
+    def drain(self, monitor: zmq.Socket, counters: dict[str, int]) -> None:
+        while True:
+            try:
+                event: dict[str, Any] = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                counters["handshakes_ok"] += 1
+            else:
+                counters["handshakes_failed"] += 1
+                why = _failure(event)
+                self.failed_by_reason[why] = self.failed_by_reason.get(why, 0) + 1
+
+    def close(self) -> None:
+        for monitor in self.monitors:
+            monitor.close(linger=0)
+
+
+def _failure(event: dict[str, Any]) -> str:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "key not allowed"
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return "protocol (no CURVE or a wrong server key)"
+    return "no detail (no CURVE or a wrong server key)"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind host is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip("[]")
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface name, a hostname or "*": reachable from outside
+        return False
