@@ -25,6 +25,7 @@ from zddrl import protocol as P
 from zddrl.actor.policy import NumpyPolicy
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory
+from zddrl.keys import Credentials
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -242,8 +243,11 @@ class ActorHost:
         slowdown: float = 1.0,
         max_steps: int | None = None,
         context: zmq.Context | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.connect = connect
+        self.credentials = credentials
+        """This host's keys on a closed bus (docs/security.md); None on an open one."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.peer_id = peer_id or f"actor-{actor_id}"
@@ -259,7 +263,9 @@ class ActorHost:
 
     def run(self, stop: threading.Event) -> None:
         hello = P.Hello(role="actor", peer_id=self.peer_id, num_envs=self.num_envs or 0, **hello_fields())
-        link = BrokerLink(self.connect, hello, subscribe_params=True, context=self.ctx).start()
+        link = BrokerLink(
+            self.connect, hello, subscribe_params=True, context=self.ctx, credentials=self.credentials
+        ).start()
         try:
             while not stop.is_set() and not self._done():
                 welcome = link.wait_welcome(timeout_s=1.0, need_run=True)

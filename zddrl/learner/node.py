@@ -32,6 +32,7 @@ from zddrl.algos.rollout import mismatch
 from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
+from zddrl.keys import Credentials
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
@@ -94,8 +95,11 @@ class LearnerNode:
         context: zmq.Context | None = None,
         resume: bool = False,
         group: ShardGroup | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.connect = connect
+        self.credentials = credentials
+        """This learner's keys on a closed bus (docs/security.md); None on an open one."""
         self.config = config
         self.algo = config.algo
         self.group = group or ShardGroup()
@@ -148,7 +152,7 @@ class LearnerNode:
             num_shards=self.group.world_size,
             **hello_fields(),
         )
-        link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
+        link = self.link = BrokerLink(self.connect, hello, context=self.ctx, credentials=self.credentials).start()
         crashed = False
         try:
             collector = self._join(link)
