@@ -96,7 +96,7 @@ class Credentials:
         self.client.apply(sock)
 
 
-def credentials(root: Path, role: str, name: str | None = None) -> Credentials:
+def credentials(root: Path | str, role: str, name: str | None = None) -> Credentials:
     """A client's credentials from the key directory ``root`` (``role``: learner, actor or monitor)."""
     client = client_keys(root, role, name)
     signer = signing_key(root, client.name) if role == "learner" else None
@@ -112,13 +112,13 @@ def check_name(name: str) -> str:
     return name
 
 
-def folder(root: Path, role: str) -> Path:
+def folder(root: Path | str, role: str) -> Path:
     if role not in FOLDERS:
         raise KeysError(f"key role must be one of {', '.join(KEY_ROLES)}, got {role!r}")
     return Path(root) / FOLDERS[role]
 
 
-def new_key(root: Path, role: str, name: str) -> list[Path]:
+def new_key(root: Path | str, role: str, name: str) -> list[Path]:
     """Make the keys of ``role`` ``name`` under ``root``; returns the files written. Never overwrites."""
     where = folder(root, role)
     check_name(name)
@@ -150,7 +150,7 @@ def _new_signing_pair(where: Path, name: str) -> list[Path]:
     return [public_path, secret_path]
 
 
-def list_keys(root: Path) -> list[KeyInfo]:
+def list_keys(root: Path | str) -> list[KeyInfo]:
     """Every key under ``root``, by role then name."""
     out = []
     for role in KEY_ROLES:
@@ -178,7 +178,7 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def _only(root: Path, role: str, name: str | None, suffix: str) -> Path:
+def _only(root: Path | str, role: str, name: str | None, suffix: str) -> Path:
     """The file of ``role`` ``name`` (or the only one of that role with ``suffix``, when no name is given)."""
     where = folder(root, role)
     if name is not None:
@@ -194,7 +194,7 @@ def _only(root: Path, role: str, name: str | None, suffix: str) -> Path:
     return found[0]
 
 
-def client_keys(root: Path, role: str, name: str | None = None) -> ClientKeys:
+def client_keys(root: Path | str, role: str, name: str | None = None) -> ClientKeys:
     """This host's keys as a client of ``role`` (its secret must be here) and the broker's public key."""
     secret_path = _only(root, role, name, SECRET)
     public, secret = _load(secret_path)
@@ -204,7 +204,7 @@ def client_keys(root: Path, role: str, name: str | None = None) -> ClientKeys:
     return ClientKeys(role, secret_path.name[: -len(SECRET)], public, secret, server)
 
 
-def server_keys(root: Path) -> ServerKeys:
+def server_keys(root: Path | str) -> ServerKeys:
     """The broker's pair and every client's public key, each with its role and name. A public key listed
     under two roles (or twice) is an error: a member's role must follow from its key alone."""
     public, secret = _load(_only(root, "broker", None, SECRET))
@@ -221,7 +221,7 @@ def server_keys(root: Path) -> ServerKeys:
     return ServerKeys(public, secret, allowed)
 
 
-def signing_key(root: Path, name: str | None = None) -> tuple[str, Ed25519PrivateKey]:
+def signing_key(root: Path | str, name: str | None = None) -> tuple[str, Ed25519PrivateKey]:
     """A learner's Ed25519 secret key (name, key): it signs parameter versions and run specs."""
     path = _only(root, "learner", name, SIGN_SECRET)
     try:
@@ -233,7 +233,7 @@ def signing_key(root: Path, name: str | None = None) -> tuple[str, Ed25519Privat
     return path.name[: -len(SIGN_SECRET)], key
 
 
-def pinned_learners(root: Path) -> dict[str, Ed25519PublicKey]:
+def pinned_learners(root: Path | str) -> dict[str, Ed25519PublicKey]:
     """The learners' Ed25519 public keys by name: the only signers whose parameters and runs are accepted."""
     out = {}
     for path in sorted(folder(root, "learner").glob(f"*{SIGN_PUBLIC}")):

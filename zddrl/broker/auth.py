@@ -103,7 +103,7 @@ class BrokerAuth:
 def user_of(frame: zmq.Frame) -> str:
     """The ZAP User-Id of the connection a received frame came from ("" on a socket without ZAP)."""
     try:
-        return frame.get("User-Id") or ""
+        return str(frame.get("User-Id") or "")
     except zmq.ZMQError:  # no metadata: an unauthenticated socket
         return ""
 
@@ -120,7 +120,7 @@ class HandshakeCounter:
     def drain(self, monitor: zmq.Socket, counters: dict[str, int]) -> None:
         while True:
             try:
-                event: dict[str, Any] = recv_monitor_message(monitor, zmq.NOBLOCK)
+                event: Any = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
