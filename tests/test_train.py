@@ -127,6 +127,17 @@ def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path
     assert json.loads(done.stdout)["mean"] >= 195
 
 
+def test_a_secured_run_solves_cartpole_on_a_closed_bus(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    summary = train(run_dir, "--secure", "--until-return", "475")
+    assert summary["reached"] is True and summary["return_at_target"] >= 475
+    broker_log = (run_dir / "logs" / "broker.log").read_text()
+    closed = re.search(r"the bus is closed \(CURVE, keys from (\S+)\)", broker_log)
+    assert closed, broker_log[-2000:]
+    assert not Path(closed.group(1)).exists(), "the throwaway keys outlived the run"
+    assert processes_mentioning(str(run_dir)) == []
+
+
 def test_same_seed_and_one_actor_reproduce_a_run(tmp_path: Path) -> None:
     runs = [tmp_path / "a", tmp_path / "b"]
     for run_dir in runs:

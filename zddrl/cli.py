@@ -63,6 +63,38 @@ def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
         raise click.UsageError(str(exc)) from None
 
 
+keys_option = click.option(
+    "--keys",
+    "keys_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    envvar="ZDDRL_KEYS",
+    help="Key directory of a closed bus (zddrl keys; docs/security.md). Without it the bus is open, which the "
+    "broker allows on loopback only.",
+)
+key_option = click.option(
+    "--key",
+    "key_name",
+    default=None,
+    envvar="ZDDRL_KEY",
+    help="Which of this role's keys in --keys to use (needed when it holds the secrets of several).",
+)
+
+
+def _credentials(keys_dir: str | None, role: str, key_name: str | None):
+    """This client's ``keys.Credentials`` from --keys (None without it); a bad key directory is a usage error."""
+    from zddrl.keys import KeysError, credentials
+
+    if keys_dir is None:
+        if key_name is not None:
+            raise click.UsageError("--key names a key in --keys: give --keys DIR too")
+        return None
+    try:
+        return credentials(keys_dir, role, key_name)
+    except KeysError as exc:
+        raise click.UsageError(f"--keys: {exc}") from None
+
+
 set_option = click.option(
     "--set",
     "sets",
@@ -114,7 +146,15 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     default=None,
     help="Write the bound ports as JSON here once serving (for scripts and tests).",
 )
-def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file) -> None:
+@keys_option
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=None,
+    help="Allow a non-loopback --bind without --keys: anyone who reaches the ports can join, inject, read and "
+    "exhaust the bus (docs/security.md).",
+)
+def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file, keys_dir, insecure) -> None:
     """Run the broker: routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
     from zddrl.broker.sockets import BindError
@@ -127,6 +167,8 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
                 "trajectory_port": trajectory_port,
                 "learner_port": learner_port,
                 "params_port": params_port,
+                "keys": keys_dir,
+                "insecure": insecure,
             },
         )
     except ConfigError as exc:
@@ -157,14 +199,19 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
     help="Testing knob: make this host FACTOR times slower per env step.",
 )
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
-def actor(connect, envs, actor_id, slowdown, max_steps) -> None:
+@keys_option
+@key_option
+def actor(connect, envs, actor_id, slowdown, max_steps, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
+    creds = _credentials(keys_dir, "actor", key_name)
     try:
-        ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps).run(stop_on_signals())
+        ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps, credentials=creds).run(
+            stop_on_signals()
+        )
     except Refused as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -230,6 +277,8 @@ GPUS_HELP = (
     "(afresh if none yet), at most N times, with back-off. This process then supervises the "
     "learner as a child process; it restarts nothing if it is killed itself.",
 )
+@keys_option
+@key_option
 @set_option
 def learner(
     config_path,
@@ -246,6 +295,8 @@ def learner(
     t0,
     resume,
     restart,
+    keys_dir,
+    key_name,
     sets,
 ) -> None:
     """Run the learner on CONFIG: publish the run, train, publish parameters.
@@ -269,6 +320,7 @@ def learner(
         raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
     if shards is not None:
         gpus = f"cpu:{shards}"
+    creds = _credentials(keys_dir, "learner", key_name)  # checked before any shard or child starts
     config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed, "learner.gpus": gpus}))
     run_dir = run_dir or str(_default_run_dir(config))
     if restart:  # before plan_devices, which imports torch: the supervisor stays small
@@ -285,7 +337,7 @@ def learner(
         if len(plan.devices) > 1 or nnodes > 1:
             _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir)
             return
-    _run_shard(config, plan, connect, run_dir, t0, resume)
+    _run_shard(config, plan, connect, run_dir, t0, resume, creds)
 
 
 def _default_run_dir(config) -> Path:
@@ -331,7 +383,7 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
+def _run_shard(config, plan, connect, run_dir, t0, resume, creds) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
     from zddrl.dist.shards import ShardError, ShardGroup
     from zddrl.learner.node import LearnerNode
@@ -341,7 +393,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
     except ShardError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        node = LearnerNode(connect, config, run_dir, t0=t0, resume=resume, group=group)
+        node = LearnerNode(connect, config, run_dir, t0=t0, resume=resume, group=group, credentials=creds)
         summary = node.run(stop_on_signals())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
@@ -370,9 +422,14 @@ def _run_shard(config, plan, connect, run_dir, t0, resume) -> None:
     default=None,
     help="Continue this run directory from its newest checkpoint (metrics append).",
 )
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="Close the bus with throwaway keys: CURVE on every socket, signed parameters (docs/security.md).",
+)
 @set_option
 def train(
-    config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir, sets
+    config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir, secure, sets
 ) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
     from zddrl.ops.train import run_training
@@ -393,7 +450,7 @@ def train(
         ),
     )
     _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
-    summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir))
+    summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure)
     click.echo(json.dumps(summary))
 
 
@@ -424,14 +481,17 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
 @click.option("--watch", is_flag=True, help="Keep a live table on screen, refreshed every --interval seconds.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the broker.")
-def status(connect, as_json, watch, interval, timeout) -> None:
+@keys_option
+@key_option
+def status(connect, as_json, watch, interval, timeout, keys_dir, key_name) -> None:
     """Print the broker's counters, members, drops and health warnings."""
     from zddrl.ops.status import format_status, request_status, watch_status
 
+    creds = _credentials(keys_dir, "monitor", key_name)
     if watch:
-        watch_status(connect, interval, timeout)
+        watch_status(connect, interval, timeout, creds)
         return
-    body = request_status(connect, timeout)
+    body = request_status(connect, timeout, credentials=creds)
     if body is None:
         raise click.ClickException(f"no answer from a broker at {connect} within {timeout} s")
     click.echo(json.dumps(body, indent=2) if as_json else format_status(body))
@@ -446,3 +506,47 @@ def plot(run_dirs, output) -> None:
 
     plot_runs([Path(d) for d in run_dirs], Path(output))
     click.echo(output)
+
+
+@main.group()
+def keys() -> None:
+    """Keys of a closed bus: a CURVE keypair per broker and client, an Ed25519 signing key per learner.
+
+    One directory holds them (docs/security.md): broker/, learners/, actors/, monitors/. The broker needs
+    its own secret and every client's public key; a client needs its own secret and the broker's public key;
+    actors also need the learners' NAME.sign.pub to pin."""
+
+
+@keys.command("new")
+@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor"]))
+@click.argument("name")
+@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
+def keys_new(role, name, keys_dir) -> None:
+    """Make the keys of ROLE NAME in --keys (never overwrites); prints the files written."""
+    from zddrl.keys import KeysError, new_key
+
+    try:
+        for path in new_key(keys_dir, role, name):
+            secret = path.suffix in (".key_secret", ".sign")
+            click.echo(f"{path}  ({'secret: keep it on its own host only' if secret else 'public'})")
+    except KeysError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@keys.command("list")
+@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_list(keys_dir, as_json) -> None:
+    """The keys in --keys: role, name, public key, and whether this directory holds the secret."""
+    from zddrl.keys import KeysError, list_keys
+
+    try:
+        found = list_keys(keys_dir)
+    except KeysError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps([k._asdict() for k in found], indent=2))
+        return
+    for k in found:
+        extra = ("secret here" if k.secret else "public only") + (", signs" if k.signing else "")
+        click.echo(f"{k.role:<8} {k.name:<24} {k.public}  ({extra})")

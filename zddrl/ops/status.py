@@ -279,7 +279,13 @@ def _screen(out: TextIO, use_rich: bool | None) -> PlainScreen | RichScreen:
 
 
 def watch_status(
-    connect: str, interval_s: float, timeout_s: float, *, out: TextIO | None = None, use_rich: bool | None = None
+    connect: str,
+    interval_s: float,
+    timeout_s: float,
+    credentials: Credentials | None = None,
+    *,
+    out: TextIO | None = None,
+    use_rich: bool | None = None,
 ) -> None:
     """Show the broker's status every ``interval_s`` until Ctrl-C (a clean exit).
 
@@ -292,7 +298,7 @@ def watch_status(
         with _screen(out, use_rich) as screen:
             while True:
                 try:
-                    body = request_status(connect, timeout_s)
+                    body = request_status(connect, timeout_s, credentials=credentials)
                 except P.ProtocolError as exc:  # something else answers on that port; keep asking
                     body, why = None, f"not a zddrl broker answer ({exc})"
                 else:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import click
 from loguru import logger
 
 from zddrl.config import Config, to_toml
+from zddrl.keys import new_key
 from zddrl.ops.restart import (
     RestartBudget,
     describe_restart,
@@ -108,6 +111,15 @@ def _progress(metrics: Path, t0: float) -> str | None:
     )
 
 
+def throwaway_keys() -> Path:
+    """A fresh key directory for one secured local run (``zddrl train --secure``): a broker, a learner, an actor
+    and a monitor key, made with ``keys.new_key``; the caller removes it when the run ends."""
+    root = Path(tempfile.mkdtemp(prefix="zddrl-keys-"))
+    for role in ("broker", "learner", "actor", "monitor"):
+        new_key(root, role, role)
+    return root
+
+
 def _start(
     procs: LocalProcesses,
     config: Config,
@@ -115,17 +127,18 @@ def _start(
     data_ports: tuple[int, int, int],
     learner_args: list[str],
     resume: bool,
+    keys: list[str],
 ) -> subprocess.Popen:
     """The broker (on ``connect`` and the trajectories, learners and params ports), the learner (in a process group
-    of its own, with its shards) and the actors; returns the learner."""
+    of its own, with its shards) and the actors, all with the ``keys`` options; returns the learner."""
     traj, learn, params = (str(p) for p in data_ports)
     broker = ["broker", "--bind", connect, "--trajectory-port", traj, "--learner-port", learn, "--params-port", params]
-    procs.start("broker", broker)
+    procs.start("broker", [*broker, *keys])
     learner = procs.start("learner", [*learner_args, *(["--resume"] if resume else [])], own_group=True)
     slowdowns = config.train.slowdowns
     for i in range(config.train.actors):
         slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
-        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow])
+        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *keys])
     return learner
 
 
@@ -135,10 +148,12 @@ def run_training(
     show_progress: bool = True,
     t0: float | None = None,
     resume: bool = False,
+    secure: bool = False,
 ) -> dict[str, Any]:
     """Run the whole system locally until the learner stops; return its summary.
 
-    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it.
+    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it. ``secure``: the bus
+    is closed with throwaway keys (CURVE on every socket, signed parameters), removed when the run ends.
     """
     t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
@@ -151,11 +166,17 @@ def run_training(
     procs = LocalProcesses(log_dir)
     tty = show_progress and sys.stderr.isatty()
     budget = RestartBudget(config.train.max_restarts)
-    learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir)]
+    key_dir = throwaway_keys() if secure else None
+    keys = ["--keys", str(key_dir)] if key_dir is not None else []
+    learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir), *keys]
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
-        learner = _start(procs, config, connect, (traj, learn, params), [*learner_args, "--t0", repr(t0)], resume)
-        logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner (logs in {log_dir})")
+        learner = _start(procs, config, connect, (traj, learn, params), [*learner_args, "--t0", repr(t0)], resume, keys)
+        bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
+        logger.info(
+            f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
+            f"(logs in {log_dir})"
+        )
         next_line = 0.0
         stopping = False
         while True:
@@ -187,6 +208,8 @@ def run_training(
             click.echo("", err=True)
     finally:
         procs.stop()
+        if key_dir is not None:
+            shutil.rmtree(key_dir, ignore_errors=True)
     summary_path = run_dir / "summary.json"
     if learner.returncode != 0 or not summary_path.exists():
         raise click.ClickException(

@@ -1,0 +1,200 @@
+"""The closed bus against a real `zddrl broker --keys`: a stranger (no key, a key not on the list, a key of the
+wrong role) gets nothing in and nothing out, and the broker's counters say so; a member's role and peer id come
+from its key. Issue 13's attacks, each on real sockets."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import zmq
+
+from broker_clients import WAIT_S, cli, trajectory
+from conftest import BrokerHandle, Bus, Procs, wait_for
+from zddrl import protocol as P
+from zddrl.keys import Credentials, credentials, new_key
+from zddrl.ops.status import request_status
+
+SILENCE_MS = 1500
+"""How long a refused client listens for an answer that must not come."""
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    root = tmp_path / "keys"
+    for role, name in [("broker", "b"), ("learner", "l"), ("learner", "l2"), ("actor", "a"), ("actor", "b")]:
+        new_key(root, role, name)
+    new_key(root, "monitor", "m")
+    return root
+
+
+@pytest.fixture
+def stranger(tmp_path: Path, keys: Path) -> Credentials:
+    """An actor key the broker never listed, next to the broker's real public key."""
+    root = tmp_path / "stranger"
+    new_key(root, "actor", "x")
+    (root / "broker").mkdir()
+    shutil.copy(keys / "broker" / "b.key", root / "broker")
+    shutil.copytree(keys / "learners", root / "learners", ignore=shutil.ignore_patterns("*.key_secret", "*.sign"))
+    return credentials(root, "actor")
+
+
+@pytest.fixture
+def closed(procs: Procs, tmp_path: Path, keys: Path) -> BrokerHandle:
+    return BrokerHandle(procs, tmp_path).start("--keys", str(keys))
+
+
+def who(keys: Path, role: str, name: str) -> Credentials:
+    return credentials(keys, role, name)
+
+
+def counters(broker: BrokerHandle, bus: Bus, keys: Path) -> dict:
+    body = request_status(broker.connect, WAIT_S, bus.ctx, credentials=who(keys, "monitor", "m"))
+    assert body is not None, "no status for the monitor key"
+    return body["broker"]
+
+
+def dealer(bus: Bus, creds: Credentials | None, endpoint: str, kind: int = zmq.DEALER) -> zmq.Socket:
+    sock = bus.socket(kind)
+    if creds is not None:
+        creds.apply(sock)
+    sock.connect(endpoint)
+    return sock
+
+
+def ask(sock: zmq.Socket, msg: P.Message) -> P.Message | None:
+    sock.send_multipart(P.encode(msg), zmq.NOBLOCK)
+    return P.decode(sock.recv_multipart()) if sock.poll(SILENCE_MS) else None
+
+
+def link(bus: Bus, broker: BrokerHandle, creds: Credentials, hello: P.Hello):
+    return bus.link(broker.connect, hello, credentials=creds)
+
+
+@pytest.mark.slow
+def test_a_client_without_a_listed_key_is_never_answered(
+    closed: BrokerHandle, bus: Bus, keys: Path, stranger: Credentials
+) -> None:
+    status = P.StatusRequest(peer_id="status")
+    no_key = dealer(bus, None, closed.connect)
+    assert no_key.send_multipart(P.encode(status)) is None and not no_key.poll(SILENCE_MS), "answered without a key"
+    unlisted = dealer(bus, stranger, closed.connect)
+    assert ask(unlisted, P.Hello(role="actor", peer_id="actor-9", num_envs=1)) is None
+    # Nor do its trajectories count as received: the PUSH never completes its handshake either.
+    push = dealer(bus, stranger, f"tcp://127.0.0.1:{closed.bound_ports['trajectories']}", zmq.PUSH)
+    push.send_multipart(P.encode(trajectory("run", "actor-9", 0)), zmq.NOBLOCK)
+    c = wait_for(
+        lambda: (lambda c: c if c["handshakes_failed"] >= 1 and c["zap_denied"] >= 2 else None)(
+            counters(closed, bus, keys)
+        ),
+        WAIT_S,
+        "the refused handshakes to be counted",
+    )
+    assert c["received"] == 0 and c["control_malformed"] == 0
+    assert request_status(closed.connect, WAIT_S, bus.ctx, credentials=who(keys, "monitor", "m"))["members"] == {}
+
+
+@pytest.mark.slow
+def test_the_params_port_admits_actor_keys_only(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    params = f"tcp://127.0.0.1:{closed.bound_ports['params']}"
+    before = counters(closed, bus, keys)
+    for creds in (None, who(keys, "monitor", "m"), who(keys, "learner", "l")):
+        sub = dealer(bus, creds, params, zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+    wait_for(
+        lambda: (lambda c: c["handshakes_failed"] >= before["handshakes_failed"] + 1 and c["zap_denied"] >= 2)(
+            counters(closed, bus, keys)
+        ),
+        WAIT_S,
+        "three refused subscribers",
+    )
+    actor = dealer(bus, who(keys, "actor", "a"), params, zmq.SUB)
+    actor.setsockopt(zmq.SUBSCRIBE, b"")
+    wait_for(lambda: counters(closed, bus, keys)["handshakes_ok"] > before["handshakes_ok"] + 1, WAIT_S, "the actor's")
+
+
+@pytest.mark.slow
+def test_a_key_joins_only_as_its_own_role(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    for creds, role in [(who(keys, "actor", "a"), "learner"), (who(keys, "monitor", "m"), "actor")]:
+        sock = dealer(bus, creds, closed.connect)
+        reply = ask(sock, P.Hello(role=role, peer_id=f"{role}-0", num_envs=1))
+        assert isinstance(reply, P.Reject) and reply.reason.startswith(P.REFUSED_PREFIX), reply
+        assert f"may not join as {role}" in reply.reason
+    sock = dealer(bus, who(keys, "actor", "a"), closed.connect)
+    assert isinstance(ask(sock, P.Hello(role="actor", peer_id="actor-0", num_envs=1)), P.Welcome)
+    c = counters(closed, bus, keys)
+    assert c["auth_refused"] == 2 and c["handshakes_ok"] >= 4
+
+
+@pytest.mark.slow
+def test_a_live_peer_id_is_taken_over_by_the_same_key_only(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    owner = link(bus, closed, who(keys, "actor", "a"), P.Hello(role="actor", peer_id="actor-0", num_envs=1))
+    assert owner.wait_welcome(WAIT_S) is not None
+    thief = dealer(bus, who(keys, "actor", "b"), closed.connect)
+    reply = ask(thief, P.Hello(role="actor", peer_id="actor-0", num_envs=1))
+    assert isinstance(reply, P.Reject) and "held by a member that joined with another key" in reply.reason
+    # The same key may (a restarted actor host): the broker only judges the process, as on an open bus.
+    again = dealer(bus, who(keys, "actor", "a"), closed.connect)
+    assert isinstance(ask(again, P.Hello(role="actor", peer_id="actor-0", num_envs=1)), P.Welcome)
+    assert counters(closed, bus, keys)["auth_refused"] == 1
+
+
+@pytest.mark.slow
+def test_a_trajectory_naming_another_keys_actor_is_dropped_as_forged(
+    closed: BrokerHandle, bus: Bus, keys: Path
+) -> None:
+    victim = link(bus, closed, who(keys, "actor", "a"), P.Hello(role="actor", peer_id="actor-0", num_envs=1))
+    forger = link(bus, closed, who(keys, "actor", "b"), P.Hello(role="actor", peer_id="actor-1", num_envs=1))
+    assert victim.wait_welcome(WAIT_S) and forger.wait_welcome(WAIT_S)
+    shard = link(bus, closed, who(keys, "learner", "l"), P.Hello(role="learner", peer_id="learner-0"))
+    assert shard.wait_welcome(WAIT_S) is not None
+    data = shard.socket(zmq.DEALER)
+    data.setsockopt(zmq.IDENTITY, b"learner-0")
+    data.connect(shard.endpoint("learners"))
+    data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=8)))
+    wait_for(lambda: counters(closed, bus, keys)["credit"] == 8, WAIT_S, "the shard's credit")
+    push = forger.socket(zmq.PUSH)
+    push.connect(forger.endpoint("trajectories"))
+    push.send_multipart(P.encode(trajectory("", "actor-0", 0)))
+    c = wait_for(
+        lambda: (lambda c: c if c["received"] == 1 else None)(counters(closed, bus, keys)), WAIT_S, "the forgery"
+    )
+    assert c["dropped"]["forged_sender"] == 1 and c["forwarded"] == 0 and c["accounted"]
+    assert not data.poll(200), "a forged trajectory reached the learner"
+    data.close(linger=0)
+    push.close(linger=0)
+
+
+@pytest.mark.slow
+def test_a_learner_identity_taken_by_another_key_is_not_obeyed(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    shard = link(bus, closed, who(keys, "learner", "l"), P.Hello(role="learner", peer_id="learner-0"))
+    assert shard.wait_welcome(WAIT_S) is not None
+    thief = bus.socket(zmq.DEALER, identity=b"learner-0")  # ROUTER_HANDOVER gives it the identity...
+    who(keys, "learner", "l2").apply(thief)
+    thief.connect(shard.endpoint("learners"))
+    thief.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=5)))
+    c = wait_for(
+        lambda: (lambda c: c if c["auth_refused"] >= 1 else None)(counters(closed, bus, keys)), WAIT_S, "the refusal"
+    )
+    assert c["credit"] == 0, "...but its credit must not count as learner-0's"
+
+
+@pytest.mark.slow
+def test_a_reachable_bind_without_keys_refuses_to_start(procs: Procs, tmp_path: Path) -> None:
+    refused = cli("broker", "--bind", "tcp://0.0.0.0:*")
+    assert refused.returncode != 0
+    err = refused.stderr.strip().splitlines()[-1]
+    assert "without keys" in err and "--insecure" in err and "--keys" in err, refused.stderr
+    ready = tmp_path / "ready.json"
+    proc = procs.start("broker", "broker", "--bind", "tcp://0.0.0.0:*", "--insecure", "--ready-file", str(ready))
+    wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the insecure broker to bind")
+    assert proc.poll() is None
+    assert "INSECURE" in procs.log("broker")
+
+
+@pytest.mark.slow
+def test_a_client_with_a_refused_key_says_so(closed: BrokerHandle, bus: Bus, stranger: Credentials) -> None:
+    refused = link(bus, closed, stranger, P.Hello(role="actor", peer_id="actor-9", num_envs=1))
+    wait_for(lambda: refused.handshake_failures >= 1, WAIT_S, "the client to see its handshake refused")
+    assert refused.welcome is None
