@@ -194,6 +194,19 @@ def _only(root: Path | str, role: str, name: str | None, suffix: str) -> Path:
     return found[0]
 
 
+def key_files(root: Path | str) -> tuple[tuple[str, int, float], ...]:
+    """Every public key file under ``root`` with its size and mtime: compared to see whether the lists changed."""
+    out = []
+    for role in KEY_ROLES:
+        for path in sorted(folder(root, role).glob(f"*{PUBLIC}")):
+            try:
+                st = path.stat()
+            except OSError:  # removed while we listed
+                continue
+            out.append((str(path), st.st_size, st.st_mtime))
+    return tuple(out)
+
+
 def client_keys(root: Path | str, role: str, name: str | None = None) -> ClientKeys:
     """This host's keys as a client of ``role`` (its secret must be here) and the broker's public key."""
     secret_path = _only(root, role, name, SECRET)

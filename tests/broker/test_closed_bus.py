@@ -29,15 +29,19 @@ def keys(tmp_path: Path) -> Path:
     return root
 
 
-@pytest.fixture
-def stranger(tmp_path: Path, keys: Path) -> Credentials:
-    """An actor key the broker never listed, next to the broker's real public key."""
-    root = tmp_path / "stranger"
-    new_key(root, "actor", "x")
+def outsider(root: Path, keys: Path, name: str) -> Credentials:
+    """An actor key made in a directory of its own, next to the broker's real public key (the broker has not
+    listed it)."""
+    new_key(root, "actor", name)
     (root / "broker").mkdir()
     shutil.copy(keys / "broker" / "b.key", root / "broker")
     shutil.copytree(keys / "learners", root / "learners", ignore=shutil.ignore_patterns("*.key_secret", "*.sign"))
     return credentials(root, "actor")
+
+
+@pytest.fixture
+def stranger(tmp_path: Path, keys: Path) -> Credentials:
+    return outsider(tmp_path / "stranger", keys, "x")
 
 
 @pytest.fixture
@@ -99,15 +103,15 @@ def test_a_client_without_a_listed_key_is_never_answered(
 def test_the_params_port_admits_actor_keys_only(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
     params = f"tcp://127.0.0.1:{closed.bound_ports['params']}"
     before = counters(closed, bus, keys)
-    for creds in (None, who(keys, "monitor", "m"), who(keys, "learner", "l")):
-        sub = dealer(bus, creds, params, zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+    subs = [
+        dealer(bus, creds, params, zmq.SUB) for creds in (None, who(keys, "monitor", "m"), who(keys, "learner", "l"))
+    ]
     wait_for(
         lambda: (lambda c: c["handshakes_failed"] >= before["handshakes_failed"] + 1 and c["zap_denied"] >= 2)(
             counters(closed, bus, keys)
         ),
         WAIT_S,
-        "three refused subscribers",
+        f"{len(subs)} refused subscribers",
     )
     actor = dealer(bus, who(keys, "actor", "a"), params, zmq.SUB)
     actor.setsockopt(zmq.SUBSCRIBE, b"")
@@ -198,3 +202,17 @@ def test_a_client_with_a_refused_key_says_so(closed: BrokerHandle, bus: Bus, str
     refused = link(bus, closed, stranger, P.Hello(role="actor", peer_id="actor-9", num_envs=1))
     wait_for(lambda: refused.handshake_failures >= 1, WAIT_S, "the client to see its handshake refused")
     assert refused.welcome is None
+
+
+@pytest.mark.slow
+def test_keys_added_and_removed_take_effect_without_a_restart(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    late = outsider(keys.parent / "late", keys, "c")  # made elsewhere, then its public file copied in
+    shutil.copy(keys.parent / "late" / "actors" / "c.key", keys / "actors" / "c.key")
+    newcomer = link(bus, closed, late, P.Hello(role="actor", peer_id="actor-5", num_envs=1))
+    assert newcomer.wait_welcome(WAIT_S) is not None, "a key added to the directory was not admitted"
+    victim = link(bus, closed, who(keys, "actor", "b"), P.Hello(role="actor", peer_id="actor-1", num_envs=1))
+    assert victim.wait_welcome(WAIT_S) is not None
+    (keys / "actors" / "b.key").unlink()  # revoked: its member goes, its open connection is refused from now on
+    wait_for(lambda: victim.refused is not None, WAIT_S, "the revoked actor to be refused")
+    body = request_status(closed.connect, WAIT_S, bus.ctx, credentials=who(keys, "monitor", "m"))
+    assert set(body["members"]) == {"actor-5"} and "revoked" in victim.refused

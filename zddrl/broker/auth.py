@@ -28,7 +28,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils.monitor import recv_monitor_message
 
-from zddrl.keys import ServerKeys
+from zddrl.keys import KeysError, key_files, server_keys
 
 DOMAINS = {
     "control": ("learner", "actor", "monitor"),
@@ -54,6 +54,7 @@ class _AllowList:
 
     def __init__(self, allowed: dict[bytes, tuple[str, str]]) -> None:
         self.allowed = allowed
+        """Swapped whole on a reload (one assignment: the ZAP thread sees the old map or the new one)."""
         self.denied: dict[str, int] = dict.fromkeys(DOMAINS, 0)
         self._lock = threading.Lock()
 
@@ -69,25 +70,52 @@ class _AllowList:
 class _Authenticator(zmq.auth.thread.ThreadAuthenticator):
     """pyzmq's authenticator, whose User-Id for a CURVE client is its ``ROLE:NAME`` rather than its key."""
 
-    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, tuple[str, str]]) -> None:
+    def __init__(self, ctx: zmq.Context, allow: _AllowList) -> None:
         super().__init__(ctx)
-        self._names = allowed
+        self._allow = allow
 
     def curve_user_id(self, client_public_key: bytes) -> str:
-        role, name = self._names[zmq.utils.z85.encode(client_public_key)]
+        role, name = self._allow.allowed[zmq.utils.z85.encode(client_public_key)]
         return f"{role}:{name}"
 
 
 class BrokerAuth:
-    """Starts the ZAP thread and makes each broker socket a CURVE server of its domain. ``close()`` stops it."""
+    """Starts the ZAP thread and makes each broker socket a CURVE server of its domain. ``close()`` stops it.
 
-    def __init__(self, ctx: zmq.Context, keys: ServerKeys) -> None:
-        self.keys = keys
-        self.allow = _AllowList(keys.allowed)
-        self._auth = _Authenticator(ctx, keys.allowed)
+    The allow-lists are the key directory's public files, read again whenever they change (``refresh``): a key
+    added is admitted from its next handshake, a key removed is revoked (its members are removed by the broker,
+    and whatever its open connections send after is refused)."""
+
+    def __init__(self, ctx: zmq.Context, root: str) -> None:
+        self.root = root
+        self.keys = server_keys(root)
+        self._stamp = key_files(root)
+        self.allow = _AllowList(self.keys.allowed)
+        self.users = self._users()
+        """``ROLE:NAME`` of every key allowed now."""
+        self._auth = _Authenticator(ctx, self.allow)
         self._auth.start()
         for domain in DOMAINS:
             self._auth.configure_curve_callback(domain, credentials_provider=self.allow)
+
+    def _users(self) -> frozenset[str]:
+        return frozenset(f"{role}:{name}" for role, name in self.allow.allowed.values())
+
+    def refresh(self) -> frozenset[str]:
+        """Reread the allow-lists if a key file changed; returns the users revoked by that (usually none).
+        A directory that no longer reads (a half-copied key) keeps the lists as they were, and raises KeysError
+        for the caller to log."""
+        stamp = key_files(self.root)
+        if stamp == self._stamp:
+            return frozenset()
+        self._stamp = stamp
+        keys = server_keys(self.root)
+        if keys.public != self.keys.public:
+            raise KeysError("the broker's own key changed on disk: it takes effect at the next start only")
+        old = self.users
+        self.allow.allowed = keys.allowed
+        self.users = self._users()
+        return old - self.users
 
     def serve(self, sock: zmq.Socket, domain: str) -> None:
         """Before bind: ``sock`` accepts only CURVE clients that ZAP admits on ``domain``."""

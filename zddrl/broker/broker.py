@@ -50,7 +50,7 @@ from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
 from zddrl.broker.sockets import open_sockets
 from zddrl.config import BrokerConfig, ConfigError, split_endpoint
-from zddrl.keys import KeysError, server_keys
+from zddrl.keys import KeysError
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
@@ -59,6 +59,9 @@ POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
 _CREDIT = attrgetter("credit")
+REVOKED = "revoked:"
+"""What an actor's peer id is bound to once its key is revoked: no user matches it."""
+REVOKED_REASON = "this client's key was removed from the broker's key directory (revoked)"
 
 
 @lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
@@ -134,13 +137,32 @@ class Broker:
         self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
         return dict(self.ports)
 
+    def _refresh_keys(self) -> None:
+        """Keys added to or removed from the directory take effect now; a revoked key's members are removed and
+        whatever its open connections still send is refused."""
+        assert self.auth is not None
+        try:
+            revoked = self.auth.refresh()
+        except KeysError as exc:
+            self._ratelog.warning("keys", f"key directory {self.config.keys}: {exc}; the allow-lists stay as they were")
+            return
+        if not revoked:
+            return
+        self.log.warning(f"keys revoked: {', '.join(sorted(revoked))}; their members are removed")
+        for member in [m for m in self.members.values() if m.user in revoked]:
+            self._remove(member, "its key was revoked")
+            self._send(self.control, member.identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{REVOKED_REASON}"))
+        for peer_id, user in self._actor_users.items():
+            if user in revoked:
+                self._actor_users[peer_id] = REVOKED
+
     def _secure(self) -> None:
         """Keys, or a loopback bind, or ``insecure`` said out loud: a reachable open bus is never an accident."""
         c = self.config
         host = split_endpoint(c.bind)[0]
         if c.keys:
             try:
-                self.auth = BrokerAuth(self.ctx, server_keys(c.keys))
+                self.auth = BrokerAuth(self.ctx, c.keys)
             except KeysError as exc:
                 raise ConfigError(f"broker --keys: {exc}") from None
         elif not is_loopback(host):
@@ -197,6 +219,7 @@ class Broker:
                 self._sample_rates(now)
                 if self.auth is not None:
                     self.counters["zap_denied"] = sum(self.auth.allow.denied.values())
+                    self._refresh_keys()
                 self._next_beat = now + self.config.heartbeat_interval_s
 
     def _update_trajectory_polling(self) -> None:
@@ -367,6 +390,10 @@ class Broker:
 
     # ---------------------------------------------------------------- control socket
     def _on_control(self, identity: bytes, frames: Sequence[Any], user: str) -> None:
+        if self.auth is not None and user not in self.auth.users:  # revoked since its connection was admitted
+            self.counters["auth_refused"] += 1
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{REVOKED_REASON}"))
+            return
         msg = self._decode(frames)
         member = self.by_identity.get(identity)
         if member is not None and member.user != user:  # a routing id a member used, from another key
