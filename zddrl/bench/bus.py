@@ -7,8 +7,11 @@ Three measurements, each against a reference measured in the same run:
   payload runs on fresh processes; paths alternate within a round (their order rotates), so machine
   noise hits all of them alike; medians are reported and the broker/proxy ratio is the median of
   per-round ratios;
+* with ``--secure``, a fourth path: the same broker on a closed bus (CURVE on every hop, keys checked by ZAP),
+  in the same rounds, so the cost of encryption is a ratio measured side by side (secure/broker);
 * latency of a parameter broadcast (learner -> broker -> N subscribers holding the verified
-  version);
+  version), on the open bus and with ``--secure`` on the closed one (signed versions), and what a signature
+  costs alone (zddrl.bench.broadcast);
 * encode + decode of a trajectory (1 MiB, the target, and 8 MiB): zddrl raw frames vs pickle vs
   msgpack-numpy, in this process before any worker starts (zddrl.bench.codec).
 
@@ -20,38 +23,41 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import statistics
 import sys
 import time
 import uuid
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import click
-import numpy as np
-import zmq
 from loguru import logger
 
-from zddrl import protocol as P
 from zddrl.bench import common as C
+from zddrl.bench.broadcast import run_broadcast, run_signing
 from zddrl.bench.bus_report import RATIO_FROM_BYTES, RATIO_TARGET, format_report, size_label, targets
 from zddrl.bench.codec import CODEC_SIZES, run_codec
 from zddrl.ops.status import request_status
+from zddrl.ops.train import throwaway_keys
 from zddrl.proc import free_ports
 from zddrl.transport.channel import WINDOW_BYTES
 
 PATHS = ("direct", "proxy", "broker")
+SECURE = "secure"
+"""The broker path on a closed bus (``--secure``)."""
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
 FIRST_MSG_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.15
 """A lane counts as drained once its receiver saw nothing new for this long."""
 MIN_WINDOW_MSGS = 3
+CARTPOLE_PARAM_BYTES = 4 * 9_155
+"""Parameter bytes of examples/cartpole_ppo.toml's actor-critic (4 -> 64 -> 64 -> 2 and -> 1): the smallest
+signature the bench times."""
 WARMUP_S = 0.2
 """After a rig's untimed first pass (run_throughput) its connections are warm: a short warm-up per measurement does."""
-BCAST_REPS = (20, 5)
-"""Repetitions for broadcasts under / over 10 MB (the big ones take ~0.1-1 s each)."""
-BCAST_TIMEOUT_S = 30.0
 
 
 def _ep(port: int) -> str:
@@ -79,37 +85,74 @@ class ThroughputRig:
     """
 
     def __init__(
-        self, workers: C.Workers, payloads: list[int], broker_spec: str, window: int = C.CREDIT_WINDOW
+        self,
+        workers: C.Workers,
+        payloads: list[int],
+        broker_spec: str,
+        window: int = C.CREDIT_WINDOW,
+        keys_dir: str | None = None,
     ) -> None:
         self.workers = workers
+        self.keys_dir = keys_dir
+        """A closed bus's keys: the ``secure`` path runs next to the others."""
         self.window = window
         self.payloads = payloads
         self.broker_spec = broker_spec
         self.run_id = f"bench-bus-{uuid.uuid4().hex[:8]}"
         self.lanes: dict[str, Lane] = {}
-        self.control = ""
+        self.controls: dict[str, str] = {}
+        """Control endpoint of each broker path."""
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return PATHS + ((SECURE,) if self.keys_dir else ())
 
     def start(self) -> None:
-        ports = free_ports(7)  # one call, so no two sockets are offered the same port
+        ports = free_ports(11)  # one call, so no two sockets are offered the same port
         self._start_lane("direct", _ep(ports[0]), _ep(ports[0]), None)
         proxy = self.workers.start("proxy", C.proxy_main, ports[1], ports[2])
         self._start_lane("proxy", _ep(ports[1]), _ep(ports[2]), None).forwarder_pid = proxy.pid
-        broker = self.workers.start("broker", C.broker_main, ports[3:7], self.broker_spec)
-        self.control = _ep(ports[3])
-        self._start_lane("broker", _ep(ports[4]), _ep(ports[5]), self.control).forwarder_pid = broker.pid
-        self.workers.wait(self._broker_ready, 60, "the broker, its learner (credit, version 0) and its actor")
+        self._start_broker("broker", ports[3:7], None)
+        if self.keys_dir:
+            self._start_broker(SECURE, ports[7:11], self.keys_dir)
+        for path in self.controls:
+            self.workers.wait(
+                partial(self._broker_ready, path), 60, f"the {path} broker, its learner (credit, version 0), its actor"
+            )
 
-    def _start_lane(self, path: str, send_to: str, receive_at: str, control: str | None) -> Lane:
+    def _start_broker(self, path: str, ports: list[int], keys_dir: str | None) -> None:
+        broker = self.workers.start(f"{path}-broker", C.broker_main, ports, self.broker_spec, keys_dir)
+        self.controls[path] = _ep(ports[0])
+        lane = self._start_lane(path, _ep(ports[1]), _ep(ports[2]), self.controls[path], keys_dir)
+        lane.forwarder_pid = broker.pid
+
+    def _start_lane(
+        self, path: str, send_to: str, receive_at: str, control: str | None, keys_dir: str | None = None
+    ) -> Lane:
         lane = Lane(path, C.shared_mode(), C.Counters())
         self.workers.start(
-            f"{path}-receiver", C.receiver_main, path, receive_at, control, self.run_id, lane.counters, self.window
+            f"{path}-receiver",
+            C.receiver_main,
+            path,
+            receive_at,
+            control,
+            self.run_id,
+            lane.counters,
+            self.window,
+            keys_dir,
         )
-        self.workers.start(f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode)
+        self.workers.start(
+            f"{path}-sender", C.sender_main, send_to, control, self.run_id, self.payloads, lane.mode, keys_dir
+        )
         self.lanes[path] = lane
         return lane
 
-    def _broker_ready(self) -> bool:
-        body = request_status(self.control, 1.0)
+    def _status(self, path: str, timeout_s: float) -> dict[str, Any] | None:
+        creds = C.client_credentials(self.keys_dir, "monitor") if path == SECURE else None
+        return request_status(self.controls[path], timeout_s, credentials=creds)
+
+    def _broker_ready(self, path: str) -> bool:
+        body = self._status(path, 1.0)
         if body is None:
             return False
         members = body["members"]
@@ -119,9 +162,13 @@ class ThroughputRig:
             and members.get(C.LEARNER_ID, {}).get("credit", 0) > 0
         )
 
-    def broker_counters(self) -> dict[str, Any]:
-        body = request_status(self.control, 2.0) or {"broker": {}}
-        return {k: body["broker"].get(k) for k in ("received", "forwarded", "dropped", "accounted")}
+    def broker_counters(self) -> list[dict[str, Any]]:
+        """Each broker's accounting (one per broker path)."""
+        out = []
+        for path in self.controls:
+            body = self._status(path, 2.0) or {"broker": {}}
+            out.append({k: body["broker"].get(k) for k in ("received", "forwarded", "dropped", "accounted")})
+        return out
 
     def measure(self, path: str, index: int, seconds: float) -> dict[str, Any]:
         """Receiver-side rate of payload ``index`` over ``seconds``, after a warm-up.
@@ -166,7 +213,12 @@ class ThroughputRig:
 
 
 def run_throughput(
-    payloads: list[int], rounds: int, seconds: float, broker_spec: str, window: int = C.CREDIT_WINDOW
+    payloads: list[int],
+    rounds: int,
+    seconds: float,
+    broker_spec: str,
+    window: int = C.CREDIT_WINDOW,
+    keys_dir: str | None = None,
 ) -> tuple[list[dict], list[dict], dict]:
     """Every round of every payload on a fresh set of processes and connections.
 
@@ -176,15 +228,16 @@ def run_throughput(
     set of processes lands on the two cores moved the 1 MiB ratio by +-10% from one set to the next, far more
     than rounds within a set differ, so each round draws its own (docs/benchmarks.md).
     """
-    samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in PATHS for b in payloads}
+    paths = PATHS + ((SECURE,) if keys_dir else ())
+    samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in paths for b in payloads}
     counters = []
     for size in payloads:
         for r in range(rounds):
             with C.Workers() as workers:
-                rig = ThroughputRig(workers, [size], broker_spec, window)
+                rig = ThroughputRig(workers, [size], broker_spec, window, keys_dir)
                 rig.start()
-                shift = r % len(PATHS)  # every path takes every position in the order
-                order = PATHS[shift:] + PATHS[:shift]
+                shift = r % len(paths)  # every path takes every position in the order
+                order = paths[shift:] + paths[:shift]
                 for path in order:  # untimed: new connections and heaps grow to the payload's size first
                     rig.measure(path, 0, seconds / 2)
                 for path in order:
@@ -194,8 +247,8 @@ def run_throughput(
                         f"round {r + 1}/{rounds} {size_label(size):>7} {path:<6} {figures['msgs_per_s']:10.0f} "
                         f"msgs/s {figures['mb_per_s']:8.1f} MB/s"
                     )
-                counters.append(rig.broker_counters())
-    results = [_result_row(path, size, samples[(path, size)]) for size in payloads for path in PATHS]
+                counters += rig.broker_counters()
+    results = [_result_row(path, size, samples[(path, size)]) for size in payloads for path in paths]
     return results, _ratios(samples, payloads), _summed(counters)
 
 
@@ -242,94 +295,13 @@ def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: li
             "broker_over_direct": ratio("broker", "direct", size),
             "proxy_over_direct": ratio("proxy", "direct", size),
         }
+        if (SECURE, size) in samples:
+            row["secure_over_broker"] = ratio(SECURE, "broker", size)
         targeted = size >= RATIO_FROM_BYTES
         row["target"] = RATIO_TARGET if targeted else None
         row["met"] = row["broker_over_proxy"] >= RATIO_TARGET if targeted else None
         rows.append(row)
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# Parameter broadcast latency
-# --------------------------------------------------------------------------------------------
-
-
-class Publisher:
-    """The learner side of a broadcast: joined as the run's learner, publishing on its DEALER."""
-
-    def __init__(self, control: str, learner_port: int) -> None:
-        from zddrl.transport.link import BrokerLink
-
-        self.run_id = f"bench-bcast-{uuid.uuid4().hex[:8]}"
-        self.link = BrokerLink(control, C.make_hello("learner", C.LEARNER_ID, self.run_id)).start()
-        if self.link.wait_welcome(30) is None:
-            raise RuntimeError(f"no broker answered at {control}")
-        self.sock: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
-        self.sock.connect(_ep(learner_port))
-        self.version = 0
-        self.publish(np.zeros(16, np.float32))
-
-    def publish(self, flat: np.ndarray) -> float:
-        """Send the next version; returns the monotonic time just before the send."""
-        frames = P.encode(C.parameters(self.run_id, self.version, flat))  # hash first, as the learner does
-        sent = time.monotonic()
-        self.sock.send_multipart(frames, copy=False)
-        return sent
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.link.close()
-
-
-def run_broadcast(workers: C.Workers, sizes: list[int], counts: list[int], broker_spec: str) -> list[dict]:
-    ports = free_ports(4)
-    workers.start("bcast-broker", C.broker_main, ports, broker_spec)
-    slots = C.shared_slots(max(counts))
-    pub = Publisher(_ep(ports[0]), ports[2])
-    rows, started = [], 0
-    try:
-        for count in sorted(counts):
-            for index in range(started, count):  # subscribers join once and stay for larger counts
-                workers.start(f"subscriber-{index}", C.subscriber_main, _ep(ports[0]), index, slots)
-            started = count
-            _wait_versions(workers, slots, count, pub.version)  # late joiners get the cached version
-            for size in sizes:
-                rows.append(_broadcast_row(workers, pub, slots, size, count))
-    finally:
-        pub.close()
-    return rows
-
-
-def _broadcast_row(workers: C.Workers, pub: Publisher, slots: Any, size: int, count: int) -> dict:
-    flat = np.random.default_rng(size).standard_normal(size // 4, np.float32)
-    reps = BCAST_REPS[0] if size < 10_000_000 else BCAST_REPS[1]
-    latencies = []
-    for rep in range(reps + 1):  # the first one warms the path (buffers, page faults) and is not kept
-        pub.version += 1
-        flat[0] = pub.version  # every version has its own hash
-        sent = pub.publish(flat)
-        _wait_versions(workers, slots, count, pub.version)
-        if rep:
-            latencies.append((max(slots[2 * i + 1] for i in range(count)) - sent) * 1e3)
-    logger.info(f"broadcast {size_label(size)} to {count}: median {statistics.median(latencies):.2f} ms")
-    return {
-        "payload_bytes": size,
-        "subscribers": count,
-        "latency_ms": round(statistics.median(latencies), 3),
-        "min_ms": round(min(latencies), 3),
-        "max_ms": round(max(latencies), 3),
-        "reps": reps,
-    }
-
-
-def _wait_versions(workers: C.Workers, slots: Any, count: int, version: int) -> None:
-    workers.wait(
-        lambda: all(slots[2 * i] >= version for i in range(count)),
-        BCAST_TIMEOUT_S,
-        f"{count} subscribers to hold parameters version {version}",
-    )
 
 
 def run_bench(
@@ -340,12 +312,22 @@ def run_bench(
     counts: list[int],
     broker_spec: str = C.DEFAULT_BROKER,
     window: int = C.CREDIT_WINDOW,
+    secure: bool = False,
 ) -> dict[str, Any]:
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
-    results, ratios, counters = run_throughput(payloads, rounds, seconds, broker_spec, window)
-    with C.Workers() as workers:
-        broadcast = run_broadcast(workers, sizes, counts, broker_spec)
+    key_dir = throwaway_keys() if secure else None
+    keys_dir = str(key_dir) if key_dir is not None else None
+    try:
+        results, ratios, counters = run_throughput(payloads, rounds, seconds, broker_spec, window, keys_dir)
+        broadcast = []
+        for bus_keys in [None, keys_dir] if keys_dir else [None]:
+            with C.Workers() as workers:
+                broadcast += run_broadcast(workers, sizes, counts, broker_spec, bus_keys)
+        signing = run_signing(keys_dir, [CARTPOLE_PARAM_BYTES, *sizes]) if keys_dir else []
+    finally:
+        if key_dir is not None:
+            shutil.rmtree(key_dir, ignore_errors=True)
     if counters.get("dropped") and sum(counters["dropped"].values()):
         logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
     return {
@@ -359,10 +341,12 @@ def run_bench(
             "window_bytes": WINDOW_BYTES,
             "broker": broker_spec,
             "cpus": os.cpu_count(),
+            "secure": secure,
         },
         "results": results,
         "ratios": ratios,
         "broadcast": broadcast,
+        "signing": signing,
         "codec": codec,
         "targets": targets(ratios, codec),
         "broker_counters": counters,
@@ -436,6 +420,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     hidden=True,
     help="Most credit the bench learner grants (the learner's sync-mode window by default).",
 )
+@click.option(
+    "--secure",
+    is_flag=True,
+    help="Also the broker on a closed bus (CURVE, signed parameters), side by side with the open one.",
+)
 def bus(
     as_json: bool,
     seconds: float,
@@ -445,9 +434,10 @@ def bus(
     counts: list[int],
     broker_impl: str,
     window: int,
+    secure: bool,
 ) -> None:
     """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
     # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, window)
+    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, window, secure)
     click.echo(json.dumps(report) if as_json else format_report(report))

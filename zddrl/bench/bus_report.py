@@ -8,6 +8,8 @@ from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_TARGET, codec_ratio, format_r
 
 RATIO_TARGET, RATIO_FROM_BYTES = 0.9, 65536
 """The broker's goal: at least RATIO_TARGET x zmq.proxy's messages/s from payloads of RATIO_FROM_BYTES up."""
+SECURE_TARGET, SECURE_AT_BYTES = 0.8, 1 << 20
+"""The closed bus's goal (issue 13): at least SECURE_TARGET x the open broker's messages/s at SECURE_AT_BYTES."""
 
 
 def size_label(n: int) -> str:
@@ -20,7 +22,16 @@ def size_label(n: int) -> str:
 def targets(ratios: list[dict], codec: list[dict]) -> dict[str, Any]:
     judged = [r for r in ratios if r["met"] is not None]
     pickle_x = codec_ratio(codec, "fresh")
+    secure = [
+        r["secure_over_broker"] for r in ratios if r["payload_bytes"] == SECURE_AT_BYTES and "secure_over_broker" in r
+    ]
     return {
+        "secure_vs_broker": {
+            "threshold": SECURE_TARGET,
+            "payload_bytes": SECURE_AT_BYTES,
+            "ratio": secure[0] if secure else None,
+            "met": secure[0] >= SECURE_TARGET if secure else None,
+        },
         "broker_vs_proxy": {
             "threshold": RATIO_TARGET,
             "from_payload_bytes": RATIO_FROM_BYTES,
@@ -71,9 +82,11 @@ def format_report(report: dict[str, Any]) -> str:
         )
     )
     out += ["", "Ratios (median of per-round ratios)"]
+    secure = any("secure_over_broker" in r for r in report["ratios"])
     out.append(
         _table(
-            ["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"],
+            ["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"]
+            + (["secure/broker"] if secure else []),
             [
                 [
                     size_label(r["payload_bytes"]),
@@ -82,6 +95,7 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{r['proxy_over_direct']:.2f}x",
                     _met(r["met"]),
                 ]
+                + ([f"{r['secure_over_broker']:.2f}x"] if secure else [])
                 for r in report["ratios"]
             ],
         )
@@ -89,9 +103,10 @@ def format_report(report: dict[str, Any]) -> str:
     out += ["", "Parameter broadcast: send -> last subscriber holds the verified version"]
     out.append(
         _table(
-            ["size", "subscribers", "median ms", "min ms", "max ms", "reps"],
+            ["bus", "size", "subscribers", "median ms", "min ms", "max ms", "reps"],
             [
                 [
+                    r.get("bus", "open"),
                     size_label(r["payload_bytes"]),
                     str(r["subscribers"]),
                     f"{r['latency_ms']:.2f}",
@@ -109,6 +124,17 @@ def format_report(report: dict[str, Any]) -> str:
         "fresh: a stream of distinct trajectories, hot: one trajectory again and again",
         format_rows(report["codec"]),
     ]
+    if report.get("signing"):
+        out += ["", "A version's signature alone (Ed25519 over its head; the weights are hashed either way)"]
+        out.append(
+            _table(
+                ["params", "sign us", "verify us"],
+                [
+                    [size_label(r["payload_bytes"]), f"{r['sign_us']:.1f}", f"{r['verify_us']:.1f}"]
+                    for r in report["signing"]
+                ],
+            )
+        )
     t = report["targets"]
     worst = t["broker_vs_proxy"]["worst"]
     out += [
@@ -117,7 +143,13 @@ def format_report(report: dict[str, Any]) -> str:
         f"{_met(t['broker_vs_proxy']['met'])} (worst {worst if worst is None else f'{worst:.2f}x'}); "
         f"codec >= {CODEC_TARGET:g}x faster than pickle at {size_label(CODEC_PAYLOAD)}: "
         f"{_met(t['codec_vs_pickle']['met'])} "
-        f"({t['codec_vs_pickle']['ratio']:.1f}x fresh, {t['codec_vs_pickle']['hot_ratio']:.1f}x hot)",
+        f"({t['codec_vs_pickle']['ratio']:.1f}x fresh, {t['codec_vs_pickle']['hot_ratio']:.1f}x hot)"
+        + (
+            f"; closed bus >= {SECURE_TARGET}x open at {size_label(SECURE_AT_BYTES)}: "
+            f"{_met(t['secure_vs_broker']['met'])} ({t['secure_vs_broker']['ratio']:.2f}x)"
+            if t["secure_vs_broker"]["ratio"] is not None
+            else ""
+        ),
         f"Broker counters: {report['broker_counters']}   wall {report['wall_s']:.1f} s",
     ]
     return "\n".join(out)

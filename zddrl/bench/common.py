@@ -218,10 +218,33 @@ def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
     return sock
 
 
-def _link(connect: str, hello: P.Hello, subscribe: bool = False):
+def client_credentials(keys_dir: str | None, role: str) -> Any:
+    """``keys.Credentials`` of ``role`` from a closed bus's key directory; None on the open bus."""
+    if keys_dir is None:
+        return None
+    from zddrl.keys import credentials
+
+    return credentials(keys_dir, role, role)
+
+
+def signed(params: P.Parameters, creds: Any) -> P.Parameters:
+    """``params`` as a learner with ``creds`` publishes them: signed on a closed bus, as they are on an open one."""
+    if creds is None:
+        return params
+    from zddrl.transport.signatures import signed_params
+
+    return signed_params(params, creds.signer)
+
+
+def _link(connect: str, hello: P.Hello, subscribe: bool = False, keys_dir: str | None = None):
     from zddrl.transport.link import BrokerLink
 
-    link = BrokerLink(connect, hello, subscribe_params=subscribe).start()
+    creds = client_credentials(keys_dir, hello.role)
+    if creds is not None and hello.run is not None:  # a learner announcing its run signs it, as LearnerNode does
+        from zddrl.transport.signatures import signed_hello
+
+        hello = signed_hello(hello, creds.signer)
+    link = BrokerLink(connect, hello, subscribe_params=subscribe, credentials=creds).start()
     if link.wait_welcome(30, need_run=True) is None:
         raise RuntimeError(f"no welcome with a run from the broker at {connect}")
     return link
@@ -239,15 +262,19 @@ def make_hello(role: str, peer_id: str, run_id: str = "") -> P.Hello:
 # --------------------------------------------------------------------------------------------
 
 
-def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[int], mode: Any) -> None:
+def sender_main(
+    endpoint: str, control: str | None, run_id: str, payloads: list[int], mode: Any, keys_dir: str | None = None
+) -> None:
     """An actor pushing encoded trajectories of payload ``mode.value - 1`` while ``mode.value > 0``.
 
-    On the broker path (``control`` set) it joins as an actor first, so the broker's per-actor
-    accounting runs as in production.
+    On the broker paths (``control`` set) it joins as an actor first, so the broker's per-actor
+    accounting runs as in production; with ``keys_dir``, on a closed bus.
     """
     ctx = _setup("bench-sender")
-    link = _link(control, make_hello("actor", SENDER_ID)) if control else None
+    link = _link(control, make_hello("actor", SENDER_ID), keys_dir=keys_dir) if control else None
     sock = _socket(ctx, zmq.PUSH, SNDHWM=HWM, SNDTIMEO=IO_TIMEOUT_MS)
+    if link is not None and link.credentials is not None:
+        link.credentials.apply(sock)
     sock.connect(endpoint)
     arrays = [trajectory_arrays(p, seed=i) for i, p in enumerate(payloads)]
     seq = 0
@@ -268,12 +295,18 @@ def sender_main(endpoint: str, control: str | None, run_id: str, payloads: list[
 
 
 def receiver_main(
-    path: str, endpoint: str, control: str | None, run_id: str, counters: Counters, window: int = CREDIT_WINDOW
+    path: str,
+    endpoint: str,
+    control: str | None,
+    run_id: str,
+    counters: Counters,
+    window: int = CREDIT_WINDOW,
+    keys_dir: str | None = None,
 ) -> None:
     """The learner end: decode every message and count it. On the broker path it is a learner shard's
     data channel (zddrl.transport.channel.DataChannel: the same credit policy, the same decode)."""
     ctx = _setup("bench-receiver")
-    if path != "broker":
+    if control is None:
         sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
         if path == "direct":
             sock.bind(endpoint)
@@ -283,13 +316,11 @@ def receiver_main(
         return
     from zddrl.transport.channel import DataChannel
 
-    if control is None:
-        raise ValueError("the broker path needs the broker's control endpoint")
     # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
-    link = _link(control, make_hello("learner", LEARNER_ID, run_id))
+    link = _link(control, make_hello("learner", LEARNER_ID, run_id), keys_dir=keys_dir)
     try:
         channel = DataChannel(link, LEARNER_ID, link.welcome.max_message_bytes, window)
-        channel.send(parameters(run_id, 0, np.zeros(16, np.float32)))
+        channel.send(signed(parameters(run_id, 0, np.zeros(16, np.float32)), link.credentials))
 
         def receive() -> P.Message | None:
             msg = channel.recv(IO_TIMEOUT_MS)
@@ -337,14 +368,19 @@ def load_broker(spec: str) -> type:
     return getattr(importlib.import_module(module), name or "Broker")
 
 
-def broker_main(ports: list[int], spec: str = DEFAULT_BROKER) -> None:
-    """A real broker through its Python API, on the given control/trajectory/learner/params ports."""
+def broker_main(ports: list[int], spec: str = DEFAULT_BROKER, keys_dir: str | None = None) -> None:
+    """A real broker through its Python API, on the given control/trajectory/learner/params ports (a closed bus
+    with ``keys_dir``)."""
     _setup("bench-broker")
     from zddrl.config import BrokerConfig
 
     control, traj, learners, params = ports
     config = BrokerConfig(
-        bind=f"tcp://127.0.0.1:{control}", trajectory_port=traj, learner_port=learners, params_port=params
+        bind=f"tcp://127.0.0.1:{control}",
+        trajectory_port=traj,
+        learner_port=learners,
+        params_port=params,
+        keys=keys_dir or "",
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # let run() return so close() runs
@@ -356,14 +392,14 @@ def broker_main(ports: list[int], spec: str = DEFAULT_BROKER) -> None:
         broker.close()
 
 
-def subscriber_main(control: str, index: int, slots: Any) -> None:
+def subscriber_main(control: str, index: int, slots: Any, keys_dir: str | None = None) -> None:
     """An actor holding verified parameters (BrokerLink checks the hash before keeping them).
 
     Reports ``slots[2i] = version`` after ``slots[2i+1] = time``: the parent reads the version
     first, so a version it sees always comes with its own time.
     """
     _setup("bench-subscriber")
-    link = _link(control, make_hello("actor", f"bench-sub-{index}"), subscribe=True)
+    link = _link(control, make_hello("actor", f"bench-sub-{index}"), subscribe=True, keys_dir=keys_dir)
     version = -1
     try:
         while True:

@@ -33,7 +33,7 @@ from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.bench import common as C
-from zddrl.bench.bus import Publisher
+from zddrl.bench.broadcast import Publisher
 from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 from zddrl.proc import free_ports
 
