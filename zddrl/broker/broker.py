@@ -25,11 +25,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from functools import lru_cache, partial
 from operator import attrgetter
+from pathlib import Path
 from typing import Any
 
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthMonitor
@@ -49,6 +51,7 @@ from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughpu
 from zddrl.broker.sockets import open_sockets
 from zddrl.config import BrokerConfig, split_endpoint
 from zddrl.logs import RateLimitedLog
+from zddrl.protocol import signing
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")
@@ -83,9 +86,14 @@ class Broker:
         self._rate_mark: tuple[float, int, int, int, int] | None = None
         self.run_id = ""
         self.run_spec: dict | None = None
+        self.run_seal: tuple[str, bytes] = ("", b"")
+        """(signer, signature) of the run spec, from its learner's hello: every welcome passes them on."""
+        self.pins = keys.pinned_learners(Path(config.keys)) if config.keys else None
+        """With keys, the learner signing keys that runs and parameter versions must be signed with."""
         self.policy_version = -1
         """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
         self.counters: dict[str, int] = defaultdict(int, dict.fromkeys(BROKER_COUNTERS, 0))
+        self.counters.setdefault("runs_refused", 0)  # new runs whose spec no pinned learner key signed
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
         self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
@@ -111,7 +119,12 @@ class Broker:
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
         self.ports = s.ports
         self.publisher = Publisher(
-            self.params, partial(self._send_frames, self.control), self.counters, self._ratelog, c.heartbeat_interval_s
+            self.params,
+            partial(self._send_frames, self.control),
+            self.counters,
+            self._ratelog,
+            c.heartbeat_interval_s,
+            self.pins,
         )
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
@@ -347,6 +360,9 @@ class Broker:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
         if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
+            if not self._run_signed(identity, msg):
+                return
+            self.run_seal = (msg.run_signer, msg.run_signature)
             self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
         if old is not None:
@@ -375,6 +391,19 @@ class Broker:
         elif msg.role == "learner" and member.run_id == self.run_id:
             self._send_fleet(member)  # the last announced one; a change pending follows within FLEET_COALESCE_S
 
+    def _run_signed(self, identity: bytes, msg: P.Hello) -> bool:
+        """With keys, a new run is adopted only if a pinned learner key signed it; else its learner is refused."""
+        why = (
+            ""
+            if self.pins is None
+            else signing.run_refusal(msg.run_id, msg.run, msg.run_signer, msg.run_signature, self.pins)
+        )
+        if why:
+            self.counters["runs_refused"] += 1
+            self._ratelog.warning("runs_refused", f"refused run {msg.run_id!r} of {msg.peer_id!r}: run spec {why}")
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}run spec {why}"))
+        return not why
+
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
@@ -399,6 +428,8 @@ class Broker:
             heartbeat_interval_s=c.heartbeat_interval_s,
             heartbeat_liveness=c.heartbeat_liveness,
             max_message_bytes=c.max_message_bytes,
+            run_signer=self.run_seal[0],
+            run_signature=self.run_seal[1],
         )
 
     # ---------------------------------------------------------------- learner socket

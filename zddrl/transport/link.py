@@ -17,13 +17,17 @@ import socket
 import threading
 import time
 import traceback
+from functools import partial
 from typing import Any
 
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.config import split_endpoint
+from zddrl.logs import RateLimitedLog
+from zddrl.protocol import signing
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -54,7 +58,13 @@ class BrokerLink:
     """
 
     def __init__(
-        self, connect: str, hello: P.Hello, *, subscribe_params: bool = False, context: zmq.Context | None = None
+        self,
+        connect: str,
+        hello: P.Hello,
+        *,
+        subscribe_params: bool = False,
+        context: zmq.Context | None = None,
+        credentials: keys.Credentials | None = None,
     ) -> None:
         self.host, port = split_endpoint(connect)
         self.connect = connect
@@ -75,7 +85,11 @@ class BrokerLink:
         self.params: P.Parameters | None = None
         self.reconnects = 0
         self.params_rejected = 0
-        self.assembler = Assembler()
+        self.credentials = credentials
+        """This process's keys; with them, only versions signed by one of ``credentials.pins`` are assembled."""
+        verify = None if credentials is None else partial(signing.params_refusal, pins=credentials.pins)
+        self.assembler = Assembler(verify=verify)
+        self._ratelog = RateLimitedLog()
         self.last_broker_beat = 0.0
         self._fleet: tuple[int, dict[str, dict]] | None = None
         self.fleet_ignored = 0
@@ -372,12 +386,18 @@ class BrokerLink:
             self.log.warning(f"rejected parameters version {msg.policy_version}: no flat buffer")
             return
         refused = sum(self.assembler.rejected[r] for r in REFUSED_PARAMS)
+        unsigned = self.assembler.rejected["signature"]
         whole = self.assembler.add(msg)
         if sum(self.assembler.rejected[r] for r in REFUSED_PARAMS) > refused:
             self.params_rejected += 1
             self.log.warning(
                 f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
                 f"({dict(self.assembler.rejected)} so far)"
+            )
+        if self.assembler.rejected["signature"] > unsigned:  # the version held stays in use
+            self._ratelog.warning(
+                "params_signature",
+                f"refused parameters version {msg.policy_version} of run {msg.run_id!r}: {self.assembler.refusal}",
             )
         if whole is None:
             return
