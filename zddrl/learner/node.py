@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.algos.core import LearnerCore
 from zddrl.algos.impala import ImpalaLearner
@@ -40,6 +41,7 @@ from zddrl.learner.progress import Progress
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.proc import rss_mb
+from zddrl.protocol import signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.params import split as split_params
@@ -94,8 +96,11 @@ class LearnerNode:
         context: zmq.Context | None = None,
         resume: bool = False,
         group: ShardGroup | None = None,
+        credentials: keys.Credentials | None = None,
     ) -> None:
         self.connect = connect
+        self.credentials = credentials
+        """With keys: ``credentials.signer`` signs the run spec and every version this learner publishes."""
         self.config = config
         self.algo = config.algo
         self.group = group or ShardGroup()
@@ -148,7 +153,9 @@ class LearnerNode:
             num_shards=self.group.world_size,
             **hello_fields(),
         )
-        link = self.link = BrokerLink(self.connect, hello, context=self.ctx).start()
+        if self._signer is not None:
+            hello = signing.signed_hello(hello, self._signer)
+        link = self.link = BrokerLink(self.connect, hello, context=self.ctx, credentials=self.credentials).start()
         crashed = False
         try:
             collector = self._join(link)
@@ -277,6 +284,10 @@ class LearnerNode:
             return f"its check failed ({type(exc).__name__}: {exc})"
 
     # ---------------------------------------------------------------- publishing and reporting
+    @property
+    def _signer(self) -> signing.Signer | None:
+        return self.credentials.signer if self.credentials is not None else None
+
     def _publish(self) -> None:
         """The main shard publishes the current parameters; every shard first checks that all hold the
         same ones (the all-reduce keeps them identical: a difference is a bug, never data to act on)."""
@@ -300,6 +311,7 @@ class LearnerNode:
             meta={"rollout_len": self.rollout_len},
             chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes),
             dtype=lc.param_dtype,
+            signer=self._signer,
         )
         head = messages[0]
         if not isinstance(head, P.Parameters):
