@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from zddrl import protocol as P
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 from zddrl.transport.params import split
 
 RUN = {

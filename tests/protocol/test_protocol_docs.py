@@ -197,7 +197,7 @@ def test_signed_examples_verify_under_the_documented_demo_key() -> None:
     """Section 5.7: the examples' signatures are the demo key's, over the payloads the section defines."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    from zddrl.protocol import signing
+    from zddrl.transport import signatures as signing
 
     public = re.search(r"\(public key `([0-9a-f]{64})`\)", DOC)
     assert public, "section 5.7 names the demo public key"

@@ -279,8 +279,10 @@ class ActorHost:
         judged = -1  # the link generation whose run this host refused: judged once, then waited out
         try:
             while not stop.is_set() and not self._done():
-                generation = link.generation
-                welcome = link.wait_welcome(timeout_s=1.0, need_run=True)
+                link.wait_welcome(timeout_s=1.0, need_run=True)
+                # The generation first: a welcome that lands in between is judged now and again next time,
+                # never skipped.
+                generation, welcome = link.generation, link.welcome
                 if link.refused:
                     raise Refused(link.refused)
                 if welcome is None or welcome.run is None:

@@ -14,7 +14,7 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import env_refusal
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 
 
 def joinable(

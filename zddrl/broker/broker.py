@@ -51,7 +51,7 @@ from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughpu
 from zddrl.broker.sockets import open_sockets
 from zddrl.config import BrokerConfig, split_endpoint
 from zddrl.logs import RateLimitedLog
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_sender", "unknown_run", "stale", "unknown_version", "no_route")

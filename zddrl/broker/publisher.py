@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
 from zddrl.logs import RateLimitedLog
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 from zddrl.transport.params import FrameCache, Verify
 
 PARAMS_REQUEST_MIN_INTERVAL_S = 0.25

@@ -41,7 +41,7 @@ from zddrl.learner.progress import Progress
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.proc import rss_mb
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.params import split as split_params

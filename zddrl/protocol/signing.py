@@ -13,29 +13,23 @@ its bytes without hashing them again. Re-stamping a version, moving it to anothe
 reattributing it to another key all change the payload. A run's payload covers the run id, the
 signer and the spec.
 
-Ed25519 itself is the ``cryptography`` package's, through zddrl.keys.sign and zddrl.keys.verified.
+This module only builds the payloads (the protocol stays below the keys); signing and checking them, with
+the ``cryptography`` package's Ed25519 through zddrl.keys, is zddrl.transport.signatures.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from zddrl import keys
 from zddrl.protocol.frames import PROTOCOL_VERSION, param_hash, wire_array
-from zddrl.protocol.messages import Hello, Parameters
+from zddrl.protocol.messages import Parameters
 
 PARAMS_TAG = f"zddrl-params-v{PROTOCOL_VERSION}"
 RUN_TAG = f"zddrl-run-v{PROTOCOL_VERSION}"
 """Domain tags: a run signature is never a valid version signature, nor one of another protocol version."""
-
-Signer = tuple[str, Ed25519PrivateKey]
-"""(key name, Ed25519PrivateKey): ``keys.Credentials.signer``."""
 
 
 def canonical(value: Any) -> Any:
@@ -81,37 +75,3 @@ def params_payload(head: Parameters, signer: str) -> bytes:
 def run_payload(run_id: str, run: dict | None, signer: str) -> bytes:
     """The bytes ``signer`` signs for announcing run ``run_id`` with spec ``run``."""
     return _pack([RUN_TAG, run_id, signer, canonical(run)])
-
-
-def signed_params(head: Parameters, signer: Signer) -> Parameters:
-    """``head`` with ``signer``'s name and signature."""
-    name, key = signer
-    return dataclasses.replace(head, signer=name, signature=keys.sign(key, params_payload(head, name)))
-
-
-def signed_hello(hello: Hello, signer: Signer) -> Hello:
-    """A learner's ``hello`` with its run spec signed by ``signer``."""
-    name, key = signer
-    return dataclasses.replace(
-        hello, run_signer=name, run_signature=keys.sign(key, run_payload(hello.run_id, hello.run, name))
-    )
-
-
-def _refusal(pins: dict[str, Ed25519PublicKey], signer: str, signature: bytes, payload: Callable[[], bytes]) -> str:
-    if not signer or not signature:
-        return "not signed"
-    if signer not in pins:
-        return f"signed by {signer!r}, not a pinned learner key"
-    if not keys.verified(pins, signer, payload(), signature):
-        return f"signed by {signer!r}, but the signature does not verify"
-    return ""
-
-
-def params_refusal(head: Parameters, pins: dict[str, Ed25519PublicKey]) -> str:
-    """Why the version ``head`` announces must not be used under ``pins`` (learner name -> public key), or ""."""
-    return _refusal(pins, head.signer, head.signature, lambda: params_payload(head, head.signer))
-
-
-def run_refusal(run_id: str, run: dict | None, signer: str, signature: bytes, pins: dict[str, Ed25519PublicKey]) -> str:
-    """Why run ``run_id`` with spec ``run`` must not be joined or adopted under ``pins``, or ""."""
-    return _refusal(pins, signer, signature, lambda: run_payload(run_id, run, signer))

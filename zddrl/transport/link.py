@@ -27,7 +27,7 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.config import split_endpoint
 from zddrl.logs import RateLimitedLog
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.protocol import signing
+from zddrl.transport import signatures as signing
 
 MAX_PENDING_VERSIONS = 2
 """Versions an assembler builds at once; a newer one pushes the oldest out (latest wins anyway)."""
