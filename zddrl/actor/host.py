@@ -414,6 +414,8 @@ class ActorHost:
     def _push(self, link: BrokerLink) -> zmq.Socket:
         push = self.ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
+        if self.credentials is not None:  # a broker with keys takes CURVE clients only, on every socket
+            self.credentials.apply(push)
         push.setsockopt(zmq.SNDHWM, 4)
         push.connect(link.endpoint("trajectories"))
         return push
