@@ -199,19 +199,29 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
     help="Testing knob: make this host FACTOR times slower per env step.",
 )
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
+@click.option(
+    "--allow-env",
+    "allow_env",
+    multiple=True,
+    envvar="ZDDRL_ALLOW_ENV",
+    metavar="MODULE:CALLABLE",
+    help="An env id naming code (module:callable) that runs may use on this host; repeatable, or space/comma "
+    "separated. Runs with any other such env are refused; registered gymnasium ids need no allowing.",
+)
 @keys_option
 @key_option
-def actor(connect, envs, actor_id, slowdown, max_steps, keys_dir, key_name) -> None:
+def actor(connect, envs, actor_id, slowdown, max_steps, allow_env, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
+    allowed = frozenset(env_id for value in allow_env for env_id in value.replace(",", " ").split())
     creds = _credentials(keys_dir, "actor", key_name)
     try:
-        ActorHost(connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps, credentials=creds).run(
-            stop_on_signals()
-        )
+        ActorHost(
+            connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps, allow_envs=allowed, credentials=creds
+        ).run(stop_on_signals())
     except Refused as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -2,6 +2,11 @@
 
 Env ids are registered gymnasium ids or ``package.module:callable`` factories. Only Box and
 Discrete observation/action spaces are supported; anything else is a clear error at start-up.
+
+An id with a ``:`` names a module to import (ours, or gymnasium's ``module:Env-v0``), which runs its code.
+An actor host learns the env id from the network, so it builds such an env only if its own command line
+allows that exact id (``zddrl actor --allow-env``): ``env_refusal``. Ids of the local gymnasium registry
+import nothing that is not already installed and registered here.
 """
 
 from __future__ import annotations
@@ -31,8 +36,24 @@ class EnvSpec:
     action_high: tuple[float, ...] = ()
 
 
-def env_factory(env_id: str, max_episode_steps: int = 0) -> Callable[[], gym.Env]:
-    """A zero-argument constructor for ``env_id``; raises EnvError for unknown ids or bad factories."""
+def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
+    """Why a host that allows the ``module:callable`` ids ``allowed`` must not build ``env_id`` (nothing
+    imported yet), or "": an id that names a module must be one of them."""
+    if ":" in env_id and env_id not in allowed:
+        return (
+            f"env {env_id!r} names code to import, and this host does not allow it "
+            f"(allow it on its command line: --allow-env {env_id})"
+        )
+    return ""
+
+
+def env_factory(
+    env_id: str, max_episode_steps: int = 0, allowed: frozenset[str] | None = None
+) -> Callable[[], gym.Env]:
+    """A zero-argument constructor for ``env_id``; raises EnvError for unknown ids or bad factories, and (with
+    ``allowed``: an actor host's list) for a ``module:callable`` id not in ``allowed``, before importing it."""
+    if allowed is not None and env_refusal(env_id, allowed):
+        raise EnvError(env_refusal(env_id, allowed))
     module_name, _, attr = env_id.partition(":")
     if attr.isidentifier():  # "pkg.module:make_env"; gymnasium's "module:Env-v0" has a dash
         try:

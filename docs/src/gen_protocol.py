@@ -11,7 +11,10 @@ import numpy as np
 import msgpack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from zddrl import protocol as P
+from zddrl.transport import signatures as signing
 from zddrl.transport.params import split
 
 RUN = {
@@ -21,6 +24,8 @@ RUN = {
     "algo": {"mode": "sync", "batch_size": 4},
 }
 RUN_ID = "demo-1a2b3c4d"
+DEMO_SIGNER = ("learner-0", Ed25519PrivateKey.from_private_bytes(bytes(range(32))))
+"""The demo signing key of section 5.7 (Ed25519 signatures are deterministic: the examples are fixed bytes)."""
 
 
 def traj():
@@ -76,6 +81,7 @@ def params(chunk_bytes=4 << 20, dtype="float32"):
         meta={"rollout_len": 2},
         chunk_bytes=chunk_bytes,
         dtype=dtype,
+        signer=DEMO_SIGNER,
     )
 
 
@@ -120,9 +126,13 @@ STATUS = {
     },
 }
 
+LEARNER_HELLO = signing.signed_hello(
+    P.Hello(role="learner", peer_id="learner-0", host="node0", pid=4100, run_id=RUN_ID, run=RUN), DEMO_SIGNER
+)
+
 EXAMPLES = [
     ("hello", P.Hello(role="actor", peer_id="actor-0", host="node1", pid=4242, num_envs=2)),
-    ("hello-learner", P.Hello(role="learner", peer_id="learner-0", host="node0", pid=4100, run_id=RUN_ID, run=RUN)),
+    ("hello-learner", LEARNER_HELLO),
     (
         "welcome",
         P.Welcome(
@@ -133,6 +143,8 @@ EXAMPLES = [
             heartbeat_interval_s=1.0,
             heartbeat_liveness=3,
             max_message_bytes=1 << 28,
+            run_signer=LEARNER_HELLO.run_signer,
+            run_signature=LEARNER_HELLO.run_signature,
         ),
     ),
     ("heartbeat", P.Heartbeat(peer_id="actor-0", policy_version=3)),
@@ -187,6 +199,17 @@ def wrap(h, first_prefix, width=64):
     return [first_prefix + lines[0]] + [pad + l for l in lines[1:]]
 
 
+def shown(value):
+    """A header value as the JSON blocks show it: a bin as "bin:" and its hex."""
+    if isinstance(value, bytes):
+        return "bin:" + value.hex()
+    if isinstance(value, dict):
+        return {k: shown(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shown(v) for v in value]
+    return value
+
+
 def block(name, msg):
     frames = [bytes(P._buffer(f)) for f in P.encode(msg)]
     header = msgpack.unpackb(frames[1], raw=False)
@@ -198,7 +221,7 @@ def block(name, msg):
             inner = ",\n".join("    " + json.dumps(r) for r in v)
             rows.append(f"  {json.dumps(k)}: [\n{inner}\n  ]")
         else:
-            rows.append(f"  {json.dumps(k)}: {json.dumps(v)}")
+            rows.append(f"  {json.dumps(k)}: {json.dumps(shown(v))}")
     out = [f"```json {name}", "{\n" + ",\n".join(rows) + "\n}", "```", "", f"```frames {name}"]
     labels = ["preamble", "header"] + [f"array:{s[0]}" for s in header.get("arrays", [])]
     w = max(len(l) for l in labels) + 2

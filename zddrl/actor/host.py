@@ -21,11 +21,12 @@ import numpy as np
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.actor.policy import NumpyPolicy
+from zddrl.actor.trust import joinable
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory
-from zddrl.keys import Credentials
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -34,6 +35,8 @@ WELCOME_TIMEOUT_S = 3600.0
 """An actor may be started long before any learner; it waits (heartbeating) for a run."""
 STATS_EVERY_S = 1.0
 SEND_POLL_MS = 100
+REFUSED_RUN_WAIT_S = 1.0
+"""After refusing a run, how often the actor looks for another welcome (it waits, never spins)."""
 
 
 def env_seeds(base_seed: int, actor_id: int, num_envs: int) -> list[int]:
@@ -70,6 +73,8 @@ class ActorTimers:
     nonfinite_episodes: int = 0
     refused_versions: int = 0
     """Parameter versions this actor could not act with (unusable_params), kept out of use."""
+    refused_runs: int = 0
+    """Runs this actor would not join: a spec not signed by a pinned key, or an env it does not allow."""
     _mark: tuple[float, int, float, float] | None = field(default=None, repr=False)
     """(time, env_steps, send seconds, waiting seconds) at the previous report."""
 
@@ -90,6 +95,7 @@ class ActorTimers:
             "rollouts": self.rollouts,
             "nonfinite_episodes": self.nonfinite_episodes,
             "refused_versions": self.refused_versions,
+            "refused_runs": self.refused_runs,
             "wait_params_s": self.wait_params_s,
             "backpressure_s": self.backpressure_s,
             "send_s": self.send_s,
@@ -243,11 +249,15 @@ class ActorHost:
         slowdown: float = 1.0,
         max_steps: int | None = None,
         context: zmq.Context | None = None,
-        credentials: Credentials | None = None,
+        allow_envs: frozenset[str] = frozenset(),
+        credentials: keys.Credentials | None = None,
     ) -> None:
         self.connect = connect
+        self.allow_envs = frozenset(allow_envs)
+        """The ``module:callable`` env ids this host may import and call (envs.env_refusal); ids of the local
+        gymnasium registry need no allowing."""
         self.credentials = credentials
-        """This host's keys on a closed bus (docs/security.md); None on an open one."""
+        """With keys: only runs and versions signed by one of ``credentials.pins`` are used."""
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.peer_id = peer_id or f"actor-{actor_id}"
@@ -266,14 +276,26 @@ class ActorHost:
         link = BrokerLink(
             self.connect, hello, subscribe_params=True, context=self.ctx, credentials=self.credentials
         ).start()
+        judged = -1  # the link generation whose run this host refused: judged once, then waited out
         try:
             while not stop.is_set() and not self._done():
-                welcome = link.wait_welcome(timeout_s=1.0, need_run=True)
+                link.wait_welcome(timeout_s=1.0, need_run=True)
+                # The generation first: a welcome that lands in between is judged now and again next time,
+                # never skipped.
+                generation, welcome = link.generation, link.welcome
                 if link.refused:
                     raise Refused(link.refused)
                 if welcome is None or welcome.run is None:
                     continue
-                self._serve_run(link, Config.from_dict(welcome.run), welcome.run_id, stop)
+                if generation == judged:  # the refused run is still the broker's: wait for another welcome
+                    stop.wait(REFUSED_RUN_WAIT_S)
+                    continue
+                config, why = joinable(welcome, self.credentials, self.allow_envs)
+                if config is None:
+                    judged = generation
+                    self._refuse_run(link, welcome.run_id, why)
+                    continue
+                self._serve_run(link, config, welcome.run_id, stop)
         except (KeyboardInterrupt, SystemExit):
             raise  # asked to stop: an ordinary bye
         except BaseException as exc:
@@ -284,6 +306,16 @@ class ActorHost:
         finally:
             link.close(reason="actor stopping")
 
+    def _refuse_run(self, link: BrokerLink, run_id: str, why: str) -> None:
+        self.timers.refused_runs += 1
+        self.log.warning(f"refused run {run_id!r}: {why}; waiting for another run")
+        stats = {"refused_runs": self.timers.refused_runs, "refused_versions": self._refused_versions(link)}
+        link.send(P.Stats(peer_id=self.peer_id, role="actor", stats=stats))
+
+    def _refused_versions(self, link: BrokerLink) -> int:
+        """Versions refused as unusable here, and (with keys) by the link for their signature."""
+        return self.timers.refused_versions + link.assembler.rejected["signature"]
+
     def _done(self) -> bool:
         return self.max_steps is not None and self.timers.env_steps >= self.max_steps
 
@@ -291,7 +323,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps), seeds)
+        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps, self.allow_envs), seeds)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(
@@ -355,6 +387,7 @@ class ActorHost:
         """Stats for `zddrl status` and the broker's health checks; repeated warnings held back so far go out too."""
         stats = {
             **self.timers.stats(),
+            "refused_versions": self._refused_versions(link),
             "num_envs": num_envs,
             "run_id": run_id,
             "policy_version": params.policy_version,

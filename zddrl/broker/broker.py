@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, is_loopback, user_of
 from zddrl.broker.fleet import Fleet
@@ -52,6 +53,7 @@ from zddrl.broker.sockets import open_sockets
 from zddrl.config import BrokerConfig, ConfigError, split_endpoint
 from zddrl.keys import KeysError
 from zddrl.logs import RateLimitedLog
+from zddrl.transport import signatures as signing
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_sender", "forged_sender", "unknown_run", "stale", "unknown_version", "no_route")
@@ -89,9 +91,14 @@ class Broker:
         self._rate_mark: tuple[float, int, int, int, int] | None = None
         self.run_id = ""
         self.run_spec: dict | None = None
+        self.run_seal: tuple[str, bytes] = ("", b"")
+        """(signer, signature) of the run spec, from its learner's hello: every welcome passes them on."""
+        self.pins: dict[str, Any] | None = None
+        """Closed bus: the learners' Ed25519 keys that sign runs and versions (read by ``bind``)."""
         self.policy_version = -1
         """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
         self.counters: dict[str, int] = defaultdict(int, dict.fromkeys((*BROKER_COUNTERS, *AUTH_COUNTERS), 0))
+        self.counters.setdefault("runs_refused", 0)  # new runs whose spec no pinned learner key signed
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
         self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
@@ -124,7 +131,12 @@ class Broker:
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
         self.ports = s.ports
         self.publisher = Publisher(
-            self.params, partial(self._send_frames, self.control), self.counters, self._ratelog, c.heartbeat_interval_s
+            self.params,
+            partial(self._send_frames, self.control),
+            self.counters,
+            self._ratelog,
+            c.heartbeat_interval_s,
+            self.pins,
         )
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
@@ -163,6 +175,7 @@ class Broker:
         if c.keys:
             try:
                 self.auth = BrokerAuth(self.ctx, c.keys)
+                self.pins = keys.pinned_learners(c.keys)
             except KeysError as exc:
                 raise ConfigError(f"broker --keys: {exc}") from None
         elif not is_loopback(host):
@@ -438,6 +451,9 @@ class Broker:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
         if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
+            if not self._run_signed(identity, msg):
+                return
+            self.run_seal = (msg.run_signer, msg.run_signature)
             self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
         if old is not None:
@@ -497,6 +513,19 @@ class Broker:
                     del users[peer_id]
                     break
 
+    def _run_signed(self, identity: bytes, msg: P.Hello) -> bool:
+        """With keys, a new run is adopted only if a pinned learner key signed it; else its learner is refused."""
+        why = (
+            ""
+            if self.pins is None
+            else signing.run_refusal(msg.run_id, msg.run, msg.run_signer, msg.run_signature, self.pins)
+        )
+        if why:
+            self.counters["runs_refused"] += 1
+            self._ratelog.warning("runs_refused", f"refused run {msg.run_id!r} of {msg.peer_id!r}: run spec {why}")
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}run spec {why}"))
+        return not why
+
     def _start_run(self, run_id: str, run: dict, staleness: int, credit_batch: int) -> None:
         self.log.info(f"run {run_id!r} starts (previous: {self.run_id or 'none'})")
         self.run_id, self.run_spec = run_id, run
@@ -521,6 +550,8 @@ class Broker:
             heartbeat_interval_s=c.heartbeat_interval_s,
             heartbeat_liveness=c.heartbeat_liveness,
             max_message_bytes=c.max_message_bytes,
+            run_signer=self.run_seal[0],
+            run_signature=self.run_seal[1],
         )
 
     # ---------------------------------------------------------------- learner socket

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 import zmq
 from loguru import logger
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.algos.core import LearnerCore
 from zddrl.algos.impala import ImpalaLearner
@@ -32,7 +33,6 @@ from zddrl.algos.rollout import mismatch
 from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
-from zddrl.keys import Credentials
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
@@ -41,6 +41,7 @@ from zddrl.learner.progress import Progress
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.proc import rss_mb
+from zddrl.transport import signatures as signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.params import split as split_params
@@ -95,11 +96,11 @@ class LearnerNode:
         context: zmq.Context | None = None,
         resume: bool = False,
         group: ShardGroup | None = None,
-        credentials: Credentials | None = None,
+        credentials: keys.Credentials | None = None,
     ) -> None:
         self.connect = connect
         self.credentials = credentials
-        """This learner's keys on a closed bus (docs/security.md); None on an open one."""
+        """With keys: ``credentials.signer`` signs the run spec and every version this learner publishes."""
         self.config = config
         self.algo = config.algo
         self.group = group or ShardGroup()
@@ -152,6 +153,8 @@ class LearnerNode:
             num_shards=self.group.world_size,
             **hello_fields(),
         )
+        if self._signer is not None:
+            hello = signing.signed_hello(hello, self._signer)
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx, credentials=self.credentials).start()
         crashed = False
         try:
@@ -281,6 +284,10 @@ class LearnerNode:
             return f"its check failed ({type(exc).__name__}: {exc})"
 
     # ---------------------------------------------------------------- publishing and reporting
+    @property
+    def _signer(self) -> signing.Signer | None:
+        return self.credentials.signer if self.credentials is not None else None
+
     def _publish(self) -> None:
         """The main shard publishes the current parameters; every shard first checks that all hold the
         same ones (the all-reduce keeps them identical: a difference is a bug, never data to act on)."""
@@ -304,6 +311,7 @@ class LearnerNode:
             meta={"rollout_len": self.rollout_len},
             chunk_bytes=min(lc.param_chunk_bytes, self.max_chunk_bytes),
             dtype=lc.param_dtype,
+            signer=self._signer,
         )
         head = messages[0]
         if not isinstance(head, P.Parameters):

@@ -138,7 +138,9 @@ def _start(
     slowdowns = config.train.slowdowns
     for i in range(config.train.actors):
         slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
-        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *keys])
+        # The env id comes from the user's own config, so these actors may build it (a module:callable too).
+        allow = ["--allow-env", config.env.id]
+        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys])
     return learner
 
 

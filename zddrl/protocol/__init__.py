@@ -80,11 +80,14 @@ from zddrl.protocol.rules import (  # noqa: F401
     MAX_ID_BYTES,
     MAX_NUM_ENVS,
     MAX_PARAM_CHUNKS,
+    MAX_SIGNER_BYTES,
     PARAM_DTYPES,
+    SIGNATURE_BYTES,
     TRAJECTORY_ARRAYS,
     TRUNCATION_ARRAYS,
     check_chunk,
     check_fleet,
+    check_hello,
     check_params,
     check_trajectory,
     check_trajectory_layout,
@@ -309,6 +312,7 @@ def claimed_peer_id(frames: Sequence[Any]) -> str | None:
 
 
 _CHECKS = {
+    Hello: check_hello,
     Welcome: check_welcome,
     Parameters: check_params,
     ParamChunk: check_chunk,

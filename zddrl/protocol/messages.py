@@ -45,6 +45,8 @@ class Hello(Message):
     run: dict | None = None  # learner only: the run spec every actor receives in its welcome
     shard: int = 0
     num_shards: int = 1
+    run_signer: str = ""  # learner only: the key name that signed the run (protocol.signing.run_payload)
+    run_signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class Welcome(Message):
     heartbeat_interval_s: float
     heartbeat_liveness: int
     max_message_bytes: int
+    run_signer: str = ""
+    """Who signed ``run`` and the signature, as the run's learner sent them in its hello (empty: unsigned)."""
+    run_signature: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,8 @@ class Parameters(Message):
     ``[name, dtype, shape, offset]`` with ``offset`` in elements of the whole buffer, as float32
     (what the receiver converts it to). Other arrays (for example observation-normalisation
     statistics) travel beside chunk 0. ``meta`` carries small per-version settings such as the
-    sync-mode rollout length.
+    sync-mode rollout length. ``signer`` and ``signature`` (Ed25519) cover all of that but the
+    buffers, which the hashes they cover bind (docs/protocol.md section 5.7).
     """
 
     KIND: ClassVar[str] = "params"
@@ -126,6 +132,9 @@ class Parameters(Message):
     numel: int = 0
     chunk_numel: int = 0
     chunk_hashes: list = field(default_factory=list)
+    signer: str = ""
+    """The learner key whose ``signature`` covers this version (protocol.signing.params_payload); "": unsigned."""
+    signature: bytes = b""
 
     @property
     def num_chunks(self) -> int:

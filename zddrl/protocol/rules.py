@@ -79,7 +79,29 @@ def _shape_ok(shape: Any) -> bool:
     return isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(d, 0) for d in shape)
 
 
+SIGNATURE_BYTES = 64
+"""An Ed25519 signature (docs/protocol.md section 5.7)."""
+MAX_SIGNER_BYTES = 64
+"""Longest signer name: a key name (zddrl.keys.NAME_PATTERN)."""
+
+
+def check_seal(kind: str, signer: str, signature: bytes) -> None:
+    """A signer name and its signature travel together: both empty (unsigned) or a name and 64 bytes."""
+    if not signer and not signature:
+        return
+    if not 1 <= len(signer.encode("utf-8", "surrogatepass")) <= MAX_SIGNER_BYTES or len(signature) != SIGNATURE_BYTES:
+        raise ProtocolError(
+            f"{kind}: a signer of 1..{MAX_SIGNER_BYTES} bytes and a signature of {SIGNATURE_BYTES} bytes go together, "
+            f"got a {len(signer)}-character signer and a {len(signature)}-byte signature"
+        )
+
+
+def check_hello(fields: dict[str, Any]) -> None:
+    check_seal("hello", fields["run_signer"], fields["run_signature"])
+
+
 def check_welcome(fields: dict[str, Any]) -> None:
+    check_seal("welcome", fields["run_signer"], fields["run_signature"])
     for name, port in fields["ports"].items():
         if not _is_int(port, 1, 65535):
             raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")
@@ -94,6 +116,7 @@ def check_welcome(fields: dict[str, Any]) -> None:
 def check_params(fields: dict[str, Any]) -> None:
     """Chunking fields agree with each other and with chunk 0; layout rows ``[name, "float32", shape,
     offset]`` are well formed and lie within the whole buffer's ``numel`` elements."""
+    check_seal("params", fields["signer"], fields["signature"])
     flat = fields["arrays"].get("flat")
     if flat is not None and flat.ndim != 1:
         raise ProtocolError(f"params: array 'flat' must be 1-d, got shape {list(flat.shape)}")

@@ -17,15 +17,18 @@ import socket
 import threading
 import time
 import traceback
+from functools import partial
 from typing import Any
 
 import zmq
 from loguru import logger
 from zmq.utils.monitor import recv_monitor_message
 
+from zddrl import keys
 from zddrl import protocol as P
 from zddrl.config import split_endpoint
-from zddrl.keys import Credentials
+from zddrl.logs import RateLimitedLog
+from zddrl.transport import signatures as signing
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -67,7 +70,7 @@ class BrokerLink:
         *,
         subscribe_params: bool = False,
         context: zmq.Context | None = None,
-        credentials: Credentials | None = None,
+        credentials: keys.Credentials | None = None,
     ) -> None:
         self.host, port = split_endpoint(connect)
         self.connect = connect
@@ -75,7 +78,8 @@ class BrokerLink:
         self.subscribe_params = subscribe_params
         self.ctx = context or zmq.Context.instance()
         self.credentials = credentials
-        """This client's keys on a closed bus (every socket to the broker is a CURVE client); None on an open one."""
+        """This client's keys on a closed bus: every socket to the broker is a CURVE client, and only versions
+        signed by one of ``credentials.pins`` are assembled. None on an open bus."""
         self.log = logger.bind(role=hello.role, peer=hello.peer_id)
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -90,7 +94,9 @@ class BrokerLink:
         self.params: P.Parameters | None = None
         self.reconnects = 0
         self.params_rejected = 0
-        self.assembler = Assembler()
+        verify = None if credentials is None else partial(signing.params_refusal, pins=credentials.pins)
+        self.assembler = Assembler(verify=verify)
+        self._ratelog = RateLimitedLog()
         self.last_broker_beat = 0.0
         self._fleet: tuple[int, dict[str, dict]] | None = None
         self.fleet_ignored = 0
@@ -427,12 +433,18 @@ class BrokerLink:
             self.log.warning(f"rejected parameters version {msg.policy_version}: no flat buffer")
             return
         refused = sum(self.assembler.rejected[r] for r in REFUSED_PARAMS)
+        unsigned = self.assembler.rejected["signature"]
         whole = self.assembler.add(msg)
         if sum(self.assembler.rejected[r] for r in REFUSED_PARAMS) > refused:
             self.params_rejected += 1
             self.log.warning(
                 f"rejected parameters version {msg.policy_version}: hash or chunk mismatch "
                 f"({dict(self.assembler.rejected)} so far)"
+            )
+        if self.assembler.rejected["signature"] > unsigned:  # the version held stays in use
+            self._ratelog.warning(
+                "params_signature",
+                f"refused parameters version {msg.policy_version} of run {msg.run_id!r}: {self.assembler.refusal}",
             )
         if whole is None:
             return

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +24,13 @@ from typing import Any
 import numpy as np
 
 from zddrl import protocol as P
+from zddrl.transport import signatures as signing
 
 MAX_PENDING_VERSIONS = 2
 """Versions an assembler builds at once; a newer one pushes the oldest out (latest wins anyway)."""
+
+Verify = Callable[[P.Parameters], str]
+"""Why a version's params message must not be used (its signature: protocol.signing.params_refusal), or ""."""
 
 
 def to_transport(flat: np.ndarray, dtype: str) -> np.ndarray:
@@ -69,9 +73,11 @@ def split(
     meta: dict | None = None,
     chunk_bytes: int = 4 << 20,
     dtype: str = "float32",
+    signer: signing.Signer | None = None,
 ) -> list[P.Message]:
     """The messages that publish one version: ``Parameters`` (chunk 0) then a ``ParamChunk`` per
-    further chunk of at most ``chunk_bytes``. ``param_hash`` of the first is the version's hash."""
+    further chunk of at most ``chunk_bytes``. ``param_hash`` of the first is the version's hash;
+    with a ``signer`` (name, Ed25519 key) the first carries its signature of the version."""
     wire = to_transport(flat, dtype)
     per = max(1, chunk_bytes // wire.itemsize)
     pieces = [wire[i : i + per] for i in range(0, max(wire.size, 1), per)]
@@ -96,6 +102,8 @@ def split(
         chunk_numel=per,
         chunk_hashes=hashes,
     )
+    if signer is not None:
+        first = signing.signed_params(first, signer)
     return [
         first,
         *(
@@ -151,11 +159,14 @@ class Assembler:
     Versions only move forward: once version v came out, nothing of v or older is used again (within
     a run: a message of another run starts afresh, since versions restart with every run).
     ``rejected`` counts what was refused, by reason (``chunk_hash``, ``whole_hash``, ``bad_chunk``,
-    ``orphan_chunk``, ``old``).
+    ``orphan_chunk``, ``old``, ``signature``). With ``verify``, a version whose params message it refuses
+    is never started (``refusal`` keeps the last reason), so only versions it vouches for come out.
     """
 
-    def __init__(self, max_pending: int = MAX_PENDING_VERSIONS) -> None:
+    def __init__(self, max_pending: int = MAX_PENDING_VERSIONS, verify: Verify | None = None) -> None:
         self.max_pending = max_pending
+        self.verify = verify
+        self.refusal = ""
         self.run_id: str | None = None
         self.policy_version = -1
         self.building: dict[tuple[int, str], _Build] = {}
@@ -181,6 +192,12 @@ class Assembler:
         return self._finish(key)
 
     def _start(self, key: tuple[int, str], head: P.Parameters) -> bool:
+        if self.verify is not None:
+            why = self.verify(head)
+            if why:
+                self.rejected["signature"] += 1
+                self.refusal = why
+                return False
         flat = head.arrays["flat"]
         hashes = head.chunk_hashes or [head.param_hash]
         numel = head.numel or flat.size
@@ -239,6 +256,7 @@ class Assembler:
             meta=head.meta,
             param_dtype="float32",
             numel=flat.size,
+            signer=head.signer,
         )
 
 
@@ -288,6 +306,8 @@ class FrameCache:
     or why it is refused (the message must not go out):
 
     * ``"stale"``: not newer than the cached version;
+    * ``"signature"``: a params message that ``verify`` refuses (``refusal`` says why): unsigned, signed by a
+      key not pinned, or a signature that does not verify;
     * ``"duplicate"``: the params message of the version being received again, or a chunk of it
       already in;
     * ``"orphan_chunk"``: a chunk of no version being received (same ``policy_version`` and ``param_hash``);
@@ -307,7 +327,10 @@ class FrameCache:
     order, into the whole-buffer hash: a version costs two SHA-1 passes over its bytes (one if unchunked).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, verify: Verify | None = None) -> None:
+        self.verify = verify
+        self.refusal = ""
+        """Why ``verify`` refused the last params message it refused."""
         self.version = -1
         self.param_hash = ""
         self.messages: list[list] = []
@@ -331,6 +354,11 @@ class FrameCache:
         if isinstance(msg, P.Parameters):
             if building is not None and building.key == (msg.policy_version, msg.param_hash):
                 return "duplicate"
+            if self.verify is not None:
+                why = self.verify(msg)
+                if why:
+                    self.refusal = why
+                    return "signature"
             flat = msg.arrays.get("flat")
             if flat is None:
                 return "bad_chunk"

@@ -1,0 +1,34 @@
+"""What an actor host takes from the network before it acts on it: a run it may join.
+
+The run spec comes from the broker's welcome. Two things are judged before any of it is used:
+
+* with keys (``credentials``), the spec must be signed by a learner key this host pins (protocol.signing):
+  a broker or a peer that forges or alters a run cannot make actors join it;
+* whatever the keys, its env id must not name code this host did not allow (envs.env_refusal): an id
+  ``module:callable`` is imported and called, so it runs only if the host's own ``--allow-env`` lists it.
+"""
+
+from __future__ import annotations
+
+from zddrl import keys
+from zddrl import protocol as P
+from zddrl.config import Config
+from zddrl.envs import env_refusal
+from zddrl.transport import signatures as signing
+
+
+def joinable(
+    welcome: P.Welcome, credentials: keys.Credentials | None, allow_envs: frozenset[str]
+) -> tuple[Config | None, str]:
+    """``(config, "")`` of the welcome's run if this host may join it, else ``(None, why)``."""
+    if welcome.run is None:
+        return None, "the welcome names no run"
+    if credentials is not None:
+        why = signing.run_refusal(
+            welcome.run_id, welcome.run, welcome.run_signer, welcome.run_signature, credentials.pins
+        )
+        if why:
+            return None, f"run spec {why}"
+    config = Config.from_dict(welcome.run)
+    why = env_refusal(config.env.id, allow_envs)
+    return (None, why) if why else (config, "")
