@@ -35,8 +35,8 @@ from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthMonitor
 from zddrl.broker.membership import (
     Departures,
+    Limits,
     Member,
-    checked_stats,
     credit_batch_of,
     hello_conflict,
     log_health_events,
@@ -56,6 +56,7 @@ POLL_TIMEOUT_S = 0.1
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
 _CREDIT = attrgetter("credit")
+_STATUS_REFUSED = P.encode(P.Reject(reason="status: rate limited, ask less often"))
 
 
 @lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
@@ -102,6 +103,8 @@ class Broker:
         """An actor's credit goes back once this many of its trajectories were read (membership.credit_batch_of)."""
         self.fleet = Fleet()
         """The joined actors, as fleet messages announce them to the learner shards of the run."""
+        self.limits = Limits()
+        """Rates per connection and member caps on the public control port (membership.Limits)."""
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
@@ -315,7 +318,12 @@ class Broker:
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg)
         elif isinstance(msg, P.StatusRequest):
-            self._send(self.control, identity, P.Status(body=self.status()))
+            if self.limits.status.allow(identity, time.monotonic()):
+                self._send(self.control, identity, P.Status(body=self.status(msg.page)))
+            else:  # a tiny reject: what a peer that never reads can make the broker queue stays small
+                self.counters["status_refused"] += 1
+                self._ratelog.warning("status_refused", "refused a status request: over the rate of its connection")
+                self._send_frames(self.control, identity, _STATUS_REFUSED)
         elif member is None:
             self._send(self.control, identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
         elif isinstance(msg, P.Heartbeat):
@@ -325,7 +333,10 @@ class Broker:
         elif isinstance(msg, P.ParamsRequest):
             self.publisher.on_request(member, msg.policy_version)
         elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.peer_id cannot speak for others
-            member.stats = checked_stats(msg.stats)
+            truncated = member.take_stats(msg.stats)
+            if truncated:
+                self.counters["stats_truncated"] += 1
+                self._ratelog.warning("stats_truncated", truncated)
             self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
             self._log_health()
         elif isinstance(msg, P.Bye):
@@ -340,12 +351,24 @@ class Broker:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
     def _on_hello(self, identity: bytes, msg: P.Hello) -> None:
+        if not self.limits.hello.allow(identity, time.monotonic()):  # dropped: its link asks again at its heartbeat
+            self.counters["hello_limited"] += 1
+            self._ratelog.warning("hello_limited", "dropped a hello: over the hello rate of its connection")
+            return
         # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
         why = hello_conflict(msg, self.members.get(msg.peer_id), room, self.run_id, self.config.heartbeat_interval_s)
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
+        cap = self.limits.cap_refusal(
+            msg, self.members.get(msg.peer_id), len(self.members), len(self.shards), self.fleet
+        )
+        if cap:
+            self.counters["hello_over_cap"] += 1
+            self._ratelog.warning("hello_over_cap", f"refused a hello of {msg.role} {msg.peer_id}: {cap}")
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{cap}"))
+            return
         if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
             self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
@@ -487,5 +510,5 @@ class Broker:
         self._rate_mark, rates = throughput(self._rate_mark, self.counters, now)
         self.rates = rates or self.rates
 
-    def status(self) -> dict[str, Any]:
-        return broker_status(self)
+    def status(self, page: int = 1) -> dict[str, Any]:
+        return broker_status(self, page)
