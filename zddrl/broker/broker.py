@@ -318,12 +318,7 @@ class Broker:
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg)
         elif isinstance(msg, P.StatusRequest):
-            if self.limits.status.allow(identity, time.monotonic()):
-                self._send(self.control, identity, P.Status(body=self.status(msg.page)))
-            else:  # a tiny reject: what a peer that never reads can make the broker queue stays small
-                self.counters["status_refused"] += 1
-                self._ratelog.warning("status_refused", "refused a status request: over the rate of its connection")
-                self._send_frames(self.control, identity, _STATUS_REFUSED)
+            self._on_status(identity, msg.page)
         elif member is None:
             self._send(self.control, identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
         elif isinstance(msg, P.Heartbeat):
@@ -512,3 +507,15 @@ class Broker:
 
     def status(self, page: int = 1) -> dict[str, Any]:
         return broker_status(self, page)
+
+    def _on_status(self, identity: bytes, page: int) -> None:
+        """The status body, within the rates of membership.Limits; over them, a tiny reject: what a peer that never
+        reads its replies can make the broker hold is bounded by the rates and the control socket's HWM."""
+        now = time.monotonic()
+        frames = P.encode(P.Status(body=self.status(page))) if self.limits.status.allow(identity, now) else None
+        if frames is not None and self.limits.status_bytes(sum(map(len, frames)), now):
+            self._send_frames(self.control, identity, frames)
+            return
+        self.counters["status_refused"] += 1
+        self._ratelog.warning("status_refused", "refused a status request: over the status rate")
+        self._send_frames(self.control, identity, _STATUS_REFUSED)

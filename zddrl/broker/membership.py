@@ -109,11 +109,15 @@ STATUS_RATE_PER_S = 2.0
 """Status requests per second one connection (ZeroMQ identity) may make, after a burst of STATUS_BURST. `zddrl
 status` and --watch open a connection per request: this binds a client that sends many on one connection."""
 STATUS_BURST = 10
-STATUS_TOTAL_RATE_PER_S = 20.0
-"""Status requests per second answered for all connections together (after a burst of STATUS_TOTAL_BURST): a
-peer that opens many connections gets no more. With report.MAX_STATUS_BYTES, the broker builds at most
-20 x 512 KiB = 10 MiB of status replies per second, whoever asks."""
-STATUS_TOTAL_BURST = 40
+STATUS_TOTAL_RATE_PER_S = 100.0
+"""Status requests per second answered for all connections together, after a burst of STATUS_TOTAL_BURST: what
+building bodies may cost the broker's loop, whoever asks (a body of 10,000 members takes a few ms)."""
+STATUS_TOTAL_BURST = 200
+STATUS_TOTAL_BYTES_PER_S = 8 << 20
+"""Bytes of status replies per second for all connections together, after a burst of STATUS_TOTAL_BURST_BYTES:
+what replies nobody reads can add to the broker's memory each second, whoever asks. A small fleet's body (a few
+KiB) never meets it; bodies at their bound (report.MAX_STATUS_BYTES) are about 10 per second."""
+STATUS_TOTAL_BURST_BYTES = 16 << 20
 HELLO_RATE_PER_S = 1.0
 """Hellos per second one connection may send, after a burst of HELLO_BURST (a client sends one per connection,
 and one more per reject that asks for it); the excess is dropped unanswered (``hello_limited``)."""
@@ -138,12 +142,13 @@ class TokenBucket:
         self.rate_per_s, self.burst = rate_per_s, burst
         self.tokens, self.at = float(burst), now
 
-    def take(self, now: float) -> bool:
+    def take(self, now: float, n: float = 1.0) -> bool:
+        """Take ``n`` tokens if there are that many."""
         self.tokens = min(float(self.burst), self.tokens + max(now - self.at, 0.0) * self.rate_per_s)
         self.at = now
-        if self.tokens < 1.0:
+        if self.tokens < n:
             return False
-        self.tokens -= 1.0
+        self.tokens -= n
         return True
 
 
@@ -171,12 +176,18 @@ class RateLimit:
 
 
 class Limits:
-    """What one peer of the public control port may make the broker do: status and hello rates per connection
-    (``status``, ``hello``) and the member caps (``cap_refusal``)."""
+    """What peers of the public control port may make the broker do: status requests per connection and in all
+    (``status``, then ``status_bytes`` with the reply's size), hellos per connection (``hello``), and the member
+    caps (``cap_refusal``)."""
 
     def __init__(self) -> None:
         self.status = RateLimit(STATUS_RATE_PER_S, STATUS_BURST, (STATUS_TOTAL_RATE_PER_S, STATUS_TOTAL_BURST))
         self.hello = RateLimit(HELLO_RATE_PER_S, HELLO_BURST)
+        self._status_bytes = TokenBucket(STATUS_TOTAL_BYTES_PER_S, STATUS_TOTAL_BURST_BYTES, time.monotonic())
+
+    def status_bytes(self, nbytes: int, now: float) -> bool:
+        """Whether a status reply of ``nbytes`` may go out now (STATUS_TOTAL_BYTES_PER_S)."""
+        return self._status_bytes.take(now, nbytes)
 
     @staticmethod
     def cap_refusal(msg: P.Hello, old: Member | None, members: int, learners: int, fleet: Fleet) -> str:

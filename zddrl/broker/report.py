@@ -52,21 +52,22 @@ BROKER_COUNTERS = (
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
 PAGE_MEMBERS = 500
 """Member rows in one page of the status body at most."""
-PAGE_ROW_BYTES = 256 << 10
+PAGE_ROW_BYTES = 512 << 10
 """Packed bytes of one page's member rows at most (row_bytes bounds each; one row always fits: a member's stats
 take at most membership.MAX_STATS_BYTES)."""
-ROW_BASE_BYTES = 640
+ROW_BASE_BYTES = 512
 """Bound of a member row's packed size without its peer id, host and stats: the fixed keys, numbers and every
 ``dropped_<reason>`` key."""
 HEALTH_ROWS_LISTED = 64
 """Health warnings listed in the body (the oldest onsets); ``health_by_check`` counts them all."""
 HOSTS_LISTED = 32
 """Hosts in ``members_by_host`` (those with the most members); ``hosts_total`` counts them all."""
-MAX_STATUS_BYTES = 512 << 10
+MAX_STATUS_BYTES = 768 << 10
 """Bound of a status body's packed size (tests/broker/test_status_bounds.py): the broker map with its summary
 (under 16 KiB with HOSTS_LISTED hosts of 255 bytes), HEALTH_ROWS_LISTED warnings (under 1 KiB each: their
 messages name at most three peer ids and a stats string), 20 departures (membership.DEPARTURES_KEPT, reasons
-of at most membership.DEPARTURE_REASON_CHARS) and one page (PAGE_ROW_BYTES): under 470 KiB."""
+of at most membership.DEPARTURE_REASON_CHARS: under 136 KiB) and one page (PAGE_ROW_BYTES): under 730 KiB, which
+leaves room under the protocol's MAX_HEADER_BYTES (1 MiB)."""
 ROLE_ORDER = {"learner": 0, "monitor": 1, "actor": 2}
 """Page order: learners first, so that page 1 carries the run's figures (the main learner's stats)."""
 RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
