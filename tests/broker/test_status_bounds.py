@@ -14,18 +14,27 @@ import pytest
 from zddrl import protocol as P
 from zddrl.broker import health as H
 from zddrl.broker.broker import Broker
-from zddrl.broker.health import HealthMonitor
+from zddrl.broker.fleet import Fleet
+from zddrl.broker.health import HealthMonitor, HealthWarning
 from zddrl.broker.membership import (
     DEPARTURE_REASON_CHARS,
     DEPARTURES_KEPT,
+    LIMITED_IDENTITIES,
+    MAX_ACTORS_PER_HOST,
+    MAX_MEMBERS_PER_ROLE,
     MAX_STATS_BYTES,
     MAX_STATS_KEYS,
     MAX_STATS_STRING,
+    STATUS_TOTAL_BURST_BYTES,
+    Limits,
     Member,
+    RateLimit,
     checked_stats,
+    log_health_events,
 )
 from zddrl.broker.report import HEALTH_ROWS_LISTED, HOSTS_LISTED, MAX_STATUS_BYTES, PAGE_MEMBERS, row_bytes
 from zddrl.config import BrokerConfig
+from zddrl.logs import RateLimitedLog
 
 
 def packed(value: object) -> int:
@@ -152,3 +161,43 @@ def test_2000_actors_sharing_a_first_observation_cost_linear_work(monkeypatch: p
     assert elapsed < 1.0, f"2,000 reports took {elapsed:.2f} s"
     monitor.forget("actor-0")
     assert monitor.count_of("actor-0") == 0 and monitor.counts()["same_initial_obs"] == 1_999
+
+
+def test_health_log_keys_do_not_grow_with_the_members_ever_seen() -> None:
+    """The rate-limited log never forgets a key: keyed by member, peers churning through new ids grew it."""
+    log = RateLimitedLog()
+    for i in range(1_000):
+        warning = HealthWarning(f"actor-{i}", "same_initial_obs", "same first observations", 0.0)
+        log_health_events(log, [(True, warning), (False, warning)])
+    assert len(log._last) + len(log._pending) <= 2 * 2 * len(H.CHECKS)
+
+
+def test_rates_per_connection_and_in_all_with_a_bounded_number_of_buckets() -> None:
+    limit = RateLimit(2.0, 10, total=(1.0, 12))
+    assert sum(limit.allow(b"a", 0.0) for _ in range(20)) == 10, "the burst of one connection"
+    assert limit.allow(b"a", 0.5), "two per second: one after half a second"
+    assert not limit.allow(b"a", 0.5)
+    assert sum(limit.allow(b"b", 0.5) for _ in range(20)) == 1, "the total is spent (12 - 11 + 0.5)"
+    for i in range(LIMITED_IDENTITIES + 100):
+        limit.allow(i.to_bytes(4, "big"), 100.0)
+    assert len(limit) == LIMITED_IDENTITIES
+    limits = Limits()
+    assert limits.status_bytes(STATUS_TOTAL_BURST_BYTES, time.monotonic())
+    assert not limits.status_bytes(1 << 20, time.monotonic()), "the bytes of all replies are bounded too"
+
+
+def test_caps_per_role_and_per_host() -> None:
+    fleet = Fleet()
+    for i in range(MAX_ACTORS_PER_HOST):
+        fleet.joined(f"actor-{i}", 1, "big-host")
+    hello = P.Hello(role="actor", peer_id="actor-new", host="big-host")
+    assert "from one host" in Limits.cap_refusal(hello, None, len(fleet), 0, fleet)
+    assert Limits.cap_refusal(P.Hello(role="actor", peer_id="x", host="other"), None, len(fleet), 0, fleet) == ""
+    old = Member(peer_id="actor-0", role="actor", identity=b"", host="big-host")
+    again = P.Hello(role="actor", peer_id="actor-0", host="big-host")
+    assert Limits.cap_refusal(again, old, len(fleet), 0, fleet) == "", "a re-hello replaces, it does not add"
+    learners = MAX_MEMBERS_PER_ROLE["learner"]
+    refusal = Limits.cap_refusal(P.Hello(role="learner", peer_id="l"), None, len(fleet) + learners, learners, fleet)
+    assert f"at most {learners} members of role 'learner'" in refusal
+    fleet.left("actor-0")
+    assert fleet.on_host("big-host") == MAX_ACTORS_PER_HOST - 1

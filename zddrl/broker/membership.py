@@ -339,12 +339,14 @@ def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_sta
 
 
 def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
-    """Each onset once (rate-limited per member and check, should a condition flap), each end once."""
+    """Onsets and ends, rate-limited per check: a thousand actors warned at once make one line and a count, not a
+    thousand (their rows are in the status body). Keyed by check, not member: the log's keys are never forgotten,
+    and peer ids come from peers."""
     for raised, w in events:
         if raised:
-            log.warning(f"health/{w.check}/{w.member}", f"health: {w.member}: {w.check}: {w.message}")
+            log.warning(f"health/{w.check}", f"health: {w.member}: {w.check}: {w.message}")
         else:
-            log.info(f"health-end/{w.check}/{w.member}", f"health: {w.member}: {w.check} cleared")
+            log.info(f"health-end/{w.check}", f"health: {w.member}: {w.check} cleared")
 
 
 def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
