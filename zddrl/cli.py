@@ -491,17 +491,24 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
 @click.option("--watch", is_flag=True, help="Keep a live table on screen, refreshed every --interval seconds.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")
 @click.option("--timeout", type=float, default=3.0, show_default=True, help="Seconds to wait for the broker.")
+@click.option(
+    "--page",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Page of the member rows (a large fleet's members come in pages of at most 500; the counts cover all).",
+)
 @keys_option
 @key_option
-def status(connect, as_json, watch, interval, timeout, keys_dir, key_name) -> None:
+def status(connect, as_json, watch, interval, timeout, page, keys_dir, key_name) -> None:
     """Print the broker's counters, members, drops and health warnings."""
     from zddrl.ops.status import format_status, request_status, watch_status
 
     creds = _credentials(keys_dir, "monitor", key_name)
     if watch:
-        watch_status(connect, interval, timeout, creds)
+        watch_status(connect, interval, timeout, creds, page=page)
         return
-    body = request_status(connect, timeout, credentials=creds)
+    body = request_status(connect, timeout, credentials=creds, page=page)
     if body is None:
         raise click.ClickException(f"no answer from a broker at {connect} within {timeout} s")
     click.echo(json.dumps(body, indent=2) if as_json else format_status(body))

@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.publisher import Publisher
+from zddrl.broker.report import BROKER_COUNTERS
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
 from zddrl.transport.link import BrokerLink
@@ -96,7 +97,7 @@ def test_the_broker_cache_drops_forged_versions_before_any_goes_out(forge: Any) 
             self.sent.append(frames)
 
     pub = Pub()
-    counters: dict[str, int] = {}
+    counters: dict[str, int] = dict.fromkeys(BROKER_COUNTERS, 0)  # as the broker's are
     publisher = Publisher(pub, lambda *a: None, counters, RateLimitedLog(), 1.0, pins=PINS)  # type: ignore[arg-type]
     counters.update({k: 0 for k in ("params_incomplete", "params_bytes", "params_published", "params_orphan_chunk")})
     for m in version(1):

@@ -38,8 +38,8 @@ from zddrl.broker.health import HealthMonitor
 from zddrl.broker.membership import (
     LEFT_ACTORS_KEPT,
     Departures,
+    Limits,
     Member,
-    checked_stats,
     credit_batch_of,
     hello_conflict,
     log_health_events,
@@ -64,6 +64,7 @@ _CREDIT = attrgetter("credit")
 REVOKED = "revoked:"
 """What an actor's peer id is bound to once its key is revoked: no user matches it."""
 REVOKED_REASON = "this client's key was removed from the broker's key directory (revoked)"
+_STATUS_REFUSED = P.encode(P.Reject(reason="status: rate limited, ask less often"))
 
 
 @lru_cache(maxsize=FORWARD_BURST)  # an actor's credit of n, encoded once per count
@@ -79,7 +80,10 @@ class Broker:
 
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
-        self.ctx = context or zmq.Context.instance()
+        # A context holds one ZAP handler at a fixed inproc address, and a closed one is unbound asynchronously:
+        # a keyed broker gets a context of its own (two in one process, or one after another, never clash).
+        self._own_ctx = context is None and bool(config.keys)
+        self.ctx = zmq.Context() if self._own_ctx else (context or zmq.Context.instance())
         self.log = logger.bind(role="broker")
         self.members: dict[str, Member] = {}
         self.by_identity: dict[bytes, Member] = {}
@@ -98,7 +102,6 @@ class Broker:
         self.policy_version = -1
         """The newest published version of the run (the publisher's; read per trajectory, so kept here too)."""
         self.counters: dict[str, int] = defaultdict(int, dict.fromkeys((*BROKER_COUNTERS, *AUTH_COUNTERS), 0))
-        self.counters.setdefault("runs_refused", 0)  # new runs whose spec no pinned learner key signed
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
         self.in_flight = 0
         self._decided = 0  # forwarded + dropped, one int: a failure can tell if its message was decided
@@ -121,6 +124,8 @@ class Broker:
         self._actor_users: OrderedDict[str, str] = OrderedDict()
         """Closed bus: actor peer id -> the user it joined as, of members and of the last LEFT_ACTORS_KEPT that
         left (their trajectories still in flight count as theirs): a trajectory's header must name its key's."""
+        self.limits = Limits()
+        """Rates per connection and member caps on the public control port (membership.Limits)."""
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
@@ -200,6 +205,8 @@ class Broker:
                 sock.close(linger=0)
         if self.auth is not None:
             self.auth.close()
+        if self._own_ctx:
+            self.ctx.term()
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> None:
@@ -417,7 +424,7 @@ class Broker:
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg, user)
         elif isinstance(msg, P.StatusRequest):
-            self._send(self.control, identity, P.Status(body=self.status()))
+            self._on_status(identity, msg.page)
         elif member is None:
             self._send(self.control, identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
         elif isinstance(msg, P.Heartbeat):
@@ -427,7 +434,10 @@ class Broker:
         elif isinstance(msg, P.ParamsRequest):
             self.publisher.on_request(member, msg.policy_version)
         elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.peer_id cannot speak for others
-            member.stats = checked_stats(msg.stats)
+            truncated = member.take_stats(msg.stats)
+            if truncated:
+                self.counters["stats_truncated"] += 1
+                self._ratelog.warning("stats_truncated", truncated)
             self.health.observe(member.peer_id, member.role, member.stats, time.monotonic())
             self._log_health()
         elif isinstance(msg, P.Bye):
@@ -442,6 +452,10 @@ class Broker:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
     def _on_hello(self, identity: bytes, msg: P.Hello, user: str) -> None:
+        if not self.limits.hello.allow(identity, time.monotonic()):  # dropped: its link asks again at its heartbeat
+            self.counters["hello_limited"] += 1
+            self._ratelog.warning("hello_limited", "dropped a hello: over the hello rate of its connection")
+            return
         # A refused hello gets a reject that says why (a client would otherwise wait for a welcome forever).
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
         why = self._key_refusal(msg, user) or hello_conflict(
@@ -450,6 +464,14 @@ class Broker:
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
+        cap = self.limits.cap_refusal(
+            msg, self.members.get(msg.peer_id), len(self.members), len(self.shards), self.fleet
+        )
+        if cap:
+            self.counters["hello_over_cap"] += 1
+            self._ratelog.warning("hello_over_cap", f"refused a hello of {msg.role} {msg.peer_id}: {cap}")
+            self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{cap}"))
+            return
         if msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
             if not self._run_signed(identity, msg):
                 return
@@ -643,5 +665,17 @@ class Broker:
         self._rate_mark, rates = throughput(self._rate_mark, self.counters, now)
         self.rates = rates or self.rates
 
-    def status(self) -> dict[str, Any]:
-        return broker_status(self)
+    def status(self, page: int = 1) -> dict[str, Any]:
+        return broker_status(self, page)
+
+    def _on_status(self, identity: bytes, page: int) -> None:
+        """The status body, within the rates of membership.Limits; over them, a tiny reject: what a peer that never
+        reads its replies can make the broker hold is bounded by the rates and the control socket's HWM."""
+        now = time.monotonic()
+        frames = P.encode(P.Status(body=self.status(page))) if self.limits.status.allow(identity, now) else None
+        if frames is not None and self.limits.status_bytes(sum(map(len, frames)), now):
+            self._send_frames(self.control, identity, frames)
+            return
+        self.counters["status_refused"] += 1
+        self._ratelog.warning("status_refused", "refused a status request: over the status rate")
+        self._send_frames(self.control, identity, _STATUS_REFUSED)

@@ -43,6 +43,16 @@ class Fleet:
         self._entries: dict[str, tuple[int, str, int]] = {}
         """Joined actors now: peer id -> (num_envs, host, entry bytes)."""
         self._frames: tuple[str, int, list[Any]] | None = None
+        self._per_host: dict[str, int] = {}
+        """Joined actors per ``host`` (for membership.MAX_ACTORS_PER_HOST)."""
+
+    def __len__(self) -> int:
+        """Joined actors now."""
+        return len(self._entries)
+
+    def on_host(self, host: str) -> int:
+        """Joined actors whose hello named ``host``."""
+        return self._per_host.get(host, 0)
 
     def room_for(self, peer_id: str, num_envs: int, host: str) -> bool:
         """Whether the fleet message stays under MAX_HEADER_BYTES with this actor in it (replacing its old entry)."""
@@ -56,6 +66,7 @@ class Fleet:
         self.left(peer_id)
         nbytes = P.fleet_entry_bytes(peer_id, num_envs, host)
         self._entries[peer_id] = (num_envs, host, nbytes)
+        self._per_host[host] = self._per_host.get(host, 0) + 1
         self.nbytes += nbytes
         self.changed = True
 
@@ -64,6 +75,11 @@ class Fleet:
         if old is not None:
             self.nbytes -= old[2]
             self.changed = True
+            left = self._per_host[old[1]] - 1
+            if left:
+                self._per_host[old[1]] = left
+            else:
+                del self._per_host[old[1]]
 
     def due(self, now: float) -> bool:
         return self.changed and now >= self.next_at

@@ -30,7 +30,8 @@ they read:
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import islice
@@ -80,6 +81,10 @@ class HealthWarning:
             "message": self.message,
             "since_s": round(max(now - self.since, 0.0), 1),
         }
+
+
+def _onset_order(w: HealthWarning) -> tuple[float, str, str]:
+    return (w.since, w.member, w.check)
 
 
 @dataclass
@@ -187,13 +192,26 @@ class HealthMonitor:
 
     # ---------------------------------------------------------------- outputs
     def active(self) -> list[HealthWarning]:
-        return sorted(self._active.values(), key=lambda w: (w.since, w.member, w.check))
+        return sorted(self._active.values(), key=_onset_order)
 
     def active_of(self, member: str) -> list[HealthWarning]:
         return [self._active[(member, c)] for c in CHECKS if (member, c) in self._active]
 
-    def rows(self, now: float) -> list[dict[str, Any]]:
-        return [w.row(now) for w in self.active()]
+    def rows(self, now: float, limit: int | None = None) -> list[dict[str, Any]]:
+        """The active warnings' rows, oldest onset first; only the ``limit`` oldest if given (without sorting
+        them all: a fleet of thousands can hold tens of thousands of warnings)."""
+        if limit is None:
+            return [w.row(now) for w in self.active()]
+        return [w.row(now) for w in heapq.nsmallest(limit, self._active.values(), key=_onset_order)]
+
+    def counts(self) -> dict[str, int]:
+        """Active warnings per check (every check, 0 included)."""
+        by_check = Counter(check for _, check in self._active)
+        return {check: by_check[check] for check in CHECKS}
+
+    def count_of(self, member: str) -> int:
+        """Active warnings of ``member``."""
+        return sum((member, c) in self._active for c in CHECKS)
 
     def pop_events(self) -> list[tuple[bool, HealthWarning]]:
         """(raised, warning) for every onset (True) and end (False) since the last call, in order."""

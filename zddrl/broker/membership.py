@@ -13,15 +13,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zddrl import protocol as P
+from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthWarning
 from zddrl.config import MODES, AlgoConfig
 from zddrl.logs import RateLimitedLog
 
 MAX_STATS_KEYS = 4096
-"""Entries a stats map may have (the learner sends one lag/<actor> entry per actor)."""
+"""Entries a stats map keeps (the learner sends one lag/<actor> entry per actor); later ones are dropped."""
+MAX_STATS_KEY_BYTES = 160
+"""Longest key kept, in UTF-8 bytes: "lag/" and a peer id of P.MAX_ID_BYTES fit."""
 MAX_STATS_STRING = 256
-"""Longest string value in a stats map: the status body, every member's stats in one message, must stay
-well under the protocol's header limit (MAX_HEADER_BYTES)."""
+"""Longest string value kept, in characters."""
+MAX_STATS_BYTES = 64 << 10
+"""Packed size a member's stats map may take (an upper bound of its msgpack size): every member row is in some
+page of the status body, whose rows must fit report.PAGE_ROW_BYTES. 64 KiB holds the learner's lag/<actor>
+entries of a fleet of about 3,000 actors; entries past it are dropped (``stats_truncated``)."""
 STATS_NUMERIC_KEYS = ("sps", "comm_share")
 """Stats keys that `zddrl status` formats as numbers (see status.format_status)."""
 DEPARTURES_KEPT = 20
@@ -66,6 +72,19 @@ class Member:
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int, MEMBER_COUNTERS))
     """``messages``, ``bytes``, ``env_steps`` (always in the status row) and ``dropped_<reason>`` once non-zero."""
     stats: dict[str, Any] = field(default_factory=dict)
+    stats_bytes: int = 5
+    """Bound of the packed size of ``stats`` (checked_stats): what the member's status row costs, for paging."""
+
+    def take_stats(self, stats: dict) -> str:
+        """Keep ``stats`` (checked_stats; ProtocolError if refused); returns what was dropped, for the log, or ""."""
+        self.stats, self.stats_bytes, dropped = checked_stats(stats)
+        if not dropped:
+            return ""
+        return (
+            f"stats of {self.role} {self.peer_id}: {dropped} of {len(stats)} entries dropped (at most "
+            f"{MAX_STATS_KEYS} entries, {MAX_STATS_BYTES} bytes, keys of {MAX_STATS_KEY_BYTES} bytes, strings of "
+            f"{MAX_STATS_STRING} characters)"
+        )
 
     def count(self, nbytes: int, env_steps: int | None = None) -> None:
         """One trajectory of ``nbytes`` forwarded for (or to) this member; actors also count env steps."""
@@ -87,6 +106,108 @@ class Member:
             **self.counters,
             "stats": self.stats,
         }
+
+
+STATUS_RATE_PER_S = 2.0
+"""Status requests per second one connection (ZeroMQ identity) may make, after a burst of STATUS_BURST. `zddrl
+status` and --watch open a connection per request: this binds a client that sends many on one connection."""
+STATUS_BURST = 10
+STATUS_TOTAL_RATE_PER_S = 100.0
+"""Status requests per second answered for all connections together, after a burst of STATUS_TOTAL_BURST: what
+building bodies may cost the broker's loop, whoever asks (a body of 10,000 members takes a few ms)."""
+STATUS_TOTAL_BURST = 200
+STATUS_TOTAL_BYTES_PER_S = 8 << 20
+"""Bytes of status replies per second for all connections together, after a burst of STATUS_TOTAL_BURST_BYTES:
+what replies nobody reads can add to the broker's memory each second, whoever asks. A small fleet's body (a few
+KiB) never meets it; bodies at their bound (report.MAX_STATUS_BYTES) are about 10 per second."""
+STATUS_TOTAL_BURST_BYTES = 16 << 20
+HELLO_RATE_PER_S = 1.0
+"""Hellos per second one connection may send, after a burst of HELLO_BURST (a client sends one per connection,
+and one more per reject that asks for it); the excess is dropped unanswered (``hello_limited``)."""
+HELLO_BURST = 5
+LIMITED_IDENTITIES = 16384
+"""Connections whose rate-limit buckets are kept (least recently seen forgotten first): a peer that cycles
+through more connections than this starts each with a full bucket, which the totals above still bound."""
+MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64}
+"""Members of each role at most; a hello past the cap is refused (``hello_over_cap``). Every member costs a row
+in the status pages, fleet entries, heartbeats and health tracks."""
+MAX_ACTORS_PER_HOST = 1024
+"""Actors reporting one ``host`` at most (refused past it, ``hello_over_cap``). ``host`` is what the hello says:
+this catches a runaway launcher, not a peer that lies."""
+
+
+class TokenBucket:
+    """``take(now)`` is True at most ``burst`` times at once and ``rate_per_s`` times per second on average."""
+
+    __slots__ = ("rate_per_s", "burst", "tokens", "at")
+
+    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self.tokens, self.at = float(burst), now
+
+    def take(self, now: float, n: float = 1.0) -> bool:
+        """Take ``n`` tokens if there are that many."""
+        self.tokens = min(float(self.burst), self.tokens + max(now - self.at, 0.0) * self.rate_per_s)
+        self.at = now
+        if self.tokens < n:
+            return False
+        self.tokens -= n
+        return True
+
+
+class RateLimit:
+    """A token bucket per ZeroMQ identity (the LIMITED_IDENTITIES most recently seen) and, optionally, one for
+    all identities together: ``allow(identity, now)`` is True if both have a token."""
+
+    def __init__(self, rate_per_s: float, burst: int, total: tuple[float, int] | None = None) -> None:
+        self.rate_per_s, self.burst = rate_per_s, burst
+        self._buckets: OrderedDict[bytes, TokenBucket] = OrderedDict()
+        self._total = TokenBucket(total[0], total[1], time.monotonic()) if total else None
+
+    def allow(self, identity: bytes, now: float) -> bool:
+        bucket = self._buckets.get(identity)
+        if bucket is None:
+            bucket = self._buckets[identity] = TokenBucket(self.rate_per_s, self.burst, now)
+            if len(self._buckets) > LIMITED_IDENTITIES:
+                self._buckets.popitem(last=False)
+        else:
+            self._buckets.move_to_end(identity)
+        return bucket.take(now) and (self._total is None or self._total.take(now))
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class Limits:
+    """What peers of the public control port may make the broker do: status requests per connection and in all
+    (``status``, then ``status_bytes`` with the reply's size), hellos per connection (``hello``), and the member
+    caps (``cap_refusal``)."""
+
+    def __init__(self) -> None:
+        self.status = RateLimit(STATUS_RATE_PER_S, STATUS_BURST, (STATUS_TOTAL_RATE_PER_S, STATUS_TOTAL_BURST))
+        self.hello = RateLimit(HELLO_RATE_PER_S, HELLO_BURST)
+        self._status_bytes = TokenBucket(STATUS_TOTAL_BYTES_PER_S, STATUS_TOTAL_BURST_BYTES, time.monotonic())
+
+    def status_bytes(self, nbytes: int, now: float) -> bool:
+        """Whether a status reply of ``nbytes`` may go out now (STATUS_TOTAL_BYTES_PER_S)."""
+        return self._status_bytes.take(now, nbytes)
+
+    @staticmethod
+    def cap_refusal(msg: P.Hello, old: Member | None, members: int, learners: int, fleet: Fleet) -> str:
+        """Why ``msg`` would take its role (or its host's actors) past a cap, or "". ``old``: the member it
+        replaces (which does not count); ``members``, ``learners``: how many are joined; actors are the fleet's."""
+        actors = len(fleet)
+        joined = {"actor": actors, "learner": learners, "monitor": members - actors - learners}.get(msg.role, 0)
+        if old is not None and old.role == msg.role:
+            joined -= 1
+        cap = MAX_MEMBERS_PER_ROLE.get(msg.role, 0)
+        if joined >= cap:
+            return f"the broker takes at most {cap} members of role {msg.role!r}"
+        if msg.role == "actor":
+            on_host = fleet.on_host(msg.host) - (old is not None and old.role == "actor" and old.host == msg.host)
+            if on_host >= MAX_ACTORS_PER_HOST:
+                return f"the broker takes at most {MAX_ACTORS_PER_HOST} actors from one host ({msg.host or '?'!r})"
+        return ""
 
 
 LEFT_ACTORS_KEPT = 1024
@@ -141,12 +262,22 @@ class Departures:
         return left is not None and (time.monotonic() if now is None else now) - left <= self.grace_s
 
 
-def checked_stats(stats: dict) -> dict:
-    """Stats are a flat map of figures: str keys, scalar values, numbers where status expects them. Checked before
-    they are kept: one client's bytes or nested maps would make every `zddrl status --json` fail (not
-    JSON-serialisable), and a string "sps" would break the table."""
-    if len(stats) > MAX_STATS_KEYS:
-        raise P.ProtocolError(f"stats: more than {MAX_STATS_KEYS} entries")
+def packed_bytes(value: Any) -> int:
+    """An upper bound of the msgpack size of a stats key or value (nil, bool, int, float, str), without packing it."""
+    if isinstance(value, str):
+        return len(value.encode("utf-8", "surrogatepass")) + 5
+    return 1 if value is None or isinstance(value, bool) else 9
+
+
+def checked_stats(stats: dict) -> tuple[dict, int, int]:
+    """(the map kept, its packed size bound, entries dropped) of a stats map. Stats are a flat map of figures:
+    str keys, scalar values, numbers where status expects them; a map that breaks these rules is refused
+    (ProtocolError): one client's bytes or nested maps would make every `zddrl status --json` fail (not
+    JSON-serialisable), and a string "sps" would break the table. Size is bounded, not refused: entries with a key
+    over MAX_STATS_KEY_BYTES or a string over MAX_STATS_STRING are dropped, and so is everything from the first entry
+    past MAX_STATS_KEYS or MAX_STATS_BYTES on (in the sender's order): a member row always fits a status page."""
+    kept: dict[str, Any] = {}
+    nbytes = 5  # the map's own header
     for key, value in stats.items():
         if not isinstance(key, str):
             raise P.ProtocolError(f"stats: key {key!r} is not a string")
@@ -154,9 +285,15 @@ def checked_stats(stats: dict) -> dict:
             raise P.ProtocolError(f"stats: {key!r} must be a number, string, bool or nil, not {type(value).__name__}")
         if key in STATS_NUMERIC_KEYS and not isinstance(value, (int, float)):
             raise P.ProtocolError(f"stats: {key!r} must be a number")
-        if isinstance(value, str) and len(value) > MAX_STATS_STRING:
-            raise P.ProtocolError(f"stats: {key!r} is longer than {MAX_STATS_STRING} characters")
-    return stats
+        key_bytes = packed_bytes(key)
+        if key_bytes > MAX_STATS_KEY_BYTES + 5 or (isinstance(value, str) and len(value) > MAX_STATS_STRING):
+            continue
+        size = key_bytes + packed_bytes(value)
+        if len(kept) >= MAX_STATS_KEYS or nbytes + size > MAX_STATS_BYTES:
+            break  # a prefix is kept: the loop stays short whatever the map's length
+        kept[key] = value
+        nbytes += size
+    return kept, nbytes, len(stats) - len(kept)
 
 
 def staleness_of(run: Any) -> int:
@@ -205,12 +342,14 @@ def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_sta
 
 
 def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
-    """Each onset once (rate-limited per member and check, should a condition flap), each end once."""
+    """Onsets and ends, rate-limited per check: a thousand actors warned at once make one line and a count, not a
+    thousand (their rows are in the status body). Keyed by check, not member: the log's keys are never forgotten,
+    and peer ids come from peers."""
     for raised, w in events:
         if raised:
-            log.warning(f"health/{w.check}/{w.member}", f"health: {w.member}: {w.check}: {w.message}")
+            log.warning(f"health/{w.check}", f"health: {w.member}: {w.check}: {w.message}")
         else:
-            log.info(f"health-end/{w.check}/{w.member}", f"health: {w.member}: {w.check} cleared")
+            log.info(f"health-end/{w.check}", f"health: {w.member}: {w.check} cleared")
 
 
 def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:

@@ -55,7 +55,6 @@ class Publisher:
         self._send = send
         """Sends frames to a control identity (counting what cannot be routed)."""
         self.counters = counters
-        counters.setdefault("params_signature", 0)
         self._ratelog = ratelog
         self.interval_s = heartbeat_interval_s
         self.verify: Verify | None = None if pins is None else partial(signing.params_refusal, pins=pins)

@@ -1,10 +1,22 @@
-"""The broker's status body (docs/protocol.md section 9), its counters and message rates."""
+"""The broker's status body (docs/protocol.md section 9), its counters and message rates.
+
+The body is bounded whatever the fleet: a summary (counters, counts by role and host, totals, health counts,
+the oldest HEALTH_ROWS_LISTED warnings, the last departures) and one page of member rows. Pages hold the
+members in (role: learners, monitors, actors; peer id) order, at most PAGE_MEMBERS rows and PAGE_ROW_BYTES of
+them; a fleet that fits one page is all on page 1, the page a request without ``page`` gets.
+"""
 
 from __future__ import annotations
 
+import heapq
 import socket
 import time
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
+
+from zddrl import protocol as P
+from zddrl.broker.membership import Member
 
 BROKER_COUNTERS = (
     "received",
@@ -31,9 +43,35 @@ BROKER_COUNTERS = (
     "params_chunk_hash",
     "params_whole_hash",
     "params_incomplete",
+    "params_signature",
+    "runs_refused",
     "fleet_sent",
+    "status_refused",
+    "hello_limited",
+    "hello_over_cap",
+    "stats_truncated",
 )
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
+PAGE_MEMBERS = 500
+"""Member rows in one page of the status body at most."""
+PAGE_ROW_BYTES = 512 << 10
+"""Packed bytes of one page's member rows at most (row_bytes bounds each; one row always fits: a member's stats
+take at most membership.MAX_STATS_BYTES)."""
+ROW_BASE_BYTES = 512
+"""Bound of a member row's packed size without its peer id, host and stats: the fixed keys, numbers and every
+``dropped_<reason>`` key."""
+HEALTH_ROWS_LISTED = 64
+"""Health warnings listed in the body (the oldest onsets); ``health_by_check`` counts them all."""
+HOSTS_LISTED = 32
+"""Hosts in ``members_by_host`` (those with the most members); ``hosts_total`` counts them all."""
+MAX_STATUS_BYTES = 768 << 10
+"""Bound of a status body's packed size (tests/broker/test_status_bounds.py): the broker map with its summary
+(under 16 KiB with HOSTS_LISTED hosts of 255 bytes), HEALTH_ROWS_LISTED warnings (under 1 KiB each: their
+messages name at most three peer ids and a stats string), 20 departures (membership.DEPARTURES_KEPT, reasons
+of at most membership.DEPARTURE_REASON_CHARS: under 136 KiB) and one page (PAGE_ROW_BYTES): under 730 KiB, which
+leaves room under the protocol's MAX_HEADER_BYTES (1 MiB)."""
+ROLE_ORDER = {"learner": 0, "monitor": 1, "actor": 2}
+"""Page order: learners first, so that page 1 carries the run's figures (the main learner's stats)."""
 RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
 """Trajectory messages and bytes per second in and out, over the last heartbeat interval."""
 
@@ -47,11 +85,59 @@ def throughput(mark: tuple | None, counters: dict[str, int], now: float) -> tupl
     return new, {k: round((a - b) / dt, 1) for k, a, b in zip(RATES, new[1:], mark[1:])}
 
 
-def broker_status(b: Any) -> dict[str, Any]:
-    """The status body (docs/protocol.md section 9) of Broker ``b``: counters, members, health, departures."""
+def row_bytes(m: Member) -> int:
+    """A bound of the packed size of ``m``'s row and its key in the members map."""
+    return ROW_BASE_BYTES + len(m.peer_id.encode("utf-8", "surrogatepass")) + len(m.host.encode()) + m.stats_bytes
+
+
+def _page_order(m: Member) -> tuple[int, str]:
+    return ROLE_ORDER.get(m.role, len(ROLE_ORDER)), m.peer_id
+
+
+def paged(members: Iterable[Member], page: int) -> tuple[list[Member], int]:
+    """(the members on ``page``, counted from 1, and how many pages there are): pages cut at PAGE_MEMBERS rows or
+    before PAGE_ROW_BYTES. A page past the last is empty; with no members there is one, empty, page."""
+    pages, count, nbytes, chosen = 1, 0, 0, []
+    for m in sorted(members, key=_page_order):
+        size = row_bytes(m)
+        if count and (count >= PAGE_MEMBERS or nbytes + size > PAGE_ROW_BYTES):
+            pages, count, nbytes = pages + 1, 0, 0
+        count, nbytes = count + 1, nbytes + size
+        if pages == page:
+            chosen.append(m)
+    return chosen, pages
+
+
+def fleet_summary(members: Iterable[Member]) -> dict[str, Any]:
+    """Counts and totals over every member (the rows are paged, these are not)."""
+    by_role: Counter[str] = Counter()
+    by_host: Counter[str] = Counter()
+    env_steps = envs = 0
+    for m in members:
+        by_role[m.role] += 1
+        by_host[m.host] += 1
+        env_steps += m.counters["env_steps"]
+        envs += m.num_envs
+    return {
+        "members_total": sum(by_role.values()),
+        "members_by_role": {role: by_role[role] for role in P.ROLES},
+        "members_by_host": dict(heapq.nlargest(HOSTS_LISTED, by_host.items(), key=lambda kv: (kv[1], kv[0]))),
+        "hosts_total": len(by_host),
+        "envs_total": envs,
+        "env_steps_total": env_steps,
+    }
+
+
+def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
+    """The status body (docs/protocol.md section 9) of Broker ``b``: counters, the fleet's summary, health, departures
+    and ``page`` of the member rows (ProtocolError if ``page`` < 1)."""
+    if page < 1:
+        raise P.ProtocolError(f"status_request: page must be >= 1, got {page}")
     now = time.monotonic()
     c = b.counters
     dropped = sum(b.dropped.values())
+    rows, pages = paged(b.members.values(), page)
+    health = b.health.counts()
     return {
         "broker": {
             "uptime_s": round(now - b.started, 3),
@@ -71,8 +157,13 @@ def broker_status(b: Any) -> dict[str, Any]:
             "fleet_actors": len(b.fleet.actors),
             **b.rates,
             **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")},
+            **fleet_summary(b.members.values()),
+            "health_total": sum(health.values()),
+            "health_by_check": health,
+            "page": page,
+            "pages": pages,
         },
-        "members": {pid: m.row(now) for pid, m in b.members.items()},
-        "health": b.health.rows(now),
+        "members": {m.peer_id: {**m.row(now), "warnings": b.health.count_of(m.peer_id)} for m in rows},
+        "health": b.health.rows(now, HEALTH_ROWS_LISTED),
         "departures": b.departures.rows(now),
     }

@@ -1,7 +1,8 @@
 """`zddrl status`: ask a broker for its counters and show them as a table, once or live (``--watch``).
 
-The broker's status body (docs/protocol.md, section 9) carries the counters, every member with its
-last stats, the fleet's health warnings and the last departures (with crash reports). The same rows
+The broker's status body (docs/protocol.md, section 9) carries the counters, the fleet's counts by role
+and host, one page of members with their last stats (a fleet of up to a few hundred members is all on
+page 1), the fleet's health warnings and the last departures (with crash reports). The same rows
 feed the plain-text table and the live view: ``rich`` when it is installed and stdout is a terminal,
 otherwise plain text (the screen cleared between frames on a terminal, frames one after another when
 piped to a file).
@@ -29,10 +30,17 @@ traceback: `zddrl status --json` has it in full)."""
 
 
 def request_status(
-    connect: str, timeout_s: float, context: zmq.Context | None = None, credentials: Credentials | None = None
+    connect: str,
+    timeout_s: float,
+    context: zmq.Context | None = None,
+    credentials: Credentials | None = None,
+    *,
+    page: int = 1,
 ) -> dict[str, Any] | None:
-    """One status request on a fresh DEALER (a CURVE client with ``credentials`` on a closed bus); None if no
-    broker answers within the timeout (or its answer is not a valid status message)."""
+    """One status request for ``page`` of the member rows (from 1) on a fresh DEALER (a CURVE client with
+    ``credentials`` on a closed bus); None if no broker answers within the timeout, refuses (it rate-limits
+    status requests), or answers with something that is not a valid status message: a caller that asks now and
+    then must not die of a bad answer."""
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -40,7 +48,7 @@ def request_status(
         credentials.apply(sock)
     try:
         sock.connect(connect)
-        sock.send_multipart(P.encode(P.StatusRequest(peer_id="status")))
+        sock.send_multipart(P.encode(P.StatusRequest(peer_id="status", page=page)))
         if not sock.poll(int(timeout_s * 1000)):
             return None
         while True:  # anything else the broker might send first is skipped
@@ -51,6 +59,9 @@ def request_status(
                 return None
             if isinstance(msg, P.Status):
                 return msg.body
+            if isinstance(msg, P.Reject):
+                logger.warning(f"the broker at {connect} refused the status request: {msg.reason}")
+                return None
             if not sock.poll(int(timeout_s * 1000)):
                 return None
     finally:
@@ -84,6 +95,10 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
         f"now: in {b.get('in_msgs_per_s', 0):.0f} msgs/s ({b.get('in_bytes_per_s', 0) / 1e6:.1f} MB/s)  "
         f"out {b.get('out_msgs_per_s', 0):.0f} msgs/s  learner credit {b.get('credit', 0)}",
     ]
+    if "members_total" in b:  # a broker before status pages sent every member and no counts
+        roles = ", ".join(f"{n} {role}" for role, n in b["members_by_role"].items() if n)
+        page = f"  page {b['page']} of {b['pages']} (--page N)" if b["pages"] > 1 or b["page"] > 1 else ""
+        lines.append(f"members {b['members_total']} ({roles or 'none'}) on {b['hosts_total']} hosts{page}")
     learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
     learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
     if learner:
@@ -107,9 +122,10 @@ def member_rows(body: dict[str, Any]) -> list[list[str]]:
         for k, v in m.get("stats", {}).items()
         if k.startswith("lag/")
     }
-    warned: dict[str, int] = {}
+    warned: dict[str, int] = {}  # the broker counts each row's warnings; older brokers listed them all
     for w in body.get("health", []):
         warned[w["member"]] = warned.get(w["member"], 0) + 1
+    warned.update({peer: m["warnings"] for peer, m in body["members"].items() if m.get("warnings") is not None})
     rows = [
         [
             "member",
@@ -150,7 +166,7 @@ def member_rows(body: dict[str, Any]) -> list[list[str]]:
                 f"{100 * s.get('comm_share', 0):.0f}%",
                 f"{100 * s.get('wait_share', s.get('wait_data_share', 0)):.0f}%",
                 _number(s.get("rss_mb"), ".0f"),
-                str(warned.get(peer, "-")),
+                str(warned.get(peer) or "-"),
                 f"{m['last_seen_s']:.1f}",
             ]
         )
@@ -286,6 +302,7 @@ def watch_status(
     *,
     out: TextIO | None = None,
     use_rich: bool | None = None,
+    page: int = 1,
 ) -> None:
     """Show the broker's status every ``interval_s`` until Ctrl-C (a clean exit).
 
@@ -298,7 +315,7 @@ def watch_status(
         with _screen(out, use_rich) as screen:
             while True:
                 try:
-                    body = request_status(connect, timeout_s, credentials=credentials)
+                    body = request_status(connect, timeout_s, credentials=credentials, page=page)
                 except P.ProtocolError as exc:  # something else answers on that port; keep asking
                     body, why = None, f"not a zddrl broker answer ({exc})"
                 else:

@@ -187,8 +187,11 @@ class Stats(Message):
 
 @dataclass(frozen=True)
 class StatusRequest(Message):
+    """Anyone -> broker control: send me the status body with ``page`` (from 1) of its member rows."""
+
     KIND: ClassVar[str] = "status_request"
     peer_id: str = ""
+    page: int = 1
 
 
 @dataclass(frozen=True)
