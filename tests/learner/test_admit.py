@@ -58,7 +58,9 @@ def node(tmp_path):
     n.own.fleet.refresh(n.link.fleet())  # two actors of one env: 8 steps each make the batch of 16
     n.rollout_len = n.own.fleet.rollout_len
     channel = FakeChannel()
-    n.poller = ShardPoller(n.link, lambda: channel, "r", ShardGroup(), n._mismatch, logger, n._asked_len)
+    n.poller = ShardPoller(
+        n.link, lambda: channel, "r", ShardGroup(), n._mismatch, logger, n._asked_len, admit=n._admit
+    )
     yield n, channel
     n.own.runlog.close()
 
@@ -84,8 +86,8 @@ def test_a_rollout_far_bigger_than_asked_is_refused_before_it_is_read(node) -> N
 
 def test_a_rollout_of_a_version_never_published_is_refused(node) -> None:
     n, _ = node
-    assert "not one of the published 0..0" in n._mismatch(rollout_of("a", 0, 7, T=8, N=1))
-    assert n._mismatch(rollout_of("a", 0, 0, T=8, N=1)) == ""
+    assert "not one of the published 0..0" in n._admit(rollout_of("a", 0, 7, T=8, N=1))
+    assert n._admit(rollout_of("a", 0, 0, T=8, N=1)) == ""
 
 
 def test_the_main_shard_hands_the_asked_length_to_the_others() -> None:

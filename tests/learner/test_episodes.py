@@ -51,6 +51,7 @@ def slow_episodes(parts: list[dict[str, np.ndarray] | None]) -> list[tuple[float
             for t in range(T):
                 ret[n] += float(p["rewards"][t, n])
                 length[n] += 1
+                known[n] = known[n] and bool(np.isfinite(p["rewards"][t, n]))  # a NaN reward breaks its episode
                 if p["terminated"][t, n] or p["truncated"][t, n]:
                     if known[n]:
                         out.append((ret[n], length[n]))
@@ -93,6 +94,17 @@ def test_a_refused_or_lost_rollout_breaks_the_episodes_it_cuts() -> None:
     same(got, slow_episodes([None if seq in (3, 6) else p for seq, p in enumerate(parts)]))
 
 
+def test_a_non_finite_reward_breaks_its_own_episode_only() -> None:
+    """A rollout refused for a NaN reward is still read for its rewards' shape: the other columns carry on."""
+    parts = rollouts(10, 6, 3, seed=4)
+    parts[2]["rewards"][3, 1] = np.nan
+    parts[5]["rewards"][0, 0] = np.inf
+    ep = Episodes()
+    got = [e for seq, p in enumerate(parts) for e in ep.add("a", "x", seq, segments_of(p))]
+    same(got, slow_episodes(parts))
+    assert all(np.isfinite(r) for r, _ in got)
+
+
 def test_a_stream_that_does_not_start_at_seq_0_or_restarts_is_unknown_until_an_episode_ends() -> None:
     parts = rollouts(6, 5, 2, seed=3)
     ep = Episodes()
@@ -132,3 +144,18 @@ def test_forged_returns_and_step_totals_in_the_header_do_not_end_the_run() -> No
     assert summary["total_env_steps"] == 30 * 4 and not ledger.finished()
     assert not summary["reached"] and summary["return_mean_20"] < 5
     assert summary["episodes"] == 30 and summary["return_mean_20"] == 4.0  # each rollout ends one at its step 1
+
+
+def test_what_the_learner_keeps_per_actor_is_bounded_whatever_the_peer_ids() -> None:
+    from zddrl.algos.core import REWARD_STREAMS_KEPT, RewardScaler
+    from zddrl.learner.episodes import STREAMS_KEPT
+    from zddrl.learner.ledger import LAG_KEPT
+
+    ledger, scaler = Ledger(Config(), logger, time.time()), RewardScaler(0.99)
+    parts = rollouts(1, 2, 1)[0]
+    for i in range(max(LAG_KEPT, STREAMS_KEPT, REWARD_STREAMS_KEPT) + 10):
+        msg = rollout_of(f"actor-{i}", 0, 0, T=2, N=1)
+        ledger.account(record_of(msg, fresh=True, used=True), 0)
+        scaler.discounted(f"actor-{i}", parts["rewards"], parts["terminated"])
+    assert len(ledger.lag) == LAG_KEPT and len(ledger.episodes.streams) == STREAMS_KEPT
+    assert len(scaler.returns) == REWARD_STREAMS_KEPT and "actor-0" not in ledger.lag

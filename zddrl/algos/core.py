@@ -58,6 +58,11 @@ def _pooled_moments(group: ShardGroup, n: int, mean: np.ndarray, var: np.ndarray
     return total, pooled_mean.reshape(np.shape(mean)), pooled_var.reshape(np.shape(mean))
 
 
+REWARD_STREAMS_KEPT = 4096
+"""Actors whose running discounted returns are kept (least recently seen dropped first; a dropped actor's next
+rollout starts from 0 again): memory bounded whatever the peer ids."""
+
+
 class RewardScaler:
     """Divides rewards by the running std of the discounted return, tracked per (actor, env) stream.
 
@@ -81,7 +86,10 @@ class RewardScaler:
             ret = ret * self.gamma + rewards[t]
             seen[t] = ret
             ret = np.where(done[t], 0.0, ret)
+        self.returns.pop(peer_id, None)  # re-inserted last: the dict's order is least recently seen first
         self.returns[peer_id] = ret
+        while len(self.returns) > REWARD_STREAMS_KEPT:
+            del self.returns[next(iter(self.returns))]
         return seen
 
     def scale(

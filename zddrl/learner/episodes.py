@@ -10,9 +10,11 @@ to the main shard in the rollout's record is that summary, a few numbers per env
 The main shard stitches the summaries of one actor into streams, one per env column (``Episodes``): a running
 return and length per column across the actor's rollouts in ``seq`` order, an episode reported when a flag
 ends it. A stream is continuous only while that actor's rollouts follow one another: a gap in ``seq`` (a rollout
-the learner refused or never got), a new incarnation (the actor process restarted) or another env count
-breaks it, and every column is then *unknown* until its next episode end: that partial episode is not
-reported. Rollouts from the learner shards arrive a little out of order, so up to ``REORDER_WINDOW`` of an
+the learner never got, or refused on its shapes or header), a new incarnation (the actor process restarted) or
+another env count breaks it, and every column is then *unknown* until its next episode end: that partial
+episode is not reported. A rollout refused for its content (a NaN reward, say) is still read for its rewards,
+which have the shape it claims: a column with a non-finite reward is broken up to its next episode end, the
+others carry on. Rollouts from the learner shards arrive a little out of order, so up to ``REORDER_WINDOW`` of an
 actor's rollouts wait for a missing one before the stream gives it up. A stream starts known only at seq 0
 (an actor process's first rollout, whose envs were just reset).
 """
@@ -39,40 +41,46 @@ class Segments(NamedTuple):
     head: list[float]
     """Rewards up to and including the first episode end of each column (all of them where none ended)."""
     head_len: list[int]
+    head_ok: list[bool]
+    """Whether those rewards were all finite (a refused rollout's may not be: its other columns still count)."""
     ended: list[bool]
     """Whether an episode ended in the column."""
     tail: list[float]
     """Rewards after the last episode end of each column (0 where none ended)."""
     tail_len: list[int]
+    tail_ok: list[bool]
     inner: list[list[float]]
-    """``[return, length]`` of each episode that began and ended inside the rollout (column by column)."""
+    """``[return, length]`` of each episode that began and ended inside the rollout with finite rewards only."""
 
 
 def segments_of(arrays: Mapping[str, np.ndarray]) -> Segments:
-    """The ``Segments`` of a verified rollout's ``rewards``, ``terminated`` and ``truncated`` ``[T, N]``."""
+    """The ``Segments`` of a rollout's ``rewards``, ``terminated`` and ``truncated`` ``[T, N]``."""
     rewards = np.asarray(arrays["rewards"], dtype=np.float64)
     done = np.asarray(arrays["terminated"]) | np.asarray(arrays["truncated"])
     T, N = rewards.shape
-    cum = np.concatenate([np.zeros((1, N)), np.cumsum(rewards, axis=0)])  # cum[t] = sum of rows < t
-    head, head_len, ended, tail, tail_len = [], [], [], [], []
+    bad = ~np.isfinite(rewards)
+    zero = np.zeros((1, N))
+    cum = np.concatenate([zero, np.cumsum(np.where(bad, 0.0, rewards), axis=0)])  # cum[t] = sum of rows < t
+    cum_bad = np.concatenate([zero, np.cumsum(bad, axis=0)])
+
+    def part(a: int, b: int, n: int) -> tuple[float, int, bool]:
+        return float(cum[b, n] - cum[a, n]), b - a, bool(cum_bad[b, n] == cum_bad[a, n])
+
+    heads, tails, ended = [], [], []
     inner: list[list[float]] = []
     for n in range(N):
-        ends = np.flatnonzero(done[:, n])
-        if not len(ends):
-            head.append(float(cum[T, n]))
-            head_len.append(T)
-            ended.append(False)
-            tail.append(0.0)
-            tail_len.append(0)
-            continue
-        stops = ends + 1  # an episode ending at row t takes rows up to t
-        head.append(float(cum[stops[0], n]))
-        head_len.append(int(stops[0]))
-        ended.append(True)
-        inner.extend([float(cum[b, n] - cum[a, n]), int(b - a)] for a, b in zip(stops[:-1], stops[1:]))
-        tail.append(float(cum[T, n] - cum[stops[-1], n]))
-        tail_len.append(int(T - stops[-1]))
-    return Segments(head, head_len, ended, tail, tail_len, inner)
+        stops = np.flatnonzero(done[:, n]) + 1  # an episode ending at row t takes rows up to t
+        first, last = (int(stops[0]), int(stops[-1])) if len(stops) else (T, T)
+        heads.append(part(0, first, n))
+        ended.append(bool(len(stops)))
+        tails.append(part(last, T, n))
+        for a, b in zip(stops[:-1], stops[1:]):
+            ret, length, ok = part(int(a), int(b), n)
+            if ok:
+                inner.append([ret, length])
+    head, head_len, head_ok = (list(x) for x in zip(*heads)) if N else ([], [], [])
+    tail, tail_len, tail_ok = (list(x) for x in zip(*tails)) if N else ([], [], [])
+    return Segments(head, head_len, head_ok, ended, tail, tail_len, tail_ok, inner)
 
 
 class _Stream:
@@ -105,13 +113,13 @@ class _Stream:
         episodes = [
             (float(self.ret[n] + seg.head[n]), int(self.length[n] + seg.head_len[n]))
             for n in range(len(seg.head))
-            if seg.ended[n] and self.known[n]
+            if seg.ended[n] and self.known[n] and seg.head_ok[n]
         ]
         episodes.extend((float(r), int(n)) for r, n in seg.inner)
         ended = np.asarray(seg.ended, dtype=bool)
         self.ret = np.where(ended, seg.tail, self.ret + np.asarray(seg.head))
         self.length = np.where(ended, seg.tail_len, self.length + np.asarray(seg.head_len))
-        self.known |= ended
+        self.known = np.where(ended, seg.tail_ok, self.known & np.asarray(seg.head_ok, dtype=bool))
         return episodes
 
 

@@ -25,6 +25,9 @@ from zddrl.logs import RateLimitedLog
 
 LAG_WINDOW = 20
 """Updates over which a steadily growing median actor lag raises a warning."""
+LAG_KEPT = 4096
+"""Actors whose lag is remembered (the least recently heard-from forgotten first): one entry per peer id ever seen
+would grow without bound in a long run with churning actors."""
 HASHES_KEPT = 256
 """Published versions whose parameter hash is remembered for the actors' hash check. Bounded: a multi-day
 run publishes millions of versions; data older than this many versions is stale in every mode."""
@@ -70,7 +73,10 @@ class Ledger:
 
     def account(self, r: Record, version: int) -> None:
         """A trajectory received by any shard: its steps, episodes and lag; its parameter hash checked."""
-        self.lag[r.peer_id] = version - r.policy_version
+        self.lag.pop(r.peer_id, None)  # re-inserted last: the dict's order is least recently heard-from first
+        self.lag[r.peer_id] = version - r.policy_version  # 0..version: admit.refusal bounds the version
+        while len(self.lag) > LAG_KEPT:
+            del self.lag[next(iter(self.lag))]
         self.progress.count_steps(r.env_steps)
         expected = self.hashes.get(r.policy_version)
         if expected is not None and r.param_hash != expected:

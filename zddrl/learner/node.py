@@ -188,6 +188,7 @@ class LearnerNode:
             self.log,
             self._asked_len if self.own is not None else None,
             self.rollout_len,
+            admit=self._admit,
         )
         # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
         self.max_chunk_bytes = max(1024, limit // 2)
@@ -279,17 +280,17 @@ class LearnerNode:
         fleet_len = self.own.fleet.rollout_len if self.own is not None else 0
         return max(self.lengths.most(), self.rollout_len, fleet_len)
 
+    def _admit(self, msg: P.Trajectory) -> str:
+        """Why ``msg`` is refused on its shapes and header numbers (``admit.refusal``), before any array is read."""
+        envs = envs_of(msg.peer_id, self.link.fleet(), self.config.env.num_envs)
+        return refusal(
+            msg.arrays["rewards"].shape, msg.policy_version, self.policy_version, self.poller.asked_len, envs
+        )
+
     def _mismatch(self, msg: P.Trajectory) -> str:
-        """Why this run cannot train on ``msg`` (``admit.refusal`` first: shapes and header numbers, before any
-        array is read; then algos.rollout.mismatch), or "". IMPALA stacks rollouts time-major, so there every
-        one must have the run's length."""
+        """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". IMPALA stacks rollouts
+        time-major, so there every one must have the run's length."""
         try:
-            envs = envs_of(msg.peer_id, self.link.fleet(), self.config.env.num_envs)
-            why = refusal(
-                msg.arrays["rewards"].shape, msg.policy_version, self.policy_version, self.poller.asked_len, envs
-            )
-            if why:
-                return why
             return mismatch(msg.arrays, self.core.spec, self.rollout_len if self.algo.mode == "impala" else None)
         except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it, never the run
             return f"its check failed ({type(exc).__name__}: {exc})"

@@ -33,7 +33,7 @@ class Record(NamedTuple):
     """Which process of that actor id sent it (an actor restarted under the same id is a new one)."""
     segments: Segments | None
     """Its rewards summed between episode ends (``episodes.segments_of``); None when it was not read: kept from an
-    earlier poll (counted then), or unfit to train on."""
+    earlier poll (counted then), or refused on its shapes or header (``admit.py``)."""
     fresh: bool
     """Taken off the socket in this poll (not yet counted), rather than kept from an earlier one."""
     used: bool
@@ -42,7 +42,10 @@ class Record(NamedTuple):
     """Why the run cannot train on it (``admit.refusal``, ``algos.rollout.mismatch``), or "" when it can."""
 
 
-def record_of(msg: P.Trajectory, fresh: bool, used: bool, invalid: str = "") -> Record:
+def record_of(msg: P.Trajectory, fresh: bool, used: bool, invalid: str = "", readable: bool | None = None) -> Record:
+    """``readable``: whether its episode segments may be read (default: fresh and valid). A rollout refused for
+    its content (``algos.rollout.mismatch``) still has rewards of the shape it claims: the columns whose rewards
+    are finite carry their episodes on, so one NaN reward breaks one env's episode, not every env's."""
     incarnation = msg.info.get("incarnation")
     return Record(
         msg.peer_id,
@@ -51,7 +54,7 @@ def record_of(msg: P.Trajectory, fresh: bool, used: bool, invalid: str = "") -> 
         msg.env_steps,
         msg.param_hash[:HASH_CHARS],
         incarnation if isinstance(incarnation, str) and len(incarnation) <= INCARNATION_CHARS else None,
-        segments_of(msg.arrays) if fresh and not invalid else None,
+        segments_of(msg.arrays) if (readable if readable is not None else fresh and not invalid) else None,
         fresh,
         used,
         invalid,
