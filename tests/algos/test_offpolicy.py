@@ -152,34 +152,6 @@ def test_the_ledger_remembers_a_bounded_number_of_published_hashes() -> None:
     assert len(ledger.hashes) == HASHES_KEPT and min(ledger.hashes) == HASHES_KEPT * 3
 
 
-def test_progress_counts_actor_steps_across_runs_and_restarts() -> None:
-    from zddrl.learner.progress import Progress
-
-    p = Progress()
-    p.count_steps("a", 5000, 100)  # an actor host that served an earlier run: 4900 steps not ours
-    p.count_steps("a", 5100, 100)
-    assert p.env_steps() == 200
-    p.count_steps("a", 100, 100)  # the actor process restarted with the same id
-    p.count_steps("a", 200, 100)
-    assert p.env_steps() == 400
-    p.count_steps("b", None, 50)  # no totals reported: add up
-    p.count_steps("b", None, 50)
-    assert p.env_steps() == 500
-
-
-def test_progress_counts_each_step_once_whatever_the_arrival_order() -> None:
-    """Learner shards see an actor's messages out of order: totals 300, 400 before 200; each counted once."""
-    from zddrl.learner.progress import Progress
-
-    p = Progress()
-    for total in (1100, 1300, 1400, 1200, 1200, 1500):  # 1000 steps from before this run; 1200 arrives late, twice
-        p.count_steps("a", total, 100, incarnation="x1")
-    assert p.env_steps() == 500
-    p.count_steps("a", 200, 100, incarnation="x2")  # restarted: a new process, a new stream
-    p.count_steps("a", 100, 100, incarnation="x2")
-    assert p.env_steps() == 700
-
-
 def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
     from zddrl.config import ConfigError
 

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from loguru import logger
 
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
@@ -19,6 +18,7 @@ from zddrl.algos.optim import Adam
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+from zddrl.logs import RateLimitedLog
 
 
 class RunningMeanStd:
@@ -58,6 +58,11 @@ def _pooled_moments(group: ShardGroup, n: int, mean: np.ndarray, var: np.ndarray
     return total, pooled_mean.reshape(np.shape(mean)), pooled_var.reshape(np.shape(mean))
 
 
+REWARD_STREAMS_KEPT = 4096
+"""Actors whose running discounted returns are kept (least recently seen dropped first; a dropped actor's next
+rollout starts from 0 again): memory bounded whatever the peer ids."""
+
+
 class RewardScaler:
     """Divides rewards by the running std of the discounted return, tracked per (actor, env) stream.
 
@@ -81,7 +86,10 @@ class RewardScaler:
             ret = ret * self.gamma + rewards[t]
             seen[t] = ret
             ret = np.where(done[t], 0.0, ret)
+        self.returns.pop(peer_id, None)  # re-inserted last: the dict's order is least recently seen first
         self.returns[peer_id] = ret
+        while len(self.returns) > REWARD_STREAMS_KEPT:
+            del self.returns[next(iter(self.returns))]
         return seen
 
     def scale(
@@ -159,6 +167,8 @@ class LearnerCore:
         self.steps_trained = 0
         self.skipped_steps = 0
         """Optimizer steps not taken because the gradient was not finite."""
+        self._ratelog = RateLimitedLog()
+        """A poisoned run can skip every step: one line per interval with a count, not one per step."""
 
     def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -200,6 +210,7 @@ class LearnerCore:
         ``loss``; None when it had none), clip, step. Returns the gradient norm before clipping, or
         None when no shard had a sample (no step then: Adam's momentum would move the weights)."""
         params = self.optimizer.params
+        self._ratelog.flush()
         self.optimizer.zero_grad(set_to_none=True)
         if loss is not None:
             loss.backward()
@@ -213,7 +224,9 @@ class LearnerCore:
             # One poisoned sample (a finite but absurd log-probability, say) must not turn every weight into
             # NaN for good. Gradients are all-reduced, so every shard sees the same norm and skips alike.
             self.skipped_steps += 1
-            logger.warning(f"skipped an optimizer step: gradient norm {grad_norm} ({self.skipped_steps} so far)")
+            self._ratelog.warning(
+                "skipped-step", f"skipped an optimizer step: gradient norm {grad_norm} ({self.skipped_steps} so far)"
+            )
             return None
         self.optimizer.step()
         return grad_norm

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from zddrl.algos.core import LearnerCore, explained_variance, schedule
-from zddrl.algos.returns import gae, truncated_importance_weights
+from zddrl.algos.returns import LOG_RATIO_BOUND, gae, truncated_importance_weights
 from zddrl.algos.rollout import Rollout, truncations
 
 LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
@@ -62,10 +62,11 @@ def ppo_loss(
     """PPO's clipped surrogate + value loss - entropy bonus (Schulman et al. 2017, eq. 7 and 9).
 
     All inputs ``[B]``. ``weights`` (optional, no grad) scale each sample's surrogate: the truncated
-    importance weights of the decoupled objective. Returns the scalar loss to minimise and its
-    parts as floats (plus the k3 estimate of KL(old || new) and the fraction of clipped ratios).
+    importance weights of the decoupled objective. The log-ratio is bounded by ``LOG_RATIO_BOUND``. Returns
+    the scalar loss to minimise and its parts as floats (plus the k3 estimate of KL(old || new) and the
+    fraction of clipped ratios).
     """
-    log_ratio = logp - old_logp
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # finite whatever old_logp says
     ratio = log_ratio.exp()
     surrogate = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip))
     policy_loss = (surrogate if weights is None else weights * surrogate).mean()

@@ -30,13 +30,22 @@ import numpy as np
 import torch
 
 __all__ = [
+    "LOG_RATIO_BOUND",
     "GAEReturns",
     "VTraceReturns",
     "gae",
     "vtrace",
     "vtrace_discounts_and_rewards",
     "truncated_importance_weights",
+    "bounded_ratio",
 ]
+
+LOG_RATIO_BOUND = 20.0
+"""Every importance ratio pi/mu is formed as ``exp(clamp(log pi - log mu, -20, 20))``: e^20 ~ 4.9e8 is far past
+every clip a ratio meets (PPO's 1 + clip, rho_bar, c_bar), so no real ratio changes, while a behaviour
+log-probability of -3e38 from a buggy or hostile actor can no longer overflow the ratio to inf (and the loss to
+NaN, skipping every optimizer step). Beyond the bound the ratio is constant: such a sample passes no gradient
+through it."""
 
 
 class GAEReturns(NamedTuple):
@@ -222,7 +231,7 @@ def vtrace(
     with torch.no_grad():
         (mu, pi, r, d, v), T, B = _time_major(floats, dtype, device)
         boot = _per_env(bootstrap_value, "bootstrap_value", B, dtype, device)
-        ratios = torch.exp(pi - mu)
+        ratios = bounded_ratio(pi, mu)
         rhos = torch.clamp(ratios, max=rho_bar)
         cs = torch.clamp(ratios, max=c_bar)
         values_tp1 = torch.cat([v[1:], boot[None]], dim=0)
@@ -265,7 +274,8 @@ def vtrace_discounts_and_rewards(
 
 
 def truncated_importance_weights(target_logp, behaviour_logp, clip: float) -> torch.Tensor:
-    """``min(clip, exp(target_logp - behaviour_logp))``, elementwise, as a detached weight.
+    """``min(clip, exp(target_logp - behaviour_logp))``, elementwise, as a detached weight (the log-ratio bounded
+    by LOG_RATIO_BOUND).
 
     Computed under ``torch.no_grad()``: gradients never flow through the weight, only through
     whatever it multiplies. Both inputs must have the same shape and float dtype, which the weight
@@ -280,4 +290,10 @@ def truncated_importance_weights(target_logp, behaviour_logp, clip: float) -> to
         mu = _tensor(behaviour_logp, "behaviour_logp", dtype, device)
         if pi.shape != mu.shape:
             raise ValueError(f"target_logp shape {tuple(pi.shape)} != behaviour_logp shape {tuple(mu.shape)}")
-        return torch.clamp(torch.exp(pi - mu), max=clip)
+        return torch.clamp(bounded_ratio(pi, mu), max=clip)
+
+
+def bounded_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))``: the ratio of two probabilities from
+    their logs, finite whatever the logs (see LOG_RATIO_BOUND). Differentiable inside the bound."""
+    return (logp - old_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()

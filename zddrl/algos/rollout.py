@@ -36,6 +36,11 @@ _NO_INDEX = np.zeros(0, dtype=np.int64)
 _NO_VALUE = np.zeros(0, dtype=np.float32)
 LOGP_SLACK = 1e-3
 """A categorical log-probability is at most 0; float32 rounding may put it a hair above."""
+LOGP_BOUND = 1e4
+"""Behaviour log-probabilities must lie in ``[-LOGP_BOUND, LOGP_BOUND]`` (discrete: ``[-LOGP_BOUND, 0]``). An action
+sampled with probability e^-10000 is never drawn (float32 cannot even hold e^-104), and a Gaussian's density
+reaches e^10000 only with a standard deviation no policy has; a number out there is a bug or an attack, and
+training on it would only be saved by the ratio bound (``returns.LOG_RATIO_BOUND``)."""
 _FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value")
 
 
@@ -69,6 +74,9 @@ def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int |
             return "positive log-probabilities of discrete actions"
     elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
         return f"actions of shape {list(actions.shape)}, the run's env needs [T, N, {spec.action_dim}]"
+    logp = arrays["logp"]
+    if logp.min() < -LOGP_BOUND or logp.max() > LOGP_BOUND:  # NaN passes here: the finiteness check below names it
+        return f"implausible behaviour log-probabilities (outside +-{LOGP_BOUND:g}: {logp.min():g} .. {logp.max():g})"
     index = arrays.get("trunc_idx")
     if index is not None:
         if index.min() < 0 or index.max() >= T * N or len(np.unique(index)) != len(index):

@@ -1,9 +1,11 @@
 """The main learner shard's record of a run: counting, drops, actor lag, the metrics row and the summary.
 
 Only the main shard (rank 0) keeps one; the records of what the other shards received reach it through
-the shards' exchange (``records.py``). Every received trajectory counts toward env steps and episode
-returns, trained on or not; every refused one is counted per actor and reason and logged (the first, then
-every 100th per actor).
+the shards' exchange (``records.py``). Every received trajectory the run could train on counts toward env steps
+(its ``T * N``) and episode returns (summed from its rewards, ``episodes.py``), trained on or not; every refused
+one is counted per actor, breaks that actor's episode streams, and is logged with its reason (aggregated: one
+line per ``logs.LOG_EVERY_S`` with a count). Late and stale drops are logged the first, then every 100th time
+per actor.
 """
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ from typing import Any
 import numpy as np
 
 from zddrl.config import Config
+from zddrl.learner.episodes import Episodes
 from zddrl.learner.progress import Progress
 from zddrl.learner.records import Record
+from zddrl.logs import RateLimitedLog
 
 LAG_WINDOW = 20
 """Updates over which a steadily growing median actor lag raises a warning."""
+LAG_KEPT = 4096
+"""Actors whose lag is remembered (the least recently heard-from forgotten first): one entry per peer id ever seen
+would grow without bound in a long run with churning actors."""
 HASHES_KEPT = 256
 """Published versions whose parameter hash is remembered for the actors' hash check. Bounded: a multi-day
 run publishes millions of versions; data older than this many versions is stale in every mode."""
@@ -52,6 +59,8 @@ class Ledger:
         self.shard_trajectories = [0] * world_size
         """Trajectories each shard received: how the broker spread the stream."""
         self.last_row: dict[str, Any] = {}
+        self.episodes = Episodes()
+        self._ratelog = RateLimitedLog()
 
     def published(self, version: int, param_hash: str) -> None:
         self.hashes[version] = param_hash
@@ -64,15 +73,21 @@ class Ledger:
 
     def account(self, r: Record, version: int) -> None:
         """A trajectory received by any shard: its steps, episodes and lag; its parameter hash checked."""
-        self.lag[r.peer_id] = version - r.policy_version
-        self.progress.count_steps(r.peer_id, r.total_env_steps, r.env_steps, r.incarnation)
+        self.lag.pop(r.peer_id, None)  # re-inserted last: the dict's order is least recently heard-from first
+        self.lag[r.peer_id] = version - r.policy_version  # 0..version: admit.refusal bounds the version
+        while len(self.lag) > LAG_KEPT:
+            del self.lag[next(iter(self.lag))]
+        self.progress.count_steps(r.env_steps)
         expected = self.hashes.get(r.policy_version)
         if expected is not None and r.param_hash != expected:
-            self.log.error(
-                f"actor {r.peer_id} acts with parameters {r.param_hash} that were never published "
-                f"for version {r.policy_version} (published {expected})"
+            self._ratelog.log(
+                "foreign-params",
+                f"actor {r.peer_id} acts with parameters {r.param_hash!r} that were never published "
+                f"for version {r.policy_version} (published {expected})",
+                "ERROR",
             )
-        self.progress.add_episodes(r.ep_returns)
+        episodes = self.episodes.add(r.peer_id, r.incarnation, r.seq, r.segments)
+        self.progress.add_episodes([ret for ret, _ in episodes])
 
     def drop_stale(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_stale, r.peer_id)
@@ -92,12 +107,14 @@ class Ledger:
             )
 
     def drop_invalid(self, r: Record) -> None:
-        n = _tally(self.progress.dropped_invalid, r.peer_id)
-        if n:
-            self.log.warning(
-                f"dropped a trajectory from {r.peer_id} (seq {r.seq}) that this run cannot train "
-                f"on: {r.invalid} ({n} so far from this actor)"
-            )
+        """A trajectory the run cannot train on: counted for its actor, whose episode streams it breaks."""
+        self.progress.dropped_invalid[r.peer_id] += 1
+        self.episodes.add(r.peer_id, r.incarnation, r.seq, None)
+        self._ratelog.warning(
+            "invalid",
+            f"dropped a trajectory from {r.peer_id} (seq {r.seq}) that this run cannot train on: {r.invalid} "
+            f"({self.progress.dropped_invalid[r.peer_id]} so far from this actor)",
+        )
 
     def watch_lag(self) -> None:
         """Warn when the median actor lag keeps growing: the 'actors never get new parameters' failure."""
@@ -129,6 +146,7 @@ class Ledger:
     def row(self, figures: dict[str, Any], **columns: Any) -> dict[str, Any]:
         """The metrics row of an update (``columns``: version, actors, rollout length, timings, skipped steps);
         records the target the first time the return reaches it."""
+        self._ratelog.flush()
         wall, steps, ret, p = self.wall_s(), self.env_steps(), self.return_mean(), self.progress
         row = {
             "wall_s": wall,

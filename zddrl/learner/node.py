@@ -33,6 +33,7 @@ from zddrl.algos.rollout import mismatch
 from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
+from zddrl.learner.admit import AskedLengths, envs_of, refusal
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
@@ -119,6 +120,8 @@ class LearnerNode:
         checkpoint = check_run_dir(config, Path(run_dir), resume)
         if checkpoint is not None:
             progress = self._restore(load_checkpoint(checkpoint), checkpoint)
+        self.lengths = AskedLengths(self.rollout_len)
+        """Per-env rollout lengths the latest versions asked for: what bounds a rollout's size (``admit.py``)."""
         self.own: MainShard | None = None
         """What the main shard alone keeps: the run's counting, its directory, its checkpoints, its fleet."""
         if self.main:
@@ -190,6 +193,9 @@ class LearnerNode:
             self.group,
             self._mismatch,
             self.log,
+            self._asked_len if self.own is not None else None,
+            self.rollout_len,
+            admit=self._admit,
         )
         # A chunk must fit the broker's message limit, with room for the small arrays beside chunk 0.
         self.max_chunk_bytes = max(1024, limit // 2)
@@ -231,6 +237,7 @@ class LearnerNode:
         self.timing["wait_s"] += got.round_s
         if publish_due(self.algo.mode, self.updates, self.algo.publish_every):
             self._publish()
+        self.lengths.asked(self.rollout_len)
         if self.own is not None:
             ledger = self.own.ledger
             ledger.progress.updates = self.updates
@@ -274,6 +281,18 @@ class LearnerNode:
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""
         return self.own is not None and self.own.fleet.refresh(self.link.fleet())
+
+    def _asked_len(self) -> int:
+        """Main shard: the longest per-env rollout length asked lately, or about to be (the fleet may have changed)."""
+        fleet_len = self.own.fleet.rollout_len if self.own is not None else 0
+        return max(self.lengths.most(), self.rollout_len, fleet_len)
+
+    def _admit(self, msg: P.Trajectory) -> str:
+        """Why ``msg`` is refused on its shapes and header numbers (``admit.refusal``), before any array is read."""
+        envs = envs_of(msg.peer_id, self.link.fleet(), self.config.env.num_envs)
+        return refusal(
+            msg.arrays["rewards"].shape, msg.policy_version, self.policy_version, self.poller.asked_len, envs
+        )
 
     def _mismatch(self, msg: P.Trajectory) -> str:
         """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". IMPALA stacks rollouts

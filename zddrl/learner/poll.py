@@ -39,7 +39,10 @@ class ShardPoller:
     """``poll(stop, control, use, batch)`` once per step of a round or batch; ``send_params(messages)`` to
     publish (sent again after a re-welcome); ``keep(batch)`` what a stopped run collected. ``check(msg) -> why``
     says why the run cannot use a trajectory ("" when it can); ``open_channel()`` opens a data channel to the
-    link's learners port (again when a re-welcome names another)."""
+    link's learners port (again when a re-welcome names another). ``admit(msg) -> why`` runs first, on shapes
+    and header numbers alone: what it refuses is never read further (``admit.py``). ``asked()`` (main shard) is
+    the rollout length that ``admit`` bounds rollouts with; every exchange hands it to the other shards
+    (``asked_len``)."""
 
     def __init__(
         self,
@@ -49,9 +52,17 @@ class ShardPoller:
         group: ShardGroup,
         check: Callable[[P.Trajectory], str],
         log: Any,
+        asked: Callable[[], int] | None = None,
+        first_len: int = 0,
+        admit: Callable[[P.Trajectory], str] = lambda msg: "",
     ) -> None:
         self.link, self.open_channel, self.run_id = link, open_channel, run_id
-        self.group, self.check, self.log = group, check, log
+        self.group, self.check, self.log, self.admit = group, check, log, admit
+        self.asked = asked
+        """Main shard: the longest per-env rollout length the run asked for lately (``admit.AskedLengths``)."""
+        self.asked_len = asked() if asked is not None else first_len
+        """That length, as of the main shard's last exchange (``first_len`` before the first); what ``check``
+        bounds rollouts with on every shard."""
         self.poll_ms = SHARDED_POLL_MS if group.sharded else RECV_POLL_MS
         self.channel = open_channel()
         self.pending: list[tuple[P.Trajectory, bool]] = []
@@ -82,21 +93,26 @@ class ShardPoller:
         """One poll, then one exchange. A received trajectory for which ``use(msg)`` is true is appended to
         ``batch`` (this shard's part of the batch being collected)."""
         self._reconnect_if_needed()
+        if self.asked is not None:
+            self.asked_len = self.asked()
         mine: list[Record] = []
         msg, fresh = self._receive()
         if msg is not None:
-            why = self.check(msg) if fresh else ""  # kept ones were checked when they came
+            refused = self.admit(msg) if fresh else ""  # kept ones were checked when they came
+            why = refused or (self.check(msg) if fresh else "")
             taken = not why and use(msg)
             if taken:
                 batch.append(msg)
-            mine.append(record_of(msg, fresh, taken, why))
+            mine.append(record_of(msg, fresh, taken, why, readable=fresh and not refused))
         parts = self.group.exchange(
             {
                 "records": [list(r) for r in mine],
                 "stop": stop.is_set(),
                 "control": control if self.group.is_main else None,
+                "asked_len": self.asked_len if self.group.is_main else None,
             }
         )
+        self.asked_len = int(parts[0]["asked_len"])
         control = dict(parts[0]["control"])
         control["stop"] = control.get("stop", False) or any(p["stop"] for p in parts)
         by_shard = [records_of(p["records"]) for p in parts]

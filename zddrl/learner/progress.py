@@ -1,9 +1,10 @@
 """What a learner has seen of its run: env steps, episodes, returns, drops, the target. Survives resumes.
 
-Env steps are counted from what actors report (each trajectory carries the actor's cumulative
-``total_env_steps``), relative to the first report seen from that actor in this learner's life:
-actor hosts outlive runs and learner restarts, so their totals include steps this run never saw.
-Steps and wall time of earlier incarnations of the run (before a resume) are carried as offsets.
+Env steps are the ``T * N`` of every received rollout that the run could train on (trained on or dropped as
+late or stale: those steps were sampled all the same), read from its arrays; the actor's own cumulative
+``total_env_steps`` is not believed (one message claiming 1e15 would end the run). Episode returns are the
+learner's own sums of the rewards it verified (``episodes.py``), never the actor's. Steps and wall time of
+earlier incarnations of the run (before a resume) are carried as offsets.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ class Progress:
     """Env steps of earlier incarnations of this run (resume)."""
     wall_before: float = 0.0
     """Wall seconds of earlier incarnations of this run (resume)."""
-    actor_steps: dict[str, int] = field(default_factory=dict)
-    actor_streams: dict[str, list] = field(default_factory=dict)
-    """Per actor: [incarnation, lowest total before a message, highest total, steps of earlier incarnations]."""
+    steps: int = 0
+    """Env steps of the rollouts this incarnation received that the run could train on."""
     dropped_late: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_invalid: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -39,28 +39,9 @@ class Progress:
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target``, ``env_steps_to_target`` and ``return_at_target`` once the target return was reached."""
 
-    def count_steps(self, peer_id: str, reported_total: Any, env_steps: int, incarnation: Any = None) -> None:
-        """Count an actor's steps from the cumulative totals it reports, in any arrival order.
-
-        The steps of one actor process (``incarnation``) are its highest total minus its lowest
-        total before a message: a message arriving after a later one (learner shards each take their
-        own share of an actor's stream) changes nothing, nor does a resend. A new incarnation (the
-        process restarted with the same id) starts a new stream on top of what was counted.
-        Without an incarnation, a total lower than the highest seen is taken as a restart.
-        """
-        if not isinstance(reported_total, int):  # a client that does not report totals: add up
-            self.actor_steps[peer_id] = self.actor_steps.get(peer_id, 0) + env_steps
-            return
-        stream = self.actor_streams.get(peer_id)
-        restarted = stream is not None and (
-            stream[0] != incarnation if incarnation is not None else reported_total < stream[2]
-        )
-        if stream is None or restarted:
-            carried = self.actor_steps.get(peer_id, 0)
-            stream = self.actor_streams[peer_id] = [incarnation, reported_total - env_steps, reported_total, carried]
-        stream[1] = min(stream[1], reported_total - env_steps)
-        stream[2] = max(stream[2], reported_total)
-        self.actor_steps[peer_id] = stream[3] + stream[2] - stream[1]
+    def count_steps(self, env_steps: int) -> None:
+        """Count the ``T * N`` steps of one received rollout that the run could train on."""
+        self.steps += env_steps
 
     def add_episodes(self, returns: Sequence[float]) -> None:
         for r in returns:
@@ -68,7 +49,7 @@ class Progress:
         self.episodes += len(returns)
 
     def env_steps(self) -> int:
-        return self.steps_before + sum(self.actor_steps.values())
+        return self.steps_before + self.steps
 
     def return_mean(self) -> float:
         return float(np.mean(self.returns)) if len(self.returns) >= RETURN_WINDOW else math.nan
