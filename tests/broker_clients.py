@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ import zmq
 
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
-from zddrl.config import Config
+from zddrl.broker.broker import Broker
+from zddrl.config import BrokerConfig, Config
 from zddrl.ops.status import request_status
 
 WAIT_S = 10.0
@@ -107,6 +110,18 @@ class Pusher:
             return False
         self.sock.send_multipart(frames.encode() if isinstance(frames, P.Message) else frames, copy=False)
         return True
+
+
+@contextmanager
+def in_process_broker() -> Iterator[Broker]:
+    """A broker object bound on random loopback ports and never run: for tests that fill its state by hand."""
+    broker = Broker(BrokerConfig(bind="tcp://127.0.0.1:*"), zmq.Context())
+    broker.bind()
+    try:
+        yield broker
+    finally:
+        broker.close()
+        broker.ctx.term()
 
 
 def status(broker: BrokerHandle, bus: Bus) -> dict:

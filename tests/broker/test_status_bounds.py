@@ -11,6 +11,7 @@ import time
 import msgpack
 import pytest
 
+from broker_clients import in_process_broker
 from zddrl import protocol as P
 from zddrl.broker import health as H
 from zddrl.broker.broker import Broker
@@ -33,7 +34,6 @@ from zddrl.broker.membership import (
     log_health_events,
 )
 from zddrl.broker.report import HEALTH_ROWS_LISTED, HOSTS_LISTED, MAX_STATUS_BYTES, PAGE_MEMBERS, row_bytes
-from zddrl.config import BrokerConfig
 from zddrl.logs import RateLimitedLog
 
 
@@ -66,58 +66,58 @@ def all_pages(broker: Broker) -> list[dict]:
 
 
 def test_10000_members_page_through_bodies_under_the_bound() -> None:
-    broker = Broker(BrokerConfig())
-    fill(broker, 10_000, {"sps": 1234.5, "comm_share": 0.1, "param_hash": "f" * 16, "rss_mb": 512.0})
-    pages = all_pages(broker)
-    assert len(pages) == 10_000 // PAGE_MEMBERS
-    seen: list[str] = []
-    for body in pages:
-        assert packed(body) <= MAX_STATUS_BYTES
-        assert len(body["members"]) <= PAGE_MEMBERS
-        seen += body["members"]
-    assert sorted(seen) == sorted(broker.members), "every member on exactly one page"
-    summary = pages[0]["broker"]
-    assert list(pages[0]["members"])[:2] == ["learner-09999", "monitor-09998"], "learners first, then monitors"
-    assert summary["members_total"] == 10_000 and summary["hosts_total"] == 64
-    assert summary["members_by_role"] == {"actor": 9_998, "learner": 1, "monitor": 1}
-    assert summary["envs_total"] == 80_000 and len(summary["members_by_host"]) == HOSTS_LISTED
-    assert broker.status(len(pages) + 1)["members"] == {}, "a page past the last is empty, not an error"
-    with pytest.raises(P.ProtocolError):
-        broker.status(0)
+    with in_process_broker() as broker:
+        fill(broker, 10_000, {"sps": 1234.5, "comm_share": 0.1, "param_hash": "f" * 16, "rss_mb": 512.0})
+        pages = all_pages(broker)
+        assert len(pages) == 10_000 // PAGE_MEMBERS
+        seen: list[str] = []
+        for body in pages:
+            assert packed(body) <= MAX_STATUS_BYTES
+            assert len(body["members"]) <= PAGE_MEMBERS
+            seen += body["members"]
+        assert sorted(seen) == sorted(broker.members), "every member on exactly one page"
+        summary = pages[0]["broker"]
+        assert list(pages[0]["members"])[:2] == ["learner-09999", "monitor-09998"], "learners first, then monitors"
+        assert summary["members_total"] == 10_000 and summary["hosts_total"] == 64
+        assert summary["members_by_role"] == {"actor": 9_998, "learner": 1, "monitor": 1}
+        assert summary["envs_total"] == 80_000 and len(summary["members_by_host"]) == HOSTS_LISTED
+        assert broker.status(len(pages) + 1)["members"] == {}, "a page past the last is empty, not an error"
+        with pytest.raises(P.ProtocolError):
+            broker.status(0)
 
 
 def test_a_small_fleet_is_all_on_page_one() -> None:
-    broker = Broker(BrokerConfig())
-    fill(broker, 9, {"sps": 1.0})
-    body = broker.status()
-    assert body["broker"]["pages"] == 1 and set(body["members"]) == set(broker.members)
+    with in_process_broker() as broker:
+        fill(broker, 9, {"sps": 1.0})
+        body = broker.status()
+        assert body["broker"]["pages"] == 1 and set(body["members"]) == set(broker.members)
 
 
 def test_the_worst_body_stays_under_the_bound_and_fits_a_message() -> None:
     """Every part at its own bound: members with the largest stats and longest names and hosts, more hosts and
     warnings than are listed, every departure with the longest reason."""
-    broker = Broker(BrokerConfig())
-    long_host = lambda i: f"{i:04d}" + "h" * (P.MAX_HOST_BYTES - 4)  # noqa: E731
-    fill(broker, 2_000, big_stats(2 * MAX_STATS_BYTES), host_of=long_host)
-    now = time.monotonic()
-    for i, m in enumerate(list(broker.members.values())[:300]):
-        broker.health.observe(m.peer_id, "actor", {"first_obs_hash": "x" * MAX_STATS_STRING}, now)
-        if i < DEPARTURES_KEPT:
-            broker.departures.record(m, P.CRASH_PREFIX + "t" * 2 * DEPARTURE_REASON_CHARS)
-    assert broker.health.counts()["same_initial_obs"] == 300
-    last = broker.status()["broker"]["pages"]
-    assert last > 200, "rows of 64 KiB: a few per page"
-    pages = [broker.status(p) for p in (1, 2, last)]
-    for body in pages:
-        nbytes = packed(body)
-        assert nbytes <= MAX_STATUS_BYTES, nbytes
-        assert P.decode(P.encode(P.Status(body=body))).body == body, "a status message any client can decode"
-    body = pages[0]
-    assert len(body["health"]) == HEALTH_ROWS_LISTED and body["broker"]["health_total"] == 300
-    assert len(body["departures"]) == DEPARTURES_KEPT and body["broker"]["hosts_total"] == 2_000
-    assert packed(body) > MAX_STATUS_BYTES // 2, "the bound is what such a body needs, not far above it"
-    for m in list(broker.members.values())[:5]:  # each row is within what paging charges for it
-        assert packed(m.peer_id) + packed({**m.row(now), "warnings": 6}) <= row_bytes(m)
+    with in_process_broker() as broker:
+        long_host = lambda i: f"{i:04d}" + "h" * (P.MAX_HOST_BYTES - 4)  # noqa: E731
+        fill(broker, 2_000, big_stats(2 * MAX_STATS_BYTES), host_of=long_host)
+        now = time.monotonic()
+        for i, m in enumerate(list(broker.members.values())[:300]):
+            broker.health.observe(m.peer_id, "actor", {"first_obs_hash": "x" * MAX_STATS_STRING}, now)
+            if i < DEPARTURES_KEPT:
+                broker.departures.record(m, P.CRASH_PREFIX + "t" * 2 * DEPARTURE_REASON_CHARS)
+        assert broker.health.counts()["same_initial_obs"] == 300
+        last = broker.status()["broker"]["pages"]
+        assert last > 200, "rows of 64 KiB: a few per page"
+        pages = [broker.status(p) for p in (1, 2, last)]
+        for body in pages:
+            nbytes = packed(body)
+            assert nbytes <= MAX_STATUS_BYTES, nbytes
+            assert P.decode(P.encode(P.Status(body=body))).body == body, "a status message any client can decode"
+        body = pages[0]
+        assert len(body["health"]) == HEALTH_ROWS_LISTED and body["broker"]["health_total"] == 300
+        assert len(body["departures"]) == DEPARTURES_KEPT and body["broker"]["hosts_total"] == 2_000
+        assert packed(body) > MAX_STATUS_BYTES // 2, "the bound is what such a body needs, not far above it"
+        for m in list(broker.members.values())[:5]:  # each row is within what paging charges for it
+            assert packed(m.peer_id) + packed({**m.row(now), "warnings": 6}) <= row_bytes(m)
 
 
 def test_stats_of_0_6_mib_are_truncated_to_the_bound() -> None:

@@ -8,25 +8,25 @@ import time
 
 import zmq
 
+from broker_clients import in_process_broker
 from zddrl import protocol as P
-from zddrl.broker.broker import Broker
 from zddrl.broker.membership import Member
-from zddrl.config import BrokerConfig
 from zddrl.ops.status import format_status, request_status
 
 
 def test_the_table_shows_the_counts_the_page_and_each_rows_warnings() -> None:
-    broker = Broker(BrokerConfig())
-    for i in range(1_200):
-        m = Member(peer_id=f"actor-{i:04d}", role="actor", identity=b"", host=f"node{i % 3}")
-        broker.members[m.peer_id] = m
-    broker.health.observe("actor-0500", "actor", {"first_obs_hash": "ab"}, 0.0)
-    broker.health.observe("actor-0501", "actor", {"first_obs_hash": "ab"}, 0.0)
-    text = format_status(broker.status(2))
-    assert "members 1200 (1200 actor) on 3 hosts  page 2 of 3 (--page N)" in text
-    rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.startswith("actor-")}
-    assert len(rows) == 500 and rows["actor-0500"][-2] == "1" and rows["actor-0502"][-2] == "-"
-    assert "page" not in format_status(Broker(BrokerConfig()).status()).split("members 0")[1]
+    with in_process_broker() as broker:
+        for i in range(1_200):
+            m = Member(peer_id=f"actor-{i:04d}", role="actor", identity=b"", host=f"node{i % 3}")
+            broker.members[m.peer_id] = m
+        broker.health.observe("actor-0500", "actor", {"first_obs_hash": "ab"}, 0.0)
+        broker.health.observe("actor-0501", "actor", {"first_obs_hash": "ab"}, 0.0)
+        text = format_status(broker.status(2))
+        assert "members 1200 (1200 actor) on 3 hosts  page 2 of 3 (--page N)" in text
+        rows = {ln.split()[0]: ln.split() for ln in text.splitlines() if ln.startswith("actor-")}
+        assert len(rows) == 500 and rows["actor-0500"][-2] == "1" and rows["actor-0502"][-2] == "-"
+    with in_process_broker() as empty:
+        assert "page" not in format_status(empty.status()).split("members 0")[1]
 
 
 def test_a_refused_request_returns_none_at_once() -> None:

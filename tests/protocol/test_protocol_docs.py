@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from zddrl import protocol as P
-from zddrl.broker.broker import DROP_REASONS
+from zddrl.broker.routing import DROP_REASONS
 from zddrl.transport.params import Assembler
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"

@@ -19,9 +19,9 @@ from broker_clients import WAIT_S, counters, status
 from conftest import BrokerHandle, Bus, wait_for
 from contract_clients import Control, Learner, trajectory, wire
 from zddrl import protocol as P
-from zddrl.broker.broker import DROP_REASONS
 from zddrl.broker.health import CHECKS
 from zddrl.broker.report import BROKER_COUNTERS, RATES
+from zddrl.broker.routing import DROP_REASONS
 from zddrl.transport.params import split
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text(encoding="utf-8")

@@ -135,7 +135,7 @@ def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
         raise P.ProtocolError(f"status_request: page must be >= 1, got {page}")
     now = time.monotonic()
     c = b.counters
-    dropped = sum(b.dropped.values())
+    dropped = sum(b.router.dropped.values())
     rows, pages = paged(b.members.values(), page)
     health = b.health.counts()
     return {
@@ -147,12 +147,12 @@ def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
             "ports": b.ports,
             "received": c["received"],
             "forwarded": c["forwarded"],
-            "dropped": dict(b.dropped),
-            "in_flight": b.in_flight,
+            "dropped": dict(b.router.dropped),
+            "in_flight": b.router.in_flight,
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
-            "accounted": c["received"] == c["forwarded"] + dropped + b.in_flight,
-            "credit": b.credit,
+            "accounted": c["received"] == c["forwarded"] + dropped + b.router.in_flight,
+            "credit": b.router.credit,
             "fleet_seq": b.fleet.seq,
             "fleet_actors": len(b.fleet.actors),
             **b.rates,

@@ -51,9 +51,10 @@ def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
     return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
 
 
-CONTROL_SNDHWM = 1000
+CONTROL_SNDHWM = 64
 """Replies queued per control connection before more are dropped (counted control_unroutable): a peer that
-never reads (status requests it never collects) holds at most this many, each of a bounded size."""
+never reads its status replies holds at most 64 x 768 KiB (report.MAX_STATUS_BYTES). It must exceed the chunks
+of one parameter snapshot (a 64 MiB model in 4 MiB chunks is 16) plus the heartbeats and credit around them."""
 LEARNERS_RCVHWM = 10_000
 """Messages read ahead per learner connection: past it libzmq stops reading that connection (TCP pushes back,
 nothing is dropped); credit and parameter chunks are far fewer than this between two polls."""
