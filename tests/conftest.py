@@ -138,12 +138,16 @@ class Bus:
     def __init__(self) -> None:
         self.ctx = zmq.Context()
         self.links: list[BrokerLink] = []
+        self.sockets: list[zmq.Socket] = []
+        """Held until the test ends: a socket the test dropped would be closed by the garbage collector, with its
+        unsent messages (linger 0), whenever that runs."""
 
     def socket(self, kind: int, **opts: Any) -> zmq.Socket:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         for name, value in opts.items():
             sock.setsockopt(getattr(zmq, name.upper()), value)
+        self.sockets.append(sock)
         return sock
 
     def link(self, connect: str, hello: P.Hello, **kw: Any) -> BrokerLink:

@@ -95,6 +95,7 @@ def test_malformed_trajectories_are_dropped_by_reason_and_valid_ones_arrive(
     assert b["dropped"] == {
         "malformed": expected["malformed"],
         "unknown_sender": 1,
+        "forged_sender": 0,
         "unknown_run": 1,
         "stale": 0,
         "unknown_version": 2,
