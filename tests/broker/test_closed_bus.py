@@ -5,6 +5,7 @@ from its key. Issue 13's attacks, each on real sockets."""
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,34 @@ def test_keys_added_and_removed_take_effect_without_a_restart(closed: BrokerHand
     wait_for(lambda: victim.refused is not None, WAIT_S, "the revoked actor to be refused")
     body = request_status(closed.connect, WAIT_S, bus.ctx, credentials=who(keys, "monitor", "m"))
     assert set(body["members"]) == {"actor-5"} and "revoked" in victim.refused
+
+
+@pytest.mark.slow
+def test_a_strangers_endless_message_is_cut_off_at_the_handshake(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    """Attack: one connection streaming frames marked "more" that never end grew an open broker by 832 MB in 3 s.
+    On a closed bus the stranger never gets past the greeting: libzmq closes the connection at the mechanism."""
+    before = rss_mib(closed.proc.pid)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", int(closed.connect.rsplit(":", 1)[1])), timeout=WAIT_S) as raw:
+        # ZMTP 3.0 greeting with the NULL mechanism, then a READY command, then frames with the MORE flag forever.
+        raw.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+        raw.sendall(b"\x04\x1c\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER")
+        frame = b"\x03" + (1 << 20).to_bytes(8, "big") + b"x" * (1 << 20)  # a 1 MiB long frame, more follows
+        try:
+            while sent < 200:
+                raw.sendall(frame)
+                sent += 1
+        except OSError:  # the broker closed the connection
+            pass
+    assert sent < 200, "the broker kept reading a stranger's endless message"
+    c = wait_for(
+        lambda: (lambda c: c if c["handshakes_failed"] >= 1 else None)(counters(closed, bus, keys)), WAIT_S, "a count"
+    )
+    assert c["control_malformed"] == 0 and rss_mib(closed.proc.pid) - before < 32
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")

@@ -48,6 +48,8 @@ from zddrl.transport.channel import WINDOW_BYTES
 PATHS = ("direct", "proxy", "broker")
 SECURE = "secure"
 """The broker path on a closed bus (``--secure``)."""
+DIRECT_CURVE = "direct-curve"
+"""With ``--secure``: the direct PUSH -> PULL pair with CURVE, what encryption costs ZeroMQ alone on one hop."""
 DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
 FIRST_MSG_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.15
@@ -105,11 +107,13 @@ class ThroughputRig:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return PATHS + ((SECURE,) if self.keys_dir else ())
+        return PATHS + ((DIRECT_CURVE, SECURE) if self.keys_dir else ())
 
     def start(self) -> None:
-        ports = free_ports(11)  # one call, so no two sockets are offered the same port
+        ports = free_ports(12)  # one call, so no two sockets are offered the same port
         self._start_lane("direct", _ep(ports[0]), _ep(ports[0]), None)
+        if self.keys_dir:
+            self._start_lane(DIRECT_CURVE, _ep(ports[11]), _ep(ports[11]), None, self.keys_dir)
         proxy = self.workers.start("proxy", C.proxy_main, ports[1], ports[2])
         self._start_lane("proxy", _ep(ports[1]), _ep(ports[2]), None).forwarder_pid = proxy.pid
         self._start_broker("broker", ports[3:7], None)
@@ -228,7 +232,7 @@ def run_throughput(
     set of processes lands on the two cores moved the 1 MiB ratio by +-10% from one set to the next, far more
     than rounds within a set differ, so each round draws its own (docs/benchmarks.md).
     """
-    paths = PATHS + ((SECURE,) if keys_dir else ())
+    paths = PATHS + ((DIRECT_CURVE, SECURE) if keys_dir else ())
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in paths for b in payloads}
     counters = []
     for size in payloads:
@@ -297,6 +301,7 @@ def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: li
         }
         if (SECURE, size) in samples:
             row["secure_over_broker"] = ratio(SECURE, "broker", size)
+            row["curve_over_direct"] = ratio(DIRECT_CURVE, "direct", size)
         targeted = size >= RATIO_FROM_BYTES
         row["target"] = RATIO_TARGET if targeted else None
         row["met"] = row["broker_over_proxy"] >= RATIO_TARGET if targeted else None

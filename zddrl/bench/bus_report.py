@@ -86,7 +86,7 @@ def format_report(report: dict[str, Any]) -> str:
     out.append(
         _table(
             ["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"]
-            + (["secure/broker"] if secure else []),
+            + (["secure/broker", "direct-curve/direct"] if secure else []),
             [
                 [
                     size_label(r["payload_bytes"]),
@@ -95,7 +95,7 @@ def format_report(report: dict[str, Any]) -> str:
                     f"{r['proxy_over_direct']:.2f}x",
                     _met(r["met"]),
                 ]
-                + ([f"{r['secure_over_broker']:.2f}x"] if secure else [])
+                + ([f"{r['secure_over_broker']:.2f}x", f"{r['curve_over_direct']:.2f}x"] if secure else [])
                 for r in report["ratios"]
             ],
         )

@@ -273,8 +273,9 @@ def sender_main(
     ctx = _setup("bench-sender")
     link = _link(control, make_hello("actor", SENDER_ID), keys_dir=keys_dir) if control else None
     sock = _socket(ctx, zmq.PUSH, SNDHWM=HWM, SNDTIMEO=IO_TIMEOUT_MS)
-    if link is not None and link.credentials is not None:
-        link.credentials.apply(sock)
+    creds = client_credentials(keys_dir, "actor")
+    if creds is not None:  # a CURVE client of the broker, or of the receiver on the direct path
+        creds.apply(sock)
     sock.connect(endpoint)
     arrays = [trajectory_arrays(p, seed=i) for i, p in enumerate(payloads)]
     seq = 0
@@ -308,7 +309,12 @@ def receiver_main(
     ctx = _setup("bench-receiver")
     if control is None:
         sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
-        if path == "direct":
+        if keys_dir is not None:  # ZeroMQ's CURVE alone, one hop: the receiver serves with the broker's pair
+            from zddrl.keys import server_keys
+
+            server = server_keys(keys_dir)
+            sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, server.secret, server.public
+        if path.startswith("direct"):
             sock.bind(endpoint)
         else:
             sock.connect(endpoint)
