@@ -117,3 +117,28 @@ def test_bench_codec_json() -> None:
     report = json.loads(proc.stdout)
     assert report["bench"] == "codec" and report["target"]["ratio"] > 1 and report["target"]["hot_ratio"] > 1
     assert {r["payload_bytes"] for r in report["codec"]} == {1 << 20, 8 << 20}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_bus_secure_runs_the_closed_bus_side_by_side() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "bus", "--secure", *TINY[:-6], "--payloads", "65536", *TINY[-4:]],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    paths = {r["path"]: r for r in report["results"]}
+    assert set(paths) == {"direct", "proxy", "broker", "direct-curve", "secure"}
+    assert all(r["msgs_per_s"] > 0 for r in paths.values())
+    (ratio,) = report["ratios"]
+    assert ratio["secure_over_broker"] > 0 and ratio["curve_over_direct"] > 0
+    assert {(b["bus"], b["payload_bytes"]) for b in report["broadcast"]} == {("open", 100000), ("closed", 100000)}
+    assert [r["payload_bytes"] for r in report["signing"]] == [4 * 9_155, 100000]
+    assert all(r["sign_us"] > 0 and r["verify_us"] > 0 for r in report["signing"])
+    counters = report["broker_counters"]  # the open and the closed broker, each accounted for
+    assert counters["brokers"] == 2 and counters["accounted"] is True and sum(counters["dropped"].values()) == 0
+    assert report["targets"]["secure_vs_broker"]["ratio"] is None  # judged at 1 MiB only
