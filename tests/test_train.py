@@ -90,8 +90,10 @@ def test_an_env_that_returns_nan_costs_rollouts_not_actors(
         CARTPOLE,
         "--run-dir",
         str(run_dir),
+        "--max-steps",  # a budget of work, not of time: a loaded machine starts the learner seconds later
+        "6000",
         "--max-seconds",
-        "10",
+        "60",
         "--mode",
         mode,
         "--set",

@@ -124,11 +124,17 @@ def new_key(root: Path | str, role: str, name: str) -> list[Path]:
     check_name(name)
     if role == "broker" and list(where.glob(f"*{PUBLIC}")):
         raise KeysError(f"{where} already holds a broker key; one broker key per key directory")
-    if (where / f"{name}{PUBLIC}").exists():
-        raise KeysError(f"{where / (name + PUBLIC)} exists: keys are never overwritten (remove it to replace it)")
+    suffixes = (PUBLIC, SECRET, SIGN_PUBLIC, SIGN_SECRET) if role == "learner" else (PUBLIC, SECRET)
+    for suffix in suffixes:
+        if (where / f"{name}{suffix}").exists():
+            raise KeysError(f"{where / (name + suffix)} exists: keys are never overwritten (remove it to replace it)")
     where.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(where), name)
-    os.chmod(secret, 0o600)
+    old_umask = os.umask(0o077)  # the secret is private from its first byte (zmq.auth writes with the umask)
+    try:
+        public, secret = zmq.auth.create_certificates(str(where), name)
+    finally:
+        os.umask(old_umask)
+    os.chmod(public, 0o644)
     written = [Path(public), Path(secret)]
     if role == "learner":
         written += _new_signing_pair(where, name)

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, cli, trajectory
+from broker_clients import WAIT_S, cli, parameters, run_spec, trajectory
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.keys import Credentials, credentials, new_key
 from zddrl.ops.status import request_status
+from zddrl.transport.signatures import signed_hello, signed_params
 
 SILENCE_MS = 1500
 """How long a refused client listens for an answer that must not come."""
@@ -158,7 +159,7 @@ def test_a_trajectory_naming_another_keys_actor_is_dropped_as_forged(
     shard = link(bus, closed, who(keys, "learner", "l"), P.Hello(role="learner", peer_id="learner-0"))
     assert shard.wait_welcome(WAIT_S) is not None
     data = shard.socket(zmq.DEALER)
-    data.setsockopt(zmq.IDENTITY, b"learner-0")
+    data.setsockopt(zmq.IDENTITY, shard.data_identity)
     data.connect(shard.endpoint("learners"))
     data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=8)))
     wait_for(lambda: counters(closed, bus, keys)["credit"] == 8, WAIT_S, "the shard's credit")
@@ -175,17 +176,37 @@ def test_a_trajectory_naming_another_keys_actor_is_dropped_as_forged(
 
 
 @pytest.mark.slow
-def test_a_learner_identity_taken_by_another_key_is_not_obeyed(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
-    shard = link(bus, closed, who(keys, "learner", "l"), P.Hello(role="learner", peer_id="learner-0"))
+def test_a_learners_data_stream_cannot_be_taken_by_another_key(closed: BrokerHandle, bus: Bus, keys: Path) -> None:
+    """Attack: a DEALER on the learners port that takes the real learner's identity (its peer id is public, and
+    ROUTER_HANDOVER hands an identity to whoever asks). On a closed bus the data identity is a secret of the
+    learner's welcome: the thief gets nothing, and what it says is not obeyed."""
+    learner = who(keys, "learner", "l")
+    assert learner.signer is not None
+    hello = signed_hello(P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()), learner.signer)
+    shard = link(bus, closed, learner, hello)
     assert shard.wait_welcome(WAIT_S) is not None
-    thief = bus.socket(zmq.DEALER, identity=b"learner-0")  # ROUTER_HANDOVER gives it the identity...
+    assert len(shard.data_identity) == P.DATA_IDENTITY_BYTES and shard.data_identity != b"learner-0"
+    data = shard.socket(zmq.DEALER)
+    data.setsockopt(zmq.IDENTITY, shard.data_identity)
+    data.connect(shard.endpoint("learners"))
+    thief = bus.socket(zmq.DEALER, identity=b"learner-0")
     who(keys, "learner", "l2").apply(thief)
     thief.connect(shard.endpoint("learners"))
     thief.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=5)))
-    c = wait_for(
-        lambda: (lambda c: c if c["auth_refused"] >= 1 else None)(counters(closed, bus, keys)), WAIT_S, "the refusal"
-    )
-    assert c["credit"] == 0, "...but its credit must not count as learner-0's"
+    data.send_multipart(P.encode(signed_params(parameters("run-a", 0), learner.signer)))
+    data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=3)))
+    wait_for(lambda: counters(closed, bus, keys)["credit"] == 3, WAIT_S, "the real shard's credit, and only it")
+    actor = link(bus, closed, who(keys, "actor", "a"), P.Hello(role="actor", peer_id="actor-0", num_envs=1))
+    assert actor.wait_welcome(WAIT_S) is not None
+    push = actor.socket(zmq.PUSH)
+    push.connect(actor.endpoint("trajectories"))
+    for seq in range(3):
+        push.send_multipart(P.encode(trajectory("run-a", "actor-0", seq)))
+    got = [P.decode(data.recv_multipart()) for _ in range(3) if data.poll(int(WAIT_S * 1000))]
+    assert [m.seq for m in got] == [0, 1, 2]
+    thief_got = [P.decode(thief.recv_multipart()) for _ in range(5) if thief.poll(200)]
+    assert not any(isinstance(m, P.Trajectory) for m in thief_got), "a trajectory reached another key"
+    assert counters(closed, bus, keys)["forwarded"] == 3
 
 
 @pytest.mark.slow

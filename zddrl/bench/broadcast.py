@@ -38,7 +38,7 @@ class Publisher:
         self.run_id = f"bench-bcast-{uuid.uuid4().hex[:8]}"
         self.link = C._link(control, C.make_hello("learner", C.LEARNER_ID, self.run_id), keys_dir=keys_dir)
         self.sock: zmq.Socket = self.link.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, C.LEARNER_ID.encode())
+        self.sock.setsockopt(zmq.IDENTITY, self.link.data_identity)
         self.sock.connect(_ep(learner_port))
         self.version = 0
         self.publish(np.zeros(16, np.float32))

@@ -299,6 +299,8 @@ class Broker:
                 self.health.forget(msg.peer_id)
         member = member_of(msg, identity)
         member.user = user
+        if member.role == "learner":  # on a closed bus a secret, kept across re-hellos of the same key
+            member.data_id = self.guard.data_id(member, old)
         if old is not None:
             # A learner's credit starts again from zero with every hello: a shard re-grants its window
             # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
@@ -311,7 +313,6 @@ class Broker:
             self.router.add_shard(member)
         elif member.role == "actor":
             self.fleet.joined(member.peer_id, member.num_envs, member.host)
-            self.guard.joined(member, self.members)
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
         self._send(self.control, identity, self._welcome(msg.peer_id))
         if msg.role == "actor":
@@ -329,21 +330,17 @@ class Broker:
             return True
         old = self.members.get(msg.peer_id)
         guard = self.guard
-        why = guard.hello_refusal(msg, user, old)
-        if why:
-            self.counters["auth_refused"] += 1
-        else:
-            room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
-            why = hello_conflict(msg, old, room, self.run_id, self.config.heartbeat_interval_s)
+        room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
+        why = hello_conflict(msg, old, room, self.run_id, self.config.heartbeat_interval_s)
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
-        counter, why = (
-            "hello_over_cap",
-            self.limits.cap_refusal(msg, old, len(self.members), len(self.router.shards), self.fleet),
-        )
+        counter, why = "auth_refused", guard.hello_refusal(msg, user, old)
+        if not why:
+            counter = "hello_over_cap"
+            why = self.limits.cap_refusal(msg, old, len(self.members), len(self.router.shards), self.fleet)
         if not why and msg.role == "learner" and msg.run_id and msg.run_id != self.run_id and msg.run is not None:
-            counter, why = "runs_refused", guard.run_refusal(msg)
+            counter, why = "runs_refused", guard.run_refusal(msg, user)
             why = f"run spec {why}" if why else ""
         if why:
             self.counters[counter] += 1
@@ -367,6 +364,7 @@ class Broker:
 
     def _welcome(self, peer_id: str) -> P.Welcome:
         c = self.config
+        member = self.members.get(peer_id)
         return P.Welcome(
             peer_id=peer_id,
             run_id=self.run_id,
@@ -377,12 +375,13 @@ class Broker:
             max_message_bytes=c.max_message_bytes,
             run_signer=self.run_seal[0],
             run_signature=self.run_seal[1],
+            data_identity=member.data_id if member is not None and self.auth is not None else b"",
         )
 
     # ---------------------------------------------------------------- learner socket
     def _on_learner(self, identity: bytes, frames: Sequence[Any], user: str) -> None:
-        # Shards' data DEALERs use their peer id as ZeroMQ identity (their control link does not).
-        member = self.members.get(identity.decode("utf-8", "replace"))
+        # Shards' data DEALERs use the identity of their welcome (their control link does not).
+        member = self.router.by_data_id.get(identity)
         msg = self._decode(frames)  # a ProtocolError is counted as learner_malformed by _drain
         if member is not None and member.user != user:  # the identity of a learner, taken by another key
             self.counters["auth_refused"] += 1
@@ -399,7 +398,11 @@ class Broker:
             else:
                 self.counters["credit_other_run"] += 1
         elif isinstance(msg, (P.Parameters, P.ParamChunk)):
-            if self.publisher.add(msg, frames, self.run_id):  # a whole, verified version went out
+            why = self.guard.params_refusal(msg, user, self.run_seal[0]) if isinstance(msg, P.Parameters) else ""
+            if why:  # its chunks find no head to join: counted as orphans by the publisher
+                self.counters["params_signature"] += 1
+                self._ratelog.warning("params_signature", f"dropped a parameter version of {member.peer_id}: {why}")
+            elif self.publisher.add(msg, frames, self.run_id):  # a whole, verified version went out
                 self.policy_version = member.policy_version = self.publisher.version
                 self.health.published(self.policy_version, self.publisher.cache.param_hash)
         else:

@@ -1,14 +1,15 @@
 """The closed bus inside the broker's loop: who may say what, judged by the key a message came with.
 
 ``broker/auth.py`` admits connections (CURVE, ZAP per socket); ``Guard`` judges their messages: a hello's role
-is its key's, a peer id belongs to the key that joined with it, a trajectory must come from the key of the actor
-it names, a new run must be signed by a pinned learner key, and a key removed from the directory is revoked.
+is its key's, a peer id belongs to the key that joined with it, a learner's data identity is a secret of its
+welcome, a run and a version are signed by the run's learner's own key, and a key removed from the directory is
+revoked (routing.py holds a trajectory to the key of the actor it names).
 On an open bus (no keys) every check passes. Kept apart from ``broker.py``'s routing: plain records and checks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import os
 from typing import Any
 
 import zmq
@@ -16,12 +17,10 @@ import zmq
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.auth import BrokerAuth, is_loopback
-from zddrl.broker.membership import LEFT_ACTORS_KEPT, Member
+from zddrl.broker.membership import Member
 from zddrl.config import BrokerConfig, ConfigError, split_endpoint
 from zddrl.transport import signatures as signing
 
-REVOKED = "revoked:"
-"""What an actor's peer id is bound to once its key is revoked: no user matches it."""
 REVOKED_REASON = "this client's key was removed from the broker's key directory (revoked)"
 
 
@@ -34,14 +33,11 @@ class Guard:
         self.auth: BrokerAuth | None = None
         self.pins: dict[str, Any] | None = None
         """The learners' Ed25519 keys that sign runs and versions; None on an open bus."""
-        self._actor_users: OrderedDict[str, str] = OrderedDict()
-        """Actor peer id -> the user it joined as, of members and of the last LEFT_ACTORS_KEPT that left (their
-        trajectories still in flight count as theirs)."""
         host = split_endpoint(config.bind)[0]
         if config.keys:
-            try:
-                self.auth = BrokerAuth(ctx, config.keys)
+            try:  # the pins first: a ZAP thread started before a failure would be left running
                 self.pins = keys.pinned_learners(config.keys)
+                self.auth = BrokerAuth(ctx, config.keys)
             except keys.KeysError as exc:
                 raise ConfigError(f"broker --keys: {exc}") from None
         elif not is_loopback(host):
@@ -72,42 +68,40 @@ class Guard:
             return f"peer id {msg.peer_id!r} is held by a member that joined with another key"
         return ""
 
-    def run_refusal(self, msg: P.Hello) -> str:
-        """Why a learner's new run may not be adopted (not signed by a pinned learner key), or ""."""
+    def data_id(self, member: Member, old: Member | None) -> bytes:
+        """The identity ``member``'s data DEALER is to use on the learners socket: its peer id on an open bus; on a
+        closed bus a random secret, sent only in its (encrypted) welcome, so that no other key can take its
+        trajectories by connecting with a known identity (ROUTER_HANDOVER hands it over to whoever asks). A
+        re-hello of the same key keeps it: the shard's data socket goes on."""
+        if self.auth is None:
+            return member.peer_id.encode()
+        if old is not None and old.user == member.user and old.data_id:
+            return old.data_id
+        return os.urandom(P.DATA_IDENTITY_BYTES)
+
+    def run_refusal(self, msg: P.Hello, user: str) -> str:
+        """Why a learner's new run may not be adopted (not signed by a pinned learner key, or signed with another
+        key than the one this learner joined with), or ""."""
         if self.pins is None:
             return ""
+        if user != f"learner:{msg.run_signer}":
+            return f"signed by {msg.run_signer!r}, not by the key of the learner announcing it ({user!r})"
         return signing.run_refusal(msg.run_id, msg.run, msg.run_signer, msg.run_signature, self.pins)
 
-    def joined(self, member: Member, members: dict[str, Member]) -> None:
-        """An actor joined with its key: its trajectories must come with that key from now on."""
-        if self.auth is None or member.role != "actor":
-            return
-        users = self._actor_users
-        users[member.peer_id] = member.user
-        users.move_to_end(member.peer_id)
-        if len(users) > LEFT_ACTORS_KEPT + len(members):  # forget the oldest that is not a member
-            for peer_id in users:
-                if peer_id not in members:
-                    del users[peer_id]
-                    break
-
-    def forged(self, peer_id: str, user: str) -> bool:
-        """Whether a trajectory naming ``peer_id`` came with another key than the one that actor joined with."""
-        return self.auth is not None and self._actor_users.get(peer_id, user) != user
+    def params_refusal(self, msg: P.Parameters, user: str, run_signer: str) -> str:
+        """Why a version's head may not be taken from the key ``user`` (closed bus): it must be signed with that
+        key, the run's learner's (the signature itself is checked by the publisher with the pins), or ""."""
+        if self.auth is None or (user == f"learner:{msg.signer}" and msg.signer == run_signer):
+            return ""
+        return f"signed by {msg.signer!r}, sent with the key {user!r}; the run's learner signs as {run_signer!r}"
 
     def refresh(self) -> frozenset[str]:
         """The users revoked since the last look at the key directory (raises KeysError for a directory that no
-        longer reads: the allow-lists stay as they were). Their actors' peer ids match no key from now on."""
-        if self.auth is None:
-            return frozenset()
-        revoked = self.auth.refresh()
-        for peer_id, user in self._actor_users.items():
-            if user in revoked:
-                self._actor_users[peer_id] = REVOKED
-        return revoked
+        longer reads: the allow-lists stay as they were)."""
+        return frozenset() if self.auth is None else self.auth.refresh()
 
     def zap_denied(self) -> int:
-        return 0 if self.auth is None else sum(self.auth.allow.denied.values())
+        return 0 if self.auth is None else self.auth.allow.denied
 
     def close(self) -> None:
         if self.auth is not None:

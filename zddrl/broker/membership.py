@@ -66,6 +66,9 @@ class Member:
     """...and that snapshot's version (a params_request for it is not answered twice in quick succession)."""
     fleet_seq: int = -1
     """Learners: seq of the last fleet message sent to it."""
+    data_id: bytes = b""
+    """Learners: the ZeroMQ identity of their data DEALER on the learners socket (routing.Router.by_data_id): the
+    peer id on an open bus, 16 random bytes issued in the welcome on a closed one."""
     user: str = ""
     """The ZAP User-Id (``ROLE:NAME`` of its key) of the connection it joined from; "" on an open bus. Every
     message after the hello must come from the same key."""
@@ -226,12 +229,12 @@ class Departures:
         self._rows: deque[dict[str, Any]] = deque(maxlen=DEPARTURES_KEPT)
         self.grace_s = grace_s
         """How long an actor's trajectories still count as its own after it left (actor_left_lately)."""
-        self._actors_left: OrderedDict[str, float] = OrderedDict()
-        """Peer id -> monotonic time it left, of the last LEFT_ACTORS_KEPT actors."""
+        self._actors_left: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        """Peer id -> (monotonic time it left, the key it had joined with), of the last LEFT_ACTORS_KEPT actors."""
 
     def record(self, member: Member, reason: str) -> None:
         if member.role == "actor":
-            self._actors_left[member.peer_id] = time.monotonic()
+            self._actors_left[member.peer_id] = (time.monotonic(), member.user)
             self._actors_left.move_to_end(member.peer_id)
             if len(self._actors_left) > LEFT_ACTORS_KEPT:
                 self._actors_left.popitem(last=False)
@@ -258,8 +261,14 @@ class Departures:
     def actor_left_lately(self, peer_id: str, now: float | None = None) -> bool:
         """True if ``peer_id`` is an actor that left (bye, expiry, replaced) at most ``grace_s`` ago: what it
         sent before leaving may still be queued at the broker, and is its own, not a stranger's."""
+        return self.left_with(peer_id, now) is not None
+
+    def left_with(self, peer_id: str, now: float | None = None) -> str | None:
+        """The key (``Member.user``) an actor that left at most ``grace_s`` ago had joined with; None if none did."""
         left = self._actors_left.get(peer_id)
-        return left is not None and (time.monotonic() if now is None else now) - left <= self.grace_s
+        if left is None or (time.monotonic() if now is None else now) - left[0] > self.grace_s:
+            return None
+        return left[1]
 
 
 def packed_bytes(value: Any) -> int:

@@ -73,7 +73,9 @@ class Router:
         self.max_message_bytes = max_message_bytes
         self._ratelog = ratelog
         self.shards: dict[str, Member] = {}
-        """The learner members, by peer id (their data identity)."""
+        """The learner members, by peer id."""
+        self.by_data_id: dict[bytes, Member] = {}
+        """The same, by the identity of their data DEALER (``Member.data_id``)."""
         self.credit = 0
         """Sum of the shards' credit: the broker reads trajectories only while it is positive."""
         self.dropped: dict[str, int] = {r: 0 for r in DROP_REASONS}
@@ -82,11 +84,13 @@ class Router:
 
     def add_shard(self, shard: Member) -> None:
         self.shards[shard.peer_id] = shard
+        self.by_data_id[shard.data_id] = shard
         self.credit += shard.credit
 
     def remove_shard(self, shard: Member) -> None:
         """A shard left: its outstanding credit leaves the total with it."""
         if self.shards.pop(shard.peer_id, None) is not None:
+            self.by_data_id.pop(shard.data_id, None)
             self.credit -= shard.credit
 
     def forward(self, run: RunRoute) -> None:
@@ -148,14 +152,16 @@ class Router:
             actor = self.joined_actor(P.claimed_peer_id(frames), user)
             self.drop("malformed", actor, f"dropped a malformed trajectory: {exc}")
             return actor
-        if self.closed and self.guard.forged(msg["peer_id"], user):
-            # Another actor key's peer id: no credit goes back (a forger stalls), nothing reaches a learner.
+        actor = self.joined_actor(msg["peer_id"])
+        # The key an actor joined with, or left with lately: on a closed bus it must be this message's, and a key
+        # revoked since is no one's. A forger gets no credit back (it stalls), and nothing reaches a learner.
+        owner = actor.user if actor is not None else self.departures.left_with(msg["peer_id"])
+        if self.closed and owner is not None and (owner != user or not self.guard.admitted(user)):
             self.drop("forged_sender", None, f"dropped a trajectory naming {msg['peer_id']!r} sent with key {user!r}")
             return None
-        actor = self.joined_actor(msg["peer_id"])
         if actor is not None:
             actor.last_seen = time.monotonic()
-        elif not self.departures.actor_left_lately(msg["peer_id"]):
+        elif owner is None:
             # Learners keep per-actor figures, which made-up peer ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
             self.drop(
@@ -176,7 +182,7 @@ class Router:
                 self.drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
                 return actor
             try:
-                send_frames(self.learners, frames, prefix=shard.peer_id.encode())
+                send_frames(self.learners, frames, prefix=shard.data_id)
             except zmq.ZMQError as exc:  # the shard went away between credit and send
                 self._ratelog.warning(
                     "shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); its credit is withdrawn"

@@ -51,10 +51,10 @@ def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
     return f"broker: port {port} on {host} (the {role} socket) {why}: {PORT_OPTIONS[role]}"
 
 
-CONTROL_SNDHWM = 64
-"""Replies queued per control connection before more are dropped (counted control_unroutable): a peer that
-never reads its status replies holds at most 64 x 768 KiB (report.MAX_STATUS_BYTES). It must exceed the chunks
-of one parameter snapshot (a 64 MiB model in 4 MiB chunks is 16) plus the heartbeats and credit around them."""
+CONTROL_SNDHWM = 1000
+"""Replies queued per control connection before more are dropped (counted control_unroutable): ZeroMQ's default,
+said out loud. A parameter snapshot goes out in one burst of up to this many chunks, so it cannot be much
+smaller; a peer that never reads its status replies is held to the status rates (membership.Limits) instead."""
 LEARNERS_RCVHWM = 10_000
 """Messages read ahead per learner connection: past it libzmq stops reading that connection (TCP pushes back,
 nothing is dropped); credit and parameter chunks are far fewer than this between two polls."""

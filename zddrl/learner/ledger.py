@@ -107,9 +107,11 @@ class Ledger:
             )
 
     def drop_invalid(self, r: Record) -> None:
-        """A trajectory the run cannot train on: counted for its actor, whose episode streams it breaks."""
+        """A trajectory the run cannot train on: counted for its actor. Its episode streams go on where its rewards
+        were read and finite (a refusal for content); a column with a non-finite reward, or all of them when it was
+        not read (a refusal on shape or header), loses its current episode."""
         self.progress.dropped_invalid[r.peer_id] += 1
-        self.episodes.add(r.peer_id, r.incarnation, r.seq, None)
+        self.episodes.add(r.peer_id, r.incarnation, r.seq, r.segments)  # None (unread) breaks every column
         self._ratelog.warning(
             "invalid",
             f"dropped a trajectory from {r.peer_id} (seq {r.seq}) that this run cannot train on: {r.invalid} "

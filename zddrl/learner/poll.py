@@ -148,7 +148,7 @@ class ShardPoller:
         if link.generation == channel.generation:
             return
         self.log.warning("re-welcomed by the broker: granting credit and publishing parameters again")
-        if link.endpoint("learners") == channel.endpoint:
+        if link.endpoint("learners") == channel.endpoint and link.data_identity == channel.identity:
             channel.regrant(link.generation)
         else:
             self.pending.extend((t, True) for t in map(self._take, channel.drain()) if t is not None)

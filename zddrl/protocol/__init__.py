@@ -75,6 +75,7 @@ from zddrl.protocol.messages import (  # noqa: F401  (part of this package's int
 # The byte layer (preamble, limits, dtypes, array frames) lives in zddrl.protocol.frames; its public names are
 # part of this module's interface too.
 from zddrl.protocol.rules import (  # noqa: F401
+    DATA_IDENTITY_BYTES,
     MAX_FLEET_ACTORS_BYTES,
     MAX_HOST_BYTES,
     MAX_ID_BYTES,

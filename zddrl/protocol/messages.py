@@ -64,6 +64,9 @@ class Welcome(Message):
     run_signer: str = ""
     """Who signed ``run`` and the signature, as the run's learner sent them in its hello (empty: unsigned)."""
     run_signature: bytes = b""
+    data_identity: bytes = b""
+    """Learners on a closed bus: the ZeroMQ identity their data DEALER must use on the learners socket, 16 random
+    bytes the broker issues (only the welcomed learner learns it: a peer id is public). Empty: use the peer id."""
 
 
 @dataclass(frozen=True)

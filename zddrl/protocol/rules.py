@@ -100,8 +100,16 @@ def check_hello(fields: dict[str, Any]) -> None:
     check_seal("hello", fields["run_signer"], fields["run_signature"])
 
 
+DATA_IDENTITY_BYTES = 16
+"""Length of a data identity the broker issues to a learner on a closed bus (welcome.data_identity)."""
+
+
 def check_welcome(fields: dict[str, Any]) -> None:
     check_seal("welcome", fields["run_signer"], fields["run_signature"])
+    if len(fields["data_identity"]) not in (0, DATA_IDENTITY_BYTES):
+        raise ProtocolError(
+            f"welcome: data_identity must be empty or {DATA_IDENTITY_BYTES} bytes, got {len(fields['data_identity'])}"
+        )
     for name, port in fields["ports"].items():
         if not _is_int(port, 1, 65535):
             raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")

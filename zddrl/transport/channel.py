@@ -33,7 +33,9 @@ class DataChannel:
 
     def __init__(self, link: BrokerLink, peer_id: str, max_message_bytes: int, window: int = CREDIT_WINDOW) -> None:
         self.sock = link.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, peer_id.encode())
+        self.identity = link.data_identity
+        """The broker routes this shard's trajectories to it (its peer id, or the secret of a closed bus's welcome)."""
+        self.sock.setsockopt(zmq.IDENTITY, self.identity)
         self.sock.setsockopt(zmq.RCVHWM, 0)  # bounded by the credit we grant
         self.endpoint = link.endpoint("learners")
         self.sock.connect(self.endpoint)

@@ -17,7 +17,6 @@ import socket
 import threading
 import time
 import traceback
-from functools import partial
 from typing import Any
 
 import zmq
@@ -94,8 +93,7 @@ class BrokerLink:
         self.params: P.Parameters | None = None
         self.reconnects = 0
         self.params_rejected = 0
-        verify = None if credentials is None else partial(signing.params_refusal, pins=credentials.pins)
-        self.assembler = Assembler(verify=verify)
+        self.assembler = Assembler(verify=None if credentials is None else self._params_refusal)
         self._ratelog = RateLimitedLog()
         self.last_broker_beat = 0.0
         self._fleet: tuple[int, dict[str, dict]] | None = None
@@ -121,6 +119,22 @@ class BrokerLink:
         if self.credentials is not None:
             self.credentials.apply(sock)
         return sock
+
+    def _params_refusal(self, head: P.Parameters) -> str:
+        """Why a version must not be assembled: not signed by a pinned key, or (once a run is known) by another
+        key than the one that signed the run: any other learner key could otherwise publish into this run."""
+        assert self.credentials is not None
+        why = signing.params_refusal(head, self.credentials.pins)
+        run_signer = self.welcome.run_signer if self.welcome is not None else ""
+        if not why and run_signer and head.signer != run_signer:
+            why = f"signed by {head.signer!r}, not by the run's learner ({run_signer!r})"
+        return why
+
+    @property
+    def data_identity(self) -> bytes:
+        """The ZeroMQ identity of a learner's data DEALER: what the welcome issued (a closed bus), else the peer id."""
+        assert self.welcome is not None, "no welcome yet"
+        return self.welcome.data_identity or self.hello.peer_id.encode()
 
     def endpoint(self, port_name: str) -> str:
         assert self.welcome is not None, "no welcome yet"

@@ -35,7 +35,11 @@ def _refusal(pins: dict[str, Ed25519PublicKey], signer: str, signature: bytes, p
         return "not signed"
     if signer not in pins:
         return f"signed by {signer!r}, not a pinned learner key"
-    if not keys.verified(pins, signer, payload(), signature):
+    try:
+        signed = payload()
+    except (TypeError, ValueError) as exc:  # a spec no learner could have signed (decode allows only str map keys)
+        return f"not a signable message ({exc})"
+    if not keys.verified(pins, signer, signed, signature):
         return f"signed by {signer!r}, but the signature does not verify"
     return ""
 
