@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 from click.testing import CliRunner
+from test_client import WAIT_S, FakeBroker, welcome
 
 from conftest import Bus, wait_for
-from test_client import WAIT_S, FakeBroker, welcome
 from zddrl import protocol as P
 from zddrl.cli import main
 from zddrl.config import ConfigError, split_endpoints
