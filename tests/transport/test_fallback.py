@@ -10,10 +10,12 @@ from collections.abc import Iterator
 import pytest
 import zmq
 from click.testing import CliRunner
-from test_client import WAIT_S, FakeBroker, welcome
+from test_client import WAIT_S, FakeBroker, params, welcome
 
+from broker_clients import trajectory
 from conftest import Bus, wait_for
 from zddrl import protocol as P
+from zddrl.actor.host import ActorHost, Collected
 from zddrl.cli import main
 from zddrl.config import ConfigError, split_endpoints
 from zddrl.ops.status import request_status
@@ -198,5 +200,44 @@ def test_status_with_a_list_fails_only_when_no_broker_answers() -> None:
     try:
         ports = free_ports(2)
         assert request_status(",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0.2, ctx) is None
+    finally:
+        ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# An actor's send does not wait forever on a broker gone for good
+# ------------------------------------------------------------------------------------------------
+
+
+def test_a_send_stuck_on_a_broker_gone_for_good_ends_at_the_next_welcome() -> None:
+    """The PUSH to a killed broker keeps its queue, full, forever: the send must give up once another broker
+    of the list welcomed the link (the caller then opens a PUSH to the new one)."""
+    ctx = zmq.Context()
+    try:
+        link = BrokerLink("tcp://127.0.0.1:1,tcp://127.0.0.1:2", P.Hello(role="actor", peer_id="actor-0"), context=ctx)
+        link._on_welcome(welcome())  # never started: the test plays the link thread
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.SNDHWM, 1)
+        push.setsockopt(zmq.LINGER, 0)
+        push.connect(f"tcp://127.0.0.1:{free_ports(1)[0]}")  # nobody there, as after a kill -9
+        for _ in range(100):
+            if not push.poll(50, zmq.POLLOUT):
+                break
+            push.send(b"queued for a broker that never reads it", zmq.NOBLOCK)
+        assert not push.poll(50, zmq.POLLOUT), "the queue to the dead broker should be full"
+        host = ActorHost("tcp://127.0.0.1:1", 0, context=ctx)
+        rollout = Collected(trajectory("run-a", "actor-0", 0).arrays, [], [])
+        stop = threading.Event()
+        args = (link, push, "run-a", params("run-a", 0), rollout, 1, stop, 100)
+        sender = threading.Thread(target=host._send, args=args, daemon=True)
+        sender.start()
+        sender.join(0.5)
+        assert sender.is_alive(), "nothing could be sent: the send waits"
+        link._on_welcome(welcome())  # the next broker of the list welcomed the link
+        sender.join(WAIT_S)
+        stuck = sender.is_alive()
+        stop.set()
+        assert not stuck, "the send kept waiting on the dead broker's queue after a new welcome"
+        push.close(linger=0)
     finally:
         ctx.destroy(linger=0)
