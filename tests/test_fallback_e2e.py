@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 HEARTBEAT = {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 3}
 """Silence of 0.6 s and a client moves on."""
+IMPALA = str(Path(CARTPOLE).parent / "cartpole_impala.toml")
 MORE_UPDATES = 10
 """Updates the run must make through B after A was killed."""
 
@@ -40,13 +41,16 @@ def counters(connect: str) -> dict:
     return body
 
 
-def test_both_clients_move_to_the_fallback_broker_when_the_first_is_killed(procs: Procs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("config", [CARTPOLE, IMPALA], ids=["sync", "impala"])
+def test_both_clients_move_to_the_fallback_broker_when_the_first_is_killed(
+    config: str, procs: Procs, tmp_path: Path
+) -> None:
     (procs_a, a), (procs_b, b) = broker(tmp_path, "a"), broker(tmp_path, "b")
     try:
         run_dir = tmp_path / "run"
         both = f"{a.connect},{b.connect}"
         limits = [f"--set=train.{k}" for k in ("until_return=1e9", "max_seconds=50", "max_steps=100000000")]
-        learner = procs.start("learner", "learner", CARTPOLE, "--connect", both, "--run-dir", str(run_dir), *limits)
+        learner = procs.start("learner", "learner", config, "--connect", both, "--run-dir", str(run_dir), *limits)
         procs.start("actor", "actor", "--connect", both, "--actor-id", "0")
         wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 3, 30, "3 updates through A")
         run_id = counters(a.connect)["broker"]["run_id"]
