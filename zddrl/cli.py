@@ -14,11 +14,22 @@ import click
 from loguru import logger
 
 from zddrl import STARTED_AT, __version__
-from zddrl.config import ConfigError, load_broker_config, load_config, parse_override
+from zddrl.config import ConfigError, load_broker_config, load_config, parse_override, split_endpoints
 from zddrl.logs import configure
 from zddrl.transport.link import Refused
 
-CONNECT_HELP = "Broker control endpoint, the only address a client needs."
+CONNECT_HELP = (
+    "Broker control endpoint, the only address a client needs; or a fallback list tcp://A:5555,tcp://B:5555, "
+    "tried in turn (the next one when the current broker falls silent)."
+)
+
+
+def _connect_list(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """--connect checked where it is given (config.split_endpoints): a bad entry is a one-line usage error."""
+    try:
+        return ",".join(split_endpoints(value))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
 
 
 def stop_on_signals() -> threading.Event:
@@ -188,7 +199,7 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
 
 
 @main.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
 @click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
 @click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
 @click.option(
@@ -234,7 +245,7 @@ GPUS_HELP = (
 
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False),
@@ -486,7 +497,7 @@ def eval_cmd(checkpoint, episodes, seed, as_json) -> None:
 
 
 @main.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the broker's status as JSON.")
 @click.option("--watch", is_flag=True, help="Keep a live table on screen, refreshed every --interval seconds.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")

@@ -450,3 +450,17 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
     _require(endpoint.startswith("tcp://") and ":" in endpoint[6:], f"endpoint {endpoint!r} must be tcp://HOST:PORT")
     host, _, port = endpoint[6:].rpartition(":")
     return host, port
+
+
+def split_endpoints(connect: str) -> tuple[str, ...]:
+    """A client's ``--connect``: one broker endpoint, or a comma-separated fallback list, in the order to try
+    them (``"tcp://a:5555,tcp://b:5555"`` -> ``("tcp://a:5555", "tcp://b:5555")``). Each entry must be
+    ``tcp://HOST:PORT`` with a port in 1..65535 (a client connects: no ``*``), and none may repeat."""
+    entries = tuple(entry.strip() for entry in connect.split(","))
+    for entry in entries:
+        _require(bool(entry), f"empty entry in the broker list {connect!r}")
+        host, port = split_endpoint(entry)
+        _require(bool(host), f"endpoint {entry!r} names no host")
+        _require(port.isdigit() and 0 < int(port) < 65536, f"endpoint {entry!r}: the port must be 1..65535")
+        _require(entries.count(entry) == 1, f"endpoint {entry!r} is listed twice")
+    return entries

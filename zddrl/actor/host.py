@@ -464,4 +464,6 @@ class ActorHost:
                 push.send_multipart(frames, copy=False)
                 link.note_sent(generation)
                 break
+            if link.generation != generation:  # welcomed anew (maybe by another broker of the list): this push
+                break  # may lead to a broker gone for good, whose full queue never drains; the caller rebuilds it
         self.timers.send_s += time.monotonic() - t0 - waited

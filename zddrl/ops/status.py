@@ -19,6 +19,7 @@ import zmq
 from loguru import logger
 
 from zddrl import protocol as P
+from zddrl.config import split_endpoints
 from zddrl.keys import Credentials
 from zddrl.values import finite_float
 
@@ -40,8 +41,19 @@ def request_status(
     """One status request for ``page`` of the member rows (from 1) on a fresh DEALER (a CURVE client with
     ``credentials`` on a closed bus); None if no broker answers within the timeout, refuses (it rate-limits
     status requests), or answers with something that is not a valid status message: a caller that asks now and
-    then must not die of a bad answer."""
+    then must not die of a bad answer. ``connect`` may be a fallback list (``tcp://A:5555,tcp://B:5555``): each
+    broker is asked in turn, ``timeout_s`` each, and the first answer is returned."""
     ctx = context or zmq.Context.instance()
+    for endpoint in split_endpoints(connect):
+        body = _request_one(ctx, endpoint, timeout_s, credentials, page)
+        if body is not None:
+            return body
+    return None
+
+
+def _request_one(
+    ctx: zmq.Context, connect: str, timeout_s: float, credentials: Credentials | None, page: int
+) -> dict[str, Any] | None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if credentials is not None:

@@ -2,11 +2,12 @@
 
 ``BrokerLink`` runs the control conversation in a background thread so that it never sits on the
 stepping or training path: hello/welcome, heartbeats both ways, reconnect with capped exponential
-backoff when the broker goes away, and (for actors) receiving, verifying and keeping the newest
-parameters (latest wins), and (for learners) the newest fleet message: which actors are joined.
+backoff when the broker goes away (to the next broker of a fallback list, if it has one), and (for
+actors) receiving, verifying and keeping the newest parameters (latest wins), and (for learners) the
+newest fleet message: which actors are joined.
 ZeroMQ sockets are not thread-safe, so the link's sockets live in its
 thread only; data sockets (PUSH for actors, DEALER for learners) belong to the caller's thread and
-are rebuilt whenever ``generation`` changes (a new welcome).
+are rebuilt whenever ``generation`` changes (a new welcome), on the host of the broker that sent it.
 """
 
 from __future__ import annotations
@@ -25,16 +26,14 @@ from zmq.utils.monitor import recv_monitor_message
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.config import split_endpoint
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
+from zddrl.transport.fallback import Brokers
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
 """Until the welcome says otherwise."""
 HEARTBEAT_LIVENESS = 3
-RECONNECT_INITIAL_S = 0.25
-RECONNECT_MAX_S = 8.0
 BYE_LINGER_MS = 500
 """How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
 CRASH_MESSAGE_CHARS = 1000
@@ -60,6 +59,9 @@ class BrokerLink:
         link = BrokerLink("tcp://host:5555", P.Hello(role="actor", peer_id="actor-0"), subscribe_params=True)
         link.start(); welcome = link.wait_welcome(timeout_s=30)
         params = link.wait_params(newer_than=-1, timeout_s=30)
+
+    ``connect`` may be a fallback list, ``"tcp://a:5555,tcp://b:5555"``: the link talks to one broker at a time
+    and moves to the next when that one is silent (``fallback.Brokers``).
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class BrokerLink:
         context: zmq.Context | None = None,
         credentials: keys.Credentials | None = None,
     ) -> None:
-        self.host, port = split_endpoint(connect)
-        self.connect = connect
+        self.brokers = Brokers(connect)
+        """The brokers to try, in order; ``connect`` is the one tried now."""
+        self._welcome_host = ""
+        """The host of the broker that sent ``welcome``: data endpoints are on it."""
         self.hello = hello
         self.subscribe_params = subscribe_params
         self.ctx = context or zmq.Context.instance()
@@ -136,9 +140,16 @@ class BrokerLink:
         assert self.welcome is not None, "no welcome yet"
         return self.welcome.data_identity or self.hello.peer_id.encode()
 
+    @property
+    def connect(self) -> str:
+        """The control endpoint of the broker this link is talking to (or trying) now."""
+        return self.brokers.current
+
     def endpoint(self, port_name: str) -> str:
-        assert self.welcome is not None, "no welcome yet"
-        return f"tcp://{self.host}:{self.welcome.ports[port_name]}"
+        """``port_name`` of the current welcome, on the host of the broker that sent it."""
+        with self._cond:
+            assert self.welcome is not None, "no welcome yet"
+            return f"tcp://{self._welcome_host}:{self.welcome.ports[port_name]}"
 
     def wait_welcome(self, timeout_s: float, need_run: bool = False) -> P.Welcome | None:
         """Block until a welcome (with a run spec if ``need_run``) arrived, or the timeout."""
@@ -230,7 +241,6 @@ class BrokerLink:
 
     # ---------------------------------------------------------------- link thread
     def _run(self) -> None:
-        backoff = RECONNECT_INITIAL_S
         while not self._stop.is_set():
             control, sub = self._open()
             try:
@@ -247,10 +257,10 @@ class BrokerLink:
                     sub.close(linger=0)
             if self._stop.is_set():
                 break
-            backoff = RECONNECT_INITIAL_S if served else min(backoff * 2, RECONNECT_MAX_S)
             self.reconnects += 1
-            self.log.warning(f"broker at {self.connect} silent; reconnecting in {backoff:.2f} s")
-            self._stop.wait(backoff)
+            silent, wait_s = self.connect, self.brokers.next(served)
+            self.log.warning(self.brokers.moving(silent, wait_s))
+            self._stop.wait(wait_s)
         with self._cond:
             self._cond.notify_all()
 
@@ -374,7 +384,7 @@ class BrokerLink:
         sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
-        sub.connect(f"tcp://{self.host}:{welcome.ports['params']}")
+        sub.connect(f"tcp://{self.brokers.host}:{welcome.ports['params']}")
         self._sub_port = welcome.ports["params"]
         return sub
 
@@ -411,10 +421,12 @@ class BrokerLink:
             if self.welcome is not None and msg.run_id and msg.run_id != self.welcome.run_id:
                 self._fleet = None  # the fleet of another run
             self.welcome = msg
+            self._welcome_host = self.brokers.host
             self.generation += 1
             self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
             self._cond.notify_all()
-        self.log.info(f"welcomed by broker: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
+        at = f" at {self.connect}" if len(self.brokers) > 1 else ""  # which one, when there are several
+        self.log.info(f"welcomed by broker{at}: run {msg.run_id or '(none yet)'}, ports {msg.ports}")
 
     def _refuse(self, reason: str) -> None:
         """The broker will not have us (bad hello, peer id in use): stop, and let the owner say why."""
