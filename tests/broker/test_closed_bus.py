@@ -225,7 +225,7 @@ def test_a_reachable_bind_without_keys_refuses_to_start(procs: Procs, tmp_path: 
 @pytest.mark.slow
 def test_a_client_with_a_refused_key_says_so(closed: BrokerHandle, bus: Bus, stranger: Credentials) -> None:
     refused = link(bus, closed, stranger, P.Hello(role="actor", peer_id="actor-9", num_envs=1))
-    wait_for(lambda: refused.handshake_failures >= 1, WAIT_S, "the client to see its handshake refused")
+    wait_for(lambda: refused.handshakes.failures >= 1, WAIT_S, "the client to see its handshake refused")
     assert refused.welcome is None
 
 

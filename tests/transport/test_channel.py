@@ -49,7 +49,7 @@ def pair():
     ctx = zmq.Context()
     endpoint = "inproc://learners"
     broker = FakeBroker(ctx, endpoint)
-    link = SimpleNamespace(endpoint=lambda name: endpoint, generation=0, socket=ctx.socket)
+    link = SimpleNamespace(endpoint=lambda name: endpoint, generation=0, socket=ctx.socket, data_identity=b"learner-0")
     channels: list[DataChannel] = []
 
     def make(window: int) -> DataChannel:

@@ -22,13 +22,13 @@ from typing import Any
 
 import zmq
 from loguru import logger
-from zmq.utils.monitor import recv_monitor_message
 
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
 from zddrl.transport.fallback import Brokers
+from zddrl.transport.handshakes import HandshakeWatch
 from zddrl.transport.params import Assembler
 
 HEARTBEAT_INTERVAL_S = 1.0
@@ -38,11 +38,6 @@ BYE_LINGER_MS = 500
 """How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
 CRASH_MESSAGE_CHARS = 1000
 """Longest exception message sent in a crash report."""
-HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
-HANDSHAKE_LOG_EVERY_S = 30.0
-"""A refused CURVE handshake is retried by ZeroMQ every reconnect interval: say so once per this many seconds."""
 CRASH_TRACEBACK_CHARS = 4000
 """Longest traceback sent in a crash report; its end is kept (the innermost frames and the error)."""
 
@@ -105,10 +100,10 @@ class BrokerLink:
         """Fleet messages ignored because they named another run than the link's."""
         self._sub: zmq.Socket | None = None
         self._sub_port: int | None = None
-        self._monitor: zmq.Socket | None = None
-        self.handshake_failures = 0
-        """CURVE handshakes with the broker that failed (a key it does not admit, or the wrong broker key)."""
-        self._handshake_logged = 0.0
+        self.handshakes = (
+            HandshakeWatch(credentials.client.role, credentials.client.name, self.log) if credentials else None
+        )
+        """Closed bus: the failed CURVE handshakes of the control socket (a refused key is otherwise silence)."""
 
     # ---------------------------------------------------------------- caller side
     def start(self) -> BrokerLink:
@@ -285,9 +280,8 @@ class BrokerLink:
         """Talk to the broker until it is silent for too long; True if a welcome was received."""
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
-        if self.credentials is not None:  # a refused key is otherwise only silence: watch the handshakes
-            self._monitor = control.get_monitor_socket(HANDSHAKE_FAILED)
-            poller.register(self._monitor, zmq.POLLIN)
+        if self.handshakes is not None:
+            poller.register(self.handshakes.watch(control), zmq.POLLIN)
         try:
             return self._serve_loop(control, sub, poller)
         finally:
@@ -295,30 +289,8 @@ class BrokerLink:
             if self._sub is not None:
                 self._sub.close(linger=0)
                 self._sub = None
-            if self._monitor is not None:
-                control.disable_monitor()
-                self._monitor.close(linger=0)
-                self._monitor = None
-
-    def _on_handshake_failed(self) -> None:
-        assert self._monitor is not None
-        while True:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.handshake_failures += 1
-            now = time.monotonic()
-            if now - self._handshake_logged >= HANDSHAKE_LOG_EVERY_S:
-                self._handshake_logged = now
-                creds = self.credentials
-                assert creds is not None
-                why = "refused our key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "failed"
-                self.log.error(
-                    f"the CURVE handshake with the broker at {self.connect} {why} ({self.handshake_failures} so "
-                    f"far): is the {creds.client.role} key {creds.client.name!r} in the broker's key directory, "
-                    "and is the broker key in ours this broker's? (docs/security.md)"
-                )
+            if self.handshakes is not None:
+                self.handshakes.stop(control)
 
     def _serve_loop(self, control: zmq.Socket, sub: zmq.Socket | None, poller: zmq.Poller) -> bool:
         interval, liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
@@ -329,8 +301,8 @@ class BrokerLink:
         while not self._stop.is_set():
             self._flush_outbox(control)
             events = dict(poller.poll(int(min(100, interval * 1000))))
-            if self._monitor is not None and self._monitor in events:
-                self._on_handshake_failed()
+            if self.handshakes is not None and self.handshakes.monitor in events:
+                self.handshakes.drain(self.connect)
             if control in events:
                 for msg in self._drain(control):
                     deadline = time.monotonic() + interval * liveness
