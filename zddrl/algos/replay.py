@@ -254,6 +254,18 @@ class PrioritizedReplay:
         slots = self.tree.stratified(batch, self.rng)
         weights = (self.tree.get(slots) / self.tree.min) ** -self.beta
         self.samples += 1
+        return self._gather(slots, weights)
+
+    def get(self, ids: np.ndarray) -> ReplayBatch:
+        """The transitions ``ids`` as ``sample`` returns them, with weights 1; ``ValueError`` if one is gone."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        slots = ids % self.capacity
+        gone = ~self._held(ids, slots)
+        if gone.any():
+            raise ValueError(f"transitions {ids[gone][:8].tolist()} are not in the buffer (overwritten or retired)")
+        return self._gather(slots, np.ones(ids.size))
+
+    def _gather(self, slots: np.ndarray, weights: np.ndarray) -> ReplayBatch:
         nxt = self.next_slot[slots]
         return ReplayBatch(
             ids=self._ids_of(slots),
@@ -281,7 +293,7 @@ class PrioritizedReplay:
         if not np.all(np.isfinite(td)):
             raise ValueError("TD errors must be finite")
         slots = ids % self.capacity
-        keep = (ids >= self.written - self.capacity) & (self.versions[slots] >= max(self.version_floor, 0))
+        keep = self._held(ids, slots)
         self.stale_updates += int(ids.size - keep.sum())
         priorities = self._priorities(td[keep])
         if priorities.size:
@@ -371,6 +383,11 @@ class PrioritizedReplay:
         old = self.tree.get(slots)
         self._live += int(np.count_nonzero(priorities > 0)) - int(np.count_nonzero(old > 0))
         self.tree.set(slots, priorities)
+
+    def _held(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Which ids are transitions the buffer still holds: written, not overwritten, not retired by version."""
+        written = (ids >= 0) & (ids < self.written) & (ids >= self.written - self.capacity)
+        return written & (self.versions[slots] >= max(self.version_floor, 0))
 
     def _ids_of(self, slots: np.ndarray) -> np.ndarray:
         """The id of the transition each slot holds now: its last write before ``written``."""
