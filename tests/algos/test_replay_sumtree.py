@@ -114,3 +114,16 @@ def test_empty_tree_and_bad_priorities_are_refused() -> None:
     with pytest.raises(ValueError, match="0..9"):
         tree.set([10], [1.0])
     assert SumTree.nbytes_for(10) == tree.nbytes == 2 * 16 * 12
+
+
+def test_set_range_is_set_of_a_contiguous_run() -> None:
+    rng = np.random.default_rng(9)
+    by_range, by_index = SumTree(300), SumTree(300)
+    for _ in range(100):
+        start = int(rng.integers(0, 300))
+        values = rng.exponential(1.0, int(rng.integers(0, 301 - start))) * (rng.random() > 0.2)
+        by_range.set_range(start, values)
+        by_index.set(start + np.arange(values.size), values)
+        assert np.array_equal(by_range.sums, by_index.sums) and np.array_equal(by_range.mins, by_index.mins)
+    with pytest.raises(ValueError, match="not all in 0..299"):
+        by_range.set_range(299, [1.0, 1.0])

@@ -240,8 +240,7 @@ class PrioritizedReplay:
         self._put(self.versions, start, np.concatenate([versions, np.full(tail, -1, np.int32)]))
         nxt = np.concatenate([offsets, T * N + np.arange(tail)])  # observation-only slots point at themselves
         self._put(self.next_slot, start, (start + nxt) % self.capacity)
-        slots = (start + np.arange(T * N + tail)) % self.capacity
-        self._set_priorities(slots, np.concatenate([priorities, np.zeros(tail)]))
+        self._set_priority_range(start, np.concatenate([priorities, np.zeros(tail)]))
 
     # ------------------------------------------------------------------ sample and update
 
@@ -388,6 +387,15 @@ class PrioritizedReplay:
         """Which ids are transitions the buffer still holds: written, not overwritten, not retired by version."""
         written = (ids >= 0) & (ids < self.written) & (ids >= self.written - self.capacity)
         return written & (self.versions[slots] >= max(self.version_floor, 0))
+
+    def _set_priority_range(self, start: int, priorities: np.ndarray) -> None:
+        """``_set_priorities`` of the ring slots from ``start`` on: at most two contiguous runs, set by slices."""
+        first = min(len(priorities), self.capacity - start)
+        for begin, p in ((start, priorities[:first]), (0, priorities[first:])):
+            if p.size:
+                old = self.tree.sums[self.tree.size + begin : self.tree.size + begin + p.size]
+                self._live += int(np.count_nonzero(p > 0)) - int(np.count_nonzero(old > 0))
+                self.tree.set_range(begin, p)
 
     def _ids_of(self, slots: np.ndarray) -> np.ndarray:
         """The id of the transition each slot holds now: its last write before ``written``."""

@@ -91,6 +91,23 @@ class SumTree:
             self.sums[node] = self.sums[left] + self.sums[left + 1]
             self.mins[node] = np.minimum(self.mins[left], self.mins[left + 1])
 
+    def set_range(self, start: int, priorities: np.ndarray) -> None:
+        """``set`` of the leaves ``start, start + 1, ...`` (no wrap): each level is one slice, no fancy indexing."""
+        p = np.asarray(priorities, dtype=np.float64).reshape(-1)
+        if p.size == 0:
+            return
+        if not np.all(np.isfinite(p)) or p.min() < 0:
+            raise ValueError("priorities must be finite and >= 0")
+        if start < 0 or start + p.size > self.capacity:
+            raise ValueError(f"leaves {start}..{start + p.size - 1} are not all in 0..{self.capacity - 1}")
+        lo, hi = self.size + start, self.size + start + p.size  # nodes [lo, hi) of the current level
+        self.sums[lo:hi] = p
+        self.mins[lo:hi] = np.where(p > 0, p, np.inf)
+        for _ in range(self.depth):
+            lo, hi = lo >> 1, ((hi - 1) >> 1) + 1
+            self.sums[lo:hi] = self.sums[2 * lo : 2 * hi : 2] + self.sums[2 * lo + 1 : 2 * hi : 2]
+            self.mins[lo:hi] = np.minimum(self.mins[2 * lo : 2 * hi : 2], self.mins[2 * lo + 1 : 2 * hi : 2])
+
     def assign(self, priorities: np.ndarray) -> None:
         """Set the first ``len(priorities)`` leaves, clear the others, and rebuild the tree (a checkpoint's load)."""
         p = np.asarray(priorities, dtype=np.float64).reshape(-1)
