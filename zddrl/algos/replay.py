@@ -19,7 +19,7 @@ array           dtype                   what
                 stays ``uint8``)
 ``actions``     the run's               the action taken from it
 ``returns``     float32                 the n-step return ``G_t`` (``replay_nstep.py``)
-``discounts``   float32                 ``gamma^k``, 0 after a termination; 0: no transition
+``discounts``   float32                 ``gamma^k``; 0 after a termination, and when no transition
 ``next_slot``   int32                   the slot holding ``s_{t+k}``, the bootstrap observation
 ``versions``    int32                   the policy version that acted; -1: observation only
 (sum-tree)      float64 + float32       the priority, sums and mins (``sumtree.py``)
@@ -53,6 +53,9 @@ computed their TD errors on data that is gone) and those retired by version.
 transition acted by a version older than ``v`` and raises the buffer's version floor: later
 inserts of older versions are retired on arrival, and updates never bring them back. The floor
 only rises. ``version_counts`` is the buffer's version histogram.
+
+**Threads.** Nothing here locks: one thread inserts, samples and updates, or the caller holds a
+lock around each call (a learner that receives on one thread and trains on another).
 
 **Memory.** The arrays are allocated at construction; the OS backs their pages as they fill.
 A buffer that needs more than ``memory_fraction`` of the memory available now (``MemAvailable``)
