@@ -7,17 +7,19 @@ import click
 from zddrl.bench.bus import bus
 from zddrl.bench.codec import codec
 from zddrl.bench.learner import learner
+from zddrl.bench.replay import replay
 from zddrl.bench.sample import sample
 from zddrl.bench.train import train
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, codec, sample, train, learner. Each prints a table, or JSON with --json."""
+    """Benchmarks: bus, codec, sample, train, learner, replay. Each prints a table, or JSON with --json."""
 
 
 bench.add_command(bus)
 bench.add_command(codec)
 bench.add_command(learner)
+bench.add_command(replay)
 bench.add_command(sample)
 bench.add_command(train)
