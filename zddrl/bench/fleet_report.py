@@ -1,0 +1,127 @@
+"""`zddrl bench fleet`'s report: one table per window and the goals it checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in [header, *rows])
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.1f}%"
+
+
+def _met(flag: bool | None) -> str:
+    return "-" if flag is None else ("met" if flag else "NOT met")
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def control_table(points: list[dict[str, Any]]) -> str:
+    header = "actors|join s|broker CPU|of it libzmq|us/actor/s|control msgs/s|heartbeats/s|broker RSS MiB|sims CPU"
+    return _table(
+        header.split("|"),
+        [
+            [
+                str(p["actors"]),
+                f"{p['join_s']:.2f}",
+                _pct(c["broker_cpu_share"]),
+                _pct(c["broker_zmq_cpu_share"]),
+                f"{c['broker_cpu_us_per_actor_s']:.1f}",
+                f"{c['control_msgs_per_s']:.0f}",
+                f"{c['heartbeats_per_s']:.0f}",
+                f"{p['broker_rss_mb']['control']}",
+                _pct(c["sims_cpu_share"]),
+            ]
+            for p in points
+            for c in [p["control_only"]]
+        ],
+    )
+
+
+def data_table(points: list[dict[str, Any]]) -> str:
+    header = (
+        "actors|traj/s|p50 ms|p99 ms|broker CPU|of it libzmq|broker us/traj|control msgs/s|broker RSS MiB|sims CPU|"
+        "learner CPU|accounted|all delivered"
+    )
+    return _table(
+        header.split("|"),
+        [
+            [
+                str(p["actors"]),
+                f"{d['trajectories_per_s']:.0f}",
+                f"{d['latency_ms']['p50']:.2f}",
+                f"{d['latency_ms']['p99']:.2f}",
+                _pct(d["broker_cpu_share"]),
+                _pct(d["broker_zmq_cpu_share"]),
+                _us(d["broker_cpu_us_per_traj"]),
+                f"{d['control_msgs_per_s']:.0f}",
+                f"{p['broker_rss_mb']['data']}",
+                _pct(d["sims_cpu_share"]),
+                _pct(d["learner_cpu_share"]),
+                str(a["accounted"]),
+                str(a["all_delivered"]),
+            ]
+            for p in points
+            for d, a in [(p["data"], p["accounting"])]
+        ],
+    )
+
+
+def comparison_lines(comparison: dict[str, Any]) -> list[str]:
+    header = "path|traj/s|p50 ms|p99 ms|forwarder CPU|forwarder us/traj|forwarder RSS MiB|sims CPU|learner CPU"
+    table = _table(
+        header.split("|"),
+        [
+            [
+                path,
+                f"{r['trajectories_per_s']:.0f}",
+                f"{r['latency_ms']['p50']:.2f}",
+                f"{r['latency_ms']['p99']:.2f}",
+                _pct(r["forwarder_cpu_share"]),
+                _us(r["forwarder_cpu_us_per_traj"]),
+                str(r["forwarder_rss_mb"]),
+                _pct(r["sims_cpu_share"]),
+                _pct(r["learner_cpu_share"]),
+            ]
+            for path in ("broker", "proxy")
+            for r in [comparison[path]]
+        ],
+    )
+    return [
+        "",
+        f"Data path at {comparison['actors']} actors, every actor sending as fast as it may (zmq.proxy: no control "
+        "plane, no credit)",
+        table,
+        f"broker / proxy: {comparison['broker_over_proxy']:.2f}x trajectories/s, "
+        f"{comparison['cpu_per_traj_broker_over_proxy']}x forwarder CPU per trajectory",
+    ]
+
+
+def format_report(report: dict[str, Any]) -> str:
+    s, points = report["settings"], report["points"]
+    rate = "as fast as credit allows" if not s["rate"] else f"{s['rate']:g} trajectories/s offered by the fleet"
+    out = [
+        f"Control plane only: every actor joined and heartbeating, no data ({s['seconds']:g} s windows; CPU shares "
+        "are of one core)",
+        control_table(points),
+        "",
+        f"Data: {s['rollout']} rollouts, {rate}; max_in_flight {s['max_in_flight']}",
+        data_table(points),
+    ]
+    if report.get("proxy_comparison"):
+        out += comparison_lines(report["proxy_comparison"])
+    cp, spread = report["scaling"]["control_plane"], report["scaling"]["per_actor_cost_spread"]
+    out += [
+        "",
+        f"Goal: control plane of {cp['actors']} actors under {cp['threshold']:.0%} of a core: {_met(cp['met'])} "
+        f"({_pct(cp['broker_cpu_share'])}); per-actor cost from {spread['from_actors']} actors, max/min "
+        f"{spread['max_over_min']}",
+        f"Load average at start {s['load_avg_at_start']}; wall {report['wall_s']:.1f} s",
+    ]
+    return "\n".join(out)
