@@ -116,12 +116,21 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report.get("proxy_comparison"):
         out += comparison_lines(report["proxy_comparison"])
-    cp, spread = report["scaling"]["control_plane"], report["scaling"]["per_actor_cost_spread"]
+    sc = report["scaling"]
+    cp, per_actor, fit = sc["control_plane"], sc["per_actor_cost"], sc["fit"]
+    marginal = ", ".join(f"{n}: {c:.0f}" for n, c in per_actor["marginal_us_per_actor_s"].items())
     out += [
         "",
         f"Goal: control plane of {cp['actors']} actors under {cp['threshold']:.0%} of a core: {_met(cp['met'])} "
-        f"({_pct(cp['broker_cpu_share'])}); per-actor cost from {spread['from_actors']} actors, max/min "
-        f"{spread['max_over_min']}",
-        f"Load average at start {s['load_avg_at_start']}; wall {report['wall_s']:.1f} s",
+        f"({_pct(cp['broker_cpu_share'])})",
+        f"Goal: per-actor cost flat in N (largest fleet <= {per_actor['threshold']}x the cheapest from "
+        f"{per_actor['from_actors']} actors): {_met(per_actor['met'])} ({per_actor['largest_over_cheapest']}x); "
+        f"broker CPU us per actor per second above the smallest fleet's: {marginal}",
     ]
+    if fit:
+        out.append(
+            f"Control-only broker CPU, least squares: {_pct(fit['fixed_share'])} + {fit['us_per_actor_s']:.0f} us per "
+            "actor per second"
+        )
+    out += [f"Load average at start {s['load_avg_at_start']}; wall {report['wall_s']:.1f} s"]
     return "\n".join(out)

@@ -1,6 +1,6 @@
 """Simulated actors of `zddrl bench fleet`: hundreds per process, each its own identity with real sockets.
 
-A worker process runs its actors on one thread and one ``zmq.Poller``. Each actor has its own control DEALER
+A worker process runs its actors on one thread and one epoll selector. Each actor has its own control DEALER
 (hello, heartbeats at the broker's interval, credit, rehello and reconnect as docs/protocol.md sections 5.1,
 5.2 and 5.4 say), its own params SUB and its own trajectories PUSH (``ZMQ_SNDHWM`` 4, as `zddrl actor` sets
 it). There are no environments and no policy: every trajectory carries the arrays of a CartPole rollout
@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import random
 import resource
+import selectors
 import time
 import uuid
 from collections import deque
@@ -42,8 +43,8 @@ FD_MARGIN = 64
 MAX_POLL_MS = 100
 """The loop looks at the mode (send or not) at least this often."""
 RETRY_S = 0.001
-"""After a PUSH refused a message (not connected yet, or its HWM reached before the I/O thread took the last
-ones), sending waits this long instead of spinning."""
+"""After its PUSH refused a message (not connected yet, or its HWM reached), an actor waits this long before it
+tries again; the others go on."""
 BURST_S = 0.02
 """A paced worker sends at most this many seconds' worth of its rate at once after a late wake-up."""
 SLOTS = (
@@ -176,12 +177,14 @@ class SimWorker:
     ) -> None:
         self.ctx, self.endpoint, self.counts, self.rate, self.proxy = ctx, control, counts, rate, proxy
         self.connect_host = control.rsplit(":", 1)[0]
-        self.poller = zmq.Poller()
-        self.owner: dict[zmq.Socket, SimActor] = {}
+        self.selector = selectors.DefaultSelector()
+        """epoll over the control DEALERs' ZMQ_FDs: a wake-up costs what is ready, not what is open (zmq.Poller
+        looks at all 256 sockets at each wake-up: that made the sims use more CPU than the broker)."""
         self.beats: list[tuple[float, int]] = []
         self.queue: deque[SimActor] = deque()
         self.tokens, self.t_tokens = 0.0, time.monotonic()
-        self.retry_at = 0.0
+        self.blocked: deque[tuple[float, SimActor]] = deque()
+        """Actors whose PUSH refused a message, with the time they may try again (in that order: RETRY_S each)."""
         arrays = cartpole_arrays(first_id)
         from zddrl.transport.link import hello_fields
 
@@ -215,18 +218,15 @@ class SimWorker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoint)
-        sock.send_multipart(P.encode(actor.hello), zmq.NOBLOCK)
-        self.counts[S["hello_out"]] += 1
         actor.control = sock
         actor.deadline = now + actor.interval * actor.liveness
-        self.owner[sock] = actor
-        self.poller.register(sock, zmq.POLLIN)
+        self.selector.register(sock.getsockopt(zmq.FD), selectors.EVENT_READ, actor)
+        self._send_control(actor, actor.hello, "hello_out", now)
 
     def _close_session(self, actor: SimActor) -> None:
         """The broker went silent: close control and SUB (the PUSH stays until the next welcome)."""
         if actor.control is not None:
-            self.poller.unregister(actor.control)
-            del self.owner[actor.control]
+            self.selector.unregister(actor.control.getsockopt(zmq.FD))
             actor.control.close(linger=0)
             actor.control = None
         if actor.sub is not None:
@@ -307,8 +307,7 @@ class SimWorker:
             if msg.reason.startswith(P.REFUSED_PREFIX):
                 raise RuntimeError(f"the broker refused {actor.peer_id}: {msg.reason}")
             if msg.rehello:
-                actor.control.send_multipart(P.encode(actor.hello), zmq.NOBLOCK)
-                self.counts[S["hello_out"]] += 1
+                self._send_control(actor, actor.hello, "hello_out", now)
 
     def _drain(self, actor: SimActor, sock: zmq.Socket, now: float) -> None:
         while True:
@@ -325,6 +324,20 @@ class SimWorker:
                 self._on_params(actor, msg)
             else:
                 self._on_message(actor, msg, now)
+
+    def _send_control(self, actor: SimActor, msg: P.Message, counter: str, now: float) -> None:
+        """Send on the control DEALER (never blocking: a periodic message that cannot go now is replaced by the
+        next), then read what is there: a send handles the socket's pending commands, which can consume the
+        ZMQ_FD wake-up of a message that arrived meanwhile (ZeroMQ's FD is edge-like: check ZMQ_EVENTS after
+        every send, and drain until EAGAIN after every wake-up)."""
+        assert actor.control is not None
+        try:
+            actor.control.send_multipart(P.encode(msg), zmq.NOBLOCK)
+            self.counts[S[counter]] += 1
+        except zmq.Again:
+            pass
+        if actor.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain(actor, actor.control, now)
 
     # ---------------------------------------------------------------- heartbeats and liveness
     def _beat_due(self, now: float) -> None:
@@ -346,11 +359,7 @@ class SimWorker:
             if actor.sub is not None:
                 self._drain(actor, actor.sub, now)
             beat = P.Heartbeat(peer_id=actor.peer_id, policy_version=actor.version)
-            try:
-                actor.control.send_multipart(P.encode(beat), zmq.NOBLOCK)
-                self.counts[S["heartbeat_out"]] += 1
-            except zmq.Again:
-                pass  # the next one will do
+            self._send_control(actor, beat, "heartbeat_out", now)
             self._schedule(actor, k, now + actor.interval)
 
     # ---------------------------------------------------------------- trajectories
@@ -359,8 +368,8 @@ class SimWorker:
             actor.queued = True
             self.queue.append(actor)
 
-    def _send_next(self) -> bool:
-        """Send one trajectory from the next actor with credit; False if none has any."""
+    def _send_next(self, now: float) -> bool:
+        """Send one trajectory from the next actor with credit whose PUSH takes it; False if none does."""
         while self.queue:
             actor = self.queue.popleft()
             actor.queued = False
@@ -369,11 +378,10 @@ class SimWorker:
             assert actor.push is not None
             try:
                 actor.push.send_multipart(P.encode(actor.trajectory()), zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # not connected yet, or its queue is full: try again later
+            except zmq.Again:  # not connected yet, or its queue is full: this one tries again after RETRY_S
                 self.counts[S["send_again"]] += 1
-                self._enqueue(actor)
-                self.retry_at = time.monotonic() + RETRY_S
-                return False
+                self.blocked.append((now + RETRY_S, actor))
+                continue
             actor.sent += 1
             actor.seq += 1
             self.counts[S["sent"]] += 1
@@ -382,20 +390,20 @@ class SimWorker:
         return False
 
     def _send_due(self, sending: bool, now: float) -> None:
+        while self.blocked and self.blocked[0][0] <= now:
+            self._enqueue(self.blocked.popleft()[1])
         if not sending:
             self.tokens, self.t_tokens = 0.0, now
             return
-        if now < self.retry_at:
-            return
         if self.rate <= 0:  # as fast as credit allows: one round over the actors that may send
             for _ in range(len(self.queue)):
-                if not self._send_next():
+                if not self._send_next(now):
                     return
             return
         burst = max(1.0, self.rate * BURST_S)
         self.tokens = min(burst, self.tokens + (now - self.t_tokens) * self.rate)
         self.t_tokens = now
-        while self.tokens >= 1.0 and self._send_next():
+        while self.tokens >= 1.0 and self._send_next(now):
             self.tokens -= 1.0
 
     def _timeout_ms(self, sending: bool, now: float) -> int:
@@ -403,18 +411,19 @@ class SimWorker:
         if self.beats:
             wait = min(wait, self.beats[0][0] - now)
         if sending and self.queue:
-            due = 0.0 if self.rate <= 0 else (1.0 - self.tokens) / self.rate
-            wait = min(wait, max(due, self.retry_at - now))
+            wait = min(wait, 0.0 if self.rate <= 0 else (1.0 - self.tokens) / self.rate)
+        elif sending and self.blocked:
+            wait = min(wait, self.blocked[0][0] - now)
         return max(0, int(wait * 1000 + 0.999))
 
     def run(self, mode: Any) -> None:
         while True:
             sending = mode.value == 1
             now = time.monotonic()
-            for sock, _ in self.poller.poll(self._timeout_ms(sending, now)):
-                actor = self.owner.get(sock)
-                if actor is not None:
-                    self._drain(actor, sock, time.monotonic())
+            for key, _ in self.selector.select(self._timeout_ms(sending, now) / 1000):
+                actor = key.data
+                if actor.control is not None:
+                    self._drain(actor, actor.control, time.monotonic())
             now = time.monotonic()
             self._beat_due(now)
             self._send_due(sending, now)
