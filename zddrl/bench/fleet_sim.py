@@ -22,7 +22,7 @@ import selectors
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -109,6 +109,8 @@ class SimActor:
         self.peer_id = hello.peer_id
         self.incarnation = uuid.uuid4().hex[:12]
         self.control: zmq.Socket | None = None
+        self.fd = -1
+        """The control DEALER's ZMQ_FD (what the worker's selector waits on)."""
         self.sub: zmq.Socket | None = None
         self.push: zmq.Socket | None = None
         self.ports: dict[str, int] = {}
@@ -220,13 +222,14 @@ class SimWorker:
         sock.connect(self.endpoint)
         actor.control = sock
         actor.deadline = now + actor.interval * actor.liveness
-        self.selector.register(sock.getsockopt(zmq.FD), selectors.EVENT_READ, actor)
+        actor.fd = cast(int, sock.getsockopt(zmq.FD))
+        self.selector.register(actor.fd, selectors.EVENT_READ, actor)
         self._send_control(actor, actor.hello, "hello_out", now)
 
     def _close_session(self, actor: SimActor) -> None:
         """The broker went silent: close control and SUB (the PUSH stays until the next welcome)."""
         if actor.control is not None:
-            self.selector.unregister(actor.control.getsockopt(zmq.FD))
+            self.selector.unregister(actor.fd)
             actor.control.close(linger=0)
             actor.control = None
         if actor.sub is not None:
@@ -336,7 +339,7 @@ class SimWorker:
             self.counts[S[counter]] += 1
         except zmq.Again:
             pass
-        if actor.control.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if cast(int, actor.control.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._drain(actor, actor.control, now)
 
     # ---------------------------------------------------------------- heartbeats and liveness
