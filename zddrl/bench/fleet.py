@@ -308,6 +308,9 @@ def run_point(actors: int, seconds: float, rate: float, per_worker: int) -> dict
         stub = rig.stub_report()
         data = _data_figures(a, b, actors, stub)
         accounting, counters = _accounting(rig, drained, stub)
+    if data["trajectories_per_s"]:  # what a trajectory costs on top of the fleet's heartbeats
+        extra = data["broker_cpu_share"] - control["broker_cpu_share"]
+        data["broker_cpu_us_per_traj_above_control"] = round(extra / data["trajectories_per_s"] * 1e6, 1)
     row = {
         "actors": actors,
         "workers": len(rig.sizes),

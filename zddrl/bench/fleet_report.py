@@ -46,8 +46,8 @@ def control_table(points: list[dict[str, Any]]) -> str:
 
 def data_table(points: list[dict[str, Any]]) -> str:
     header = (
-        "actors|traj/s|p50 ms|p99 ms|broker CPU|of it libzmq|broker us/traj|control msgs/s|broker RSS MiB|sims CPU|"
-        "learner CPU|accounted|all delivered"
+        "actors|traj/s|p50 ms|p99 ms|broker CPU|of it libzmq|broker us/traj|above control|control msgs/s|"
+        "broker RSS MiB|sims CPU|learner CPU|accounted|all delivered"
     )
     return _table(
         header.split("|"),
@@ -60,6 +60,7 @@ def data_table(points: list[dict[str, Any]]) -> str:
                 _pct(d["broker_cpu_share"]),
                 _pct(d["broker_zmq_cpu_share"]),
                 _us(d["broker_cpu_us_per_traj"]),
+                _us(d.get("broker_cpu_us_per_traj_above_control")),
                 f"{d['control_msgs_per_s']:.0f}",
                 f"{p['broker_rss_mb']['data']}",
                 _pct(d["sims_cpu_share"]),
