@@ -56,6 +56,7 @@ def test_bench_fleet_smoke() -> None:
 
     comparison = report["proxy_comparison"]
     assert comparison["actors"] == 8 and comparison["broker_over_proxy"] > 0
+    assert comparison["proxy"]["trajectories_per_s"] > 0 and comparison["proxy"]["forwarder_cpu_us_per_traj"] > 0
     assert comparison["proxy"]["all_delivered"] is True and comparison["broker"]["all_delivered"] is True
     assert report["scaling"]["control_plane"]["met"] is None  # judged only with 1,024 actors
     assert report["scaling"]["per_actor_cost"]["met"] is None  # judged from 64 actors

@@ -74,7 +74,7 @@ def data_table(points: list[dict[str, Any]]) -> str:
     )
 
 
-def comparison_lines(comparison: dict[str, Any]) -> list[str]:
+def comparison_lines(comparison: dict[str, Any], rate: str) -> list[str]:
     header = "path|traj/s|p50 ms|p99 ms|forwarder CPU|forwarder us/traj|forwarder RSS MiB|sims CPU|learner CPU"
     table = _table(
         header.split("|"),
@@ -96,11 +96,12 @@ def comparison_lines(comparison: dict[str, Any]) -> list[str]:
     )
     return [
         "",
-        f"Data path at {comparison['actors']} actors, every actor sending as fast as it may (zmq.proxy: no control "
-        "plane, no credit)",
+        f"Data path at {comparison['actors']} actors, {rate}, through the broker and through zmq.proxy (no control "
+        "plane, no credit: without --rate its queues are bounded only by ZeroMQ's HWMs and the kernel's buffers)",
         table,
         f"broker / proxy: {comparison['broker_over_proxy']:.2f}x trajectories/s, "
-        f"{comparison['cpu_per_traj_broker_over_proxy']}x forwarder CPU per trajectory",
+        f"{comparison['cpu_per_traj_broker_over_proxy']}x forwarder CPU per trajectory "
+        f"({comparison['cpu_per_traj_above_control_broker_over_proxy']}x without the broker's control plane)",
     ]
 
 
@@ -116,7 +117,7 @@ def format_report(report: dict[str, Any]) -> str:
         data_table(points),
     ]
     if report.get("proxy_comparison"):
-        out += comparison_lines(report["proxy_comparison"])
+        out += comparison_lines(report["proxy_comparison"], rate)
     sc = report["scaling"]
     cp, per_actor, fit = sc["control_plane"], sc["per_actor_cost"], sc["fit"]
     marginal = ", ".join(f"{n}: {c:.0f}" for n, c in per_actor["marginal_us_per_actor_s"].items())

@@ -42,9 +42,10 @@ FDS_PER_SOCKET = 2
 FD_MARGIN = 64
 MAX_POLL_MS = 100
 """The loop looks at the mode (send or not) at least this often."""
-RETRY_S = 0.001
-"""After its PUSH refused a message (not connected yet, or its HWM reached), an actor waits this long before it
-tries again; the others go on."""
+RETRY_S, RETRY_MAX_S = 0.001, 0.02
+"""After its PUSH refused a message (not connected yet, or its HWM reached: without credit, on the zmq.proxy path),
+an actor waits this long before it tries again, twice as long after each refusal in a row up to RETRY_MAX_S; the
+others go on."""
 BURST_S = 0.02
 """A paced worker sends at most this many seconds' worth of its rate at once after a late wake-up."""
 SLOTS = (
@@ -128,6 +129,7 @@ class SimActor:
         self.backoff = RECONNECT_INITIAL_S
         self.queued = False
         """In its worker's queue of actors that may send."""
+        self.retry_s = RETRY_S
 
     @property
     def ready(self) -> bool:
@@ -185,8 +187,8 @@ class SimWorker:
         self.beats: list[tuple[float, int]] = []
         self.queue: deque[SimActor] = deque()
         self.tokens, self.t_tokens = 0.0, time.monotonic()
-        self.blocked: deque[tuple[float, SimActor]] = deque()
-        """Actors whose PUSH refused a message, with the time they may try again (in that order: RETRY_S each)."""
+        self.blocked: list[tuple[float, int, SimActor]] = []
+        """A heap of actors whose PUSH refused a message: (when it may try again, actor id, actor)."""
         arrays = cartpole_arrays(first_id)
         from zddrl.transport.link import hello_fields
 
@@ -379,12 +381,16 @@ class SimWorker:
             if not actor.can_send():
                 continue
             assert actor.push is not None
-            try:
+            try:  # a full PUSH is found before a trajectory is encoded for nothing
+                if not cast(int, actor.push.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                    raise zmq.Again()
                 actor.push.send_multipart(P.encode(actor.trajectory()), zmq.NOBLOCK, copy=False)
-            except zmq.Again:  # not connected yet, or its queue is full: this one tries again after RETRY_S
+            except zmq.Again:  # not connected yet, or its queue is full: this one tries again later
                 self.counts[S["send_again"]] += 1
-                self.blocked.append((now + RETRY_S, actor))
+                heapq.heappush(self.blocked, (now + actor.retry_s, actor.actor_id, actor))
+                actor.retry_s = min(actor.retry_s * 2, RETRY_MAX_S)
                 continue
+            actor.retry_s = RETRY_S
             actor.sent += 1
             actor.seq += 1
             self.counts[S["sent"]] += 1
@@ -394,7 +400,7 @@ class SimWorker:
 
     def _send_due(self, sending: bool, now: float) -> None:
         while self.blocked and self.blocked[0][0] <= now:
-            self._enqueue(self.blocked.popleft()[1])
+            self._enqueue(heapq.heappop(self.blocked)[2])
         if not sending:
             self.tokens, self.t_tokens = 0.0, now
             return
