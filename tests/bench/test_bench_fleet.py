@@ -12,6 +12,7 @@ import click
 import pytest
 
 from zddrl.bench import fleet as F
+from zddrl.bench.fleet_report import scaling
 from zddrl.bench.fleet_sim import raise_nofile
 
 TINY = ["--json", "--actors", "1,8", "--seconds", "0.5"]
@@ -69,7 +70,7 @@ def _point(actors: int, share: float) -> dict:
 def test_scaling_goals() -> None:
     # an idle loop of 0.2 % plus 80 us per actor per second: flat
     points = [_point(n, 0.002 + 80e-6 * n) for n in (1, 64, 256, 1024)]
-    report = F.scaling(points)
+    report = scaling(points)
     assert report["control_plane"] == {
         "actors": 1024,
         "broker_cpu_share": points[-1]["control_only"]["broker_cpu_share"],
@@ -81,7 +82,7 @@ def test_scaling_goals() -> None:
     assert per_actor["largest_over_cheapest"] == 1.0 and per_actor["met"] is True
     assert report["fit"] == {"fixed_share": 0.002, "us_per_actor_s": 80.0}
     # a cost that grows with N (a quadratic term) is not flat, and 1,024 actors over 10 % miss the first goal
-    grown = F.scaling([_point(n, 0.002 + 80e-6 * n + 1e-7 * n * n) for n in (1, 64, 256, 1024)])
+    grown = scaling([_point(n, 0.002 + 80e-6 * n + 1e-7 * n * n) for n in (1, 64, 256, 1024)])
     assert grown["per_actor_cost"]["met"] is False and grown["control_plane"]["met"] is False
 
 

@@ -15,7 +15,12 @@ Two windows follow:
 
 Then the actors stop, everything sent is drained, and the accounting is checked: every trajectory sent was
 received by the broker, ``received == forwarded + dropped + in_flight``, and every forwarded one reached the stub.
-CPU shares are of one core, from /proc/PID/stat (all of a process's threads: libzmq's I/O thread too).
+With ``--proxy`` (the default) the largest fleet's data window runs once more through a `zmq.proxy` forwarder
+instead of the broker (no control plane, no credit), at the same offered load: the forwarders' CPU per trajectory
+side by side.
+
+CPU shares are of one core, summed over a process's threads (libzmq's I/O thread too, also shown on its own)
+from /proc/PID/task/*/schedstat.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import numpy as np
 from loguru import logger
 
 from zddrl.bench import common as C
-from zddrl.bench.fleet_report import format_report
+from zddrl.bench.fleet_report import format_report, proxy_comparison, scaling
 from zddrl.bench.fleet_sim import SLOTS, T_STEPS, S, worker_fds, worker_main
 from zddrl.bench.fleet_stub import MAX_IN_FLIGHT, broker_fds, broker_main, learner_main, proxy_learner_main, proxy_main
 from zddrl.ops.status import request_status
@@ -354,83 +359,6 @@ def run_proxy_point(actors: int, seconds: float, per_worker: int, rate: float) -
         "learner_cpu_share": data["learner_cpu_share"],
         "forwarder_rss_mb": rss,
         "all_delivered": drained and sent == stub["received"],
-    }
-
-
-def proxy_comparison(broker: dict[str, Any], proxy: dict[str, Any]) -> dict[str, Any]:
-    """The broker's data path against zmq.proxy's, the same actors offering the same load to each."""
-    d = broker["data"]
-    row = {
-        "actors": broker["actors"],
-        "broker": {
-            "trajectories_per_s": d["trajectories_per_s"],
-            "latency_ms": d["latency_ms"],
-            "forwarder_cpu_share": d["broker_cpu_share"],
-            "forwarder_cpu_us_per_traj": d["broker_cpu_us_per_traj"],
-            "sims_cpu_share": d["sims_cpu_share"],
-            "learner_cpu_share": d["learner_cpu_share"],
-            "forwarder_rss_mb": broker["broker_rss_mb"]["data"],
-            "all_delivered": broker["accounting"]["all_delivered"],
-        },
-        "proxy": proxy,
-        "broker_over_proxy": round(d["trajectories_per_s"] / proxy["trajectories_per_s"], 3),
-    }
-    cpu_b, cpu_p = d["broker_cpu_us_per_traj"], proxy["forwarder_cpu_us_per_traj"]
-    row["cpu_per_traj_broker_over_proxy"] = round(cpu_b / cpu_p, 2) if cpu_b and cpu_p else None
-    above = d.get("broker_cpu_us_per_traj_above_control")  # the broker's heartbeats left out
-    row["cpu_per_traj_above_control_broker_over_proxy"] = round(above / cpu_p, 2) if above and cpu_p else None
-    return row
-
-
-PER_ACTOR_FROM = 64
-"""Fleets this large or larger judge whether the per-actor cost stays flat (below it the idle loop dominates)."""
-PER_ACTOR_GROWTH_MAX = 1.25
-"""The per-actor cost of the largest fleet may exceed the cheapest one's by this factor and still count as flat."""
-
-
-def marginal_costs(points: list[dict[str, Any]]) -> dict[int, float]:
-    """Broker CPU per actor per second (us) on top of the smallest fleet's (the idle loop's fixed cost), per N."""
-    base = min(points, key=lambda p: p["actors"])
-    n0, share0 = base["actors"], base["control_only"]["broker_cpu_share"]
-    return {
-        p["actors"]: round((p["control_only"]["broker_cpu_share"] - share0) / (p["actors"] - n0) * 1e6, 1)
-        for p in points
-        if p["actors"] > n0
-    }
-
-
-def scaling(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """The goals: the control plane of 1,024 actors under 10 % of a core, and its per-actor cost flat in N: the
-    marginal cost (``marginal_costs``) of the largest fleet at most PER_ACTOR_GROWTH_MAX x the cheapest of those
-    from PER_ACTOR_FROM actors. Also a least-squares line through the control-only shares: fixed + per actor."""
-    largest = max(points, key=lambda p: p["actors"])
-    share = largest["control_only"]["broker_cpu_share"]
-    marginal = marginal_costs(points)
-    judged = {n: c for n, c in marginal.items() if n >= PER_ACTOR_FROM}
-    growth = None
-    if len(judged) >= 2 and min(judged.values()) > 0:
-        growth = round(judged[largest["actors"]] / min(judged.values()), 2)
-    fit = None
-    if len(points) >= 2:
-        slope, intercept = np.polyfit(
-            [p["actors"] for p in points], [p["control_only"]["broker_cpu_share"] for p in points], 1
-        )
-        fit = {"fixed_share": round(float(intercept), 4), "us_per_actor_s": round(float(slope) * 1e6, 1)}
-    return {
-        "control_plane": {
-            "actors": largest["actors"],
-            "broker_cpu_share": share,
-            "threshold": 0.10,
-            "met": share < 0.10 if largest["actors"] >= 1024 else None,
-        },
-        "per_actor_cost": {
-            "marginal_us_per_actor_s": {str(n): c for n, c in marginal.items()},
-            "from_actors": PER_ACTOR_FROM,
-            "largest_over_cheapest": growth,
-            "threshold": PER_ACTOR_GROWTH_MAX,
-            "met": None if growth is None else growth <= PER_ACTOR_GROWTH_MAX,
-        },
-        "fit": fit,
     }
 
 
