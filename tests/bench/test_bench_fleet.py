@@ -50,6 +50,7 @@ def test_bench_fleet_smoke() -> None:
         assert 0 <= control["broker_cpu_share"] < 2
         assert control["heartbeats_per_s"] > 0 or n == 1  # one beat a second each way: a 0.5 s window may miss both
         assert control["hellos_per_s"] == 0  # joined before the window: no hello in steady state
+        assert control["stats_per_s"] > 0 or n == 1  # one a second each, as zddrl actor sends them
         assert data["trajectories_per_s"] > 0 and data["broker_cpu_us_per_traj"] > 0
         assert 0 < data["latency_ms"]["p50"] <= data["latency_ms"]["p99"] <= data["latency_ms"]["max"]
         assert data["credits_per_s"] > 0  # the broker returned the actors' credit

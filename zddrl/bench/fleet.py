@@ -5,9 +5,10 @@ version 0, then N simulated actors (zddrl.bench.fleet_sim: each its own identity
 trajectories PUSH; ACTORS_PER_WORKER of them per worker process, each worker reporting its own ``host``) join.
 Two windows follow:
 
-* **control plane only**: every actor joined and heartbeating, no data. The broker's CPU share here is what the
-  fleet's membership costs it (heartbeats both ways, liveness, health, fleet bookkeeping); divided by N, what
-  one actor costs. Goal: 1,024 actors under 10 % of one core, the per-actor cost flat in N.
+* **control plane only**: every actor joined, heartbeating and sending stats once a second as `zddrl actor` does
+  (``--no-stats``: heartbeats alone), no data. The broker's CPU share here is what the fleet's membership costs
+  it (heartbeats both ways, stats and their health checks, liveness, fleet bookkeeping); divided by N, what one
+  actor costs. Goal: 1,024 actors under 10 % of one core, the per-actor cost flat in N.
 * **data**: the actors send CartPole rollouts at ``--rate`` trajectories/s over the whole fleet (round robin
   within each worker among actors with credit; ``--rate 0``: as fast as the credit allows), each following the
   broker's actor-side credit (at most ``max_in_flight`` = 2 uncredited). Throughput and send -> learner receipt
@@ -143,8 +144,10 @@ def thread_cpu(pid: int | None) -> tuple[float, float]:
 class FleetRig:
     """The broker, the learner stub and the simulated actors' workers of one fleet size."""
 
-    def __init__(self, workers: C.Workers, actors: int, per_worker: int, rate: float, proxy: bool = False) -> None:
-        self.workers, self.actors, self.rate, self.proxy = workers, actors, rate, proxy
+    def __init__(
+        self, workers: C.Workers, actors: int, per_worker: int, rate: float, proxy: bool = False, stats: bool = True
+    ) -> None:
+        self.workers, self.actors, self.rate, self.proxy, self.stats = workers, actors, rate, proxy, stats
         self.sizes = [min(per_worker, actors - first) for first in range(0, actors, per_worker)]
         self.run_id = f"bench-fleet-{uuid.uuid4().hex[:8]}"
         self.mode = C.shared_mode()
@@ -170,7 +173,8 @@ class FleetRig:
         t0, cpu0 = time.monotonic(), _cpu(self.broker_pid)
         first = 0
         for w, (size, counts) in enumerate(zip(self.sizes, self.counts)):
-            args = (endpoint, w, first, size, counts, self.mode, self.rate * size / self.actors, self.proxy)
+            rate = self.rate * size / self.actors
+            args = (endpoint, w, first, size, counts, self.mode, rate, self.proxy, self.stats)
             self.sim_pids.append(self.workers.start(f"fleet-sim-{w}", worker_main, *args).pid)
             first += size
         timeout = JOIN_TIMEOUT_S + self.actors * 0.02
@@ -235,7 +239,7 @@ def _rates(a: Sample, b: Sample, actors: int) -> dict[str, Any]:
         return round(sum(b.count(n) - a.count(n) for n in names) / dt, 1)
 
     broker = (b.broker_cpu - a.broker_cpu) / dt
-    to_broker = per_s("hello_out", "heartbeat_out")
+    to_broker = per_s("hello_out", "heartbeat_out", "stats_out")
     from_broker = per_s("heartbeat_in", "credit_in", "welcome_in", "params_in", "reject_in")
     return {
         "window_s": round(dt, 3),
@@ -249,6 +253,7 @@ def _rates(a: Sample, b: Sample, actors: int) -> dict[str, Any]:
         "control_from_broker_per_s": from_broker,
         "heartbeats_per_s": per_s("heartbeat_out", "heartbeat_in"),
         "hellos_per_s": per_s("hello_out"),
+        "stats_per_s": per_s("stats_out"),
         "credits_per_s": per_s("credit_in"),
         "reconnects": int(b.count("reconnects") - a.count("reconnects")),
         "rejects": int(b.count("reject_in") - a.count("reject_in")),
@@ -298,10 +303,10 @@ def _accounting(rig: FleetRig, drained: bool, stub: dict[str, Any]) -> tuple[dic
     return accounting, counters
 
 
-def run_point(actors: int, seconds: float, rate: float, per_worker: int) -> dict[str, Any]:
+def run_point(actors: int, seconds: float, rate: float, per_worker: int, stats: bool = True) -> dict[str, Any]:
     """One fleet size on fresh processes: join, control-only window, data window, drain, accounting."""
     with C.Workers() as workers:
-        rig = FleetRig(workers, actors, per_worker, rate)
+        rig = FleetRig(workers, actors, per_worker, rate, stats=stats)
         rig.start()
         control = _rates(*rig.window(seconds), actors)
         rss_idle = rss_mb(rig.broker_pid)
@@ -363,11 +368,11 @@ def run_proxy_point(actors: int, seconds: float, per_worker: int, rate: float) -
 
 
 def run_bench(
-    actor_counts: list[int], seconds: float, rate: float, per_worker: int, proxy: bool = True
+    actor_counts: list[int], seconds: float, rate: float, per_worker: int, proxy: bool = True, stats: bool = True
 ) -> dict[str, Any]:
     check_nofile(max(actor_counts), per_worker)
     t0 = time.monotonic()
-    points = [run_point(n, seconds, rate, per_worker) for n in actor_counts]
+    points = [run_point(n, seconds, rate, per_worker, stats) for n in actor_counts]
     comparison = None
     if proxy:  # the largest fleet again, through zmq.proxy at the same offered load
         largest = max(points, key=lambda p: p["actors"])
@@ -380,6 +385,7 @@ def run_bench(
             "rate": rate,
             "actors_per_worker": per_worker,
             "max_in_flight": MAX_IN_FLIGHT,
+            "stats": stats,
             "rollout": "CartPole, 32 steps x 4 envs",
             "cpus": os.cpu_count(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
@@ -434,8 +440,16 @@ def _actor_list(ctx: click.Context, param: click.Parameter, value: str) -> list[
     show_default=True,
     help="Also the largest fleet's data window through zmq.proxy (no control plane, no credit) at the same --rate.",
 )
-def fleet(as_json: bool, actor_counts: list[int], seconds: float, rate: float, per_worker: int, proxy: bool) -> None:
+@click.option(
+    "--stats/--no-stats",
+    default=True,
+    show_default=True,
+    help="Actors send a stats message with every heartbeat, as `zddrl actor` does once a second.",
+)
+def fleet(
+    as_json: bool, actor_counts: list[int], seconds: float, rate: float, per_worker: int, proxy: bool, stats: bool
+) -> None:
     """One broker under 1 to 1,024 simulated actors: control-plane cost, throughput, latency, memory."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report = run_bench(actor_counts, seconds, rate, per_worker, proxy)
+    report = run_bench(actor_counts, seconds, rate, per_worker, proxy, stats)
     click.echo(json.dumps(report) if as_json else format_report(report))

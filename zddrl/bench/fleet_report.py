@@ -101,7 +101,9 @@ def _us(x: float | None) -> str:
 
 
 def control_table(points: list[dict[str, Any]]) -> str:
-    header = "actors|join s|broker CPU|of it libzmq|us/actor/s|control msgs/s|heartbeats/s|broker RSS MiB|sims CPU"
+    header = (
+        "actors|join s|broker CPU|of it libzmq|us/actor/s|control msgs/s|heartbeats/s|stats/s|broker RSS MiB|sims CPU"
+    )
     return _table(
         header.split("|"),
         [
@@ -113,6 +115,7 @@ def control_table(points: list[dict[str, Any]]) -> str:
                 f"{c['broker_cpu_us_per_actor_s']:.1f}",
                 f"{c['control_msgs_per_s']:.0f}",
                 f"{c['heartbeats_per_s']:.0f}",
+                f"{c['stats_per_s']:.0f}",
                 f"{p['broker_rss_mb']['control']}",
                 _pct(c["sims_cpu_share"]),
             ]
@@ -187,8 +190,8 @@ def format_report(report: dict[str, Any]) -> str:
     s, points = report["settings"], report["points"]
     rate = "as fast as credit allows" if not s["rate"] else f"{s['rate']:g} trajectories/s offered by the fleet"
     out = [
-        f"Control plane only: every actor joined and heartbeating, no data ({s['seconds']:g} s windows; CPU shares "
-        "are of one core)",
+        f"Control plane only: every actor joined and heartbeating{', with stats' if s['stats'] else ''}, no data "
+        f"({s['seconds']:g} s windows; CPU shares are of one core)",
         control_table(points),
         "",
         f"Data: {s['rollout']} rollouts, {rate}; max_in_flight {s['max_in_flight']}",

@@ -55,6 +55,7 @@ SLOTS = (
     "credited",
     "hello_out",
     "heartbeat_out",
+    "stats_out",
     "heartbeat_in",
     "credit_in",
     "welcome_in",
@@ -130,6 +131,7 @@ class SimActor:
         self.queued = False
         """In its worker's queue of actors that may send."""
         self.retry_s = RETRY_S
+        self.stats_mark = (time.monotonic(), 0)
 
     @property
     def ready(self) -> bool:
@@ -159,13 +161,37 @@ class SimActor:
             ep_lengths=[21],
         )
 
+    def stats(self, now: float) -> P.Stats:
+        """The stats map `zddrl actor` sends every STATS_EVERY_S (actor/host.py ``_report``): the same keys, the
+        figures of a healthy actor, a first-observation hash of its own."""
+        steps = self.seq * T_STEPS * N_ENVS
+        since, steps0 = self.stats_mark
+        self.stats_mark = (now, steps)
+        figures = {
+            "env_steps": steps,
+            "sps": (steps - steps0) / max(now - since, 1e-9),
+            "rollouts": self.seq,
+            **dict.fromkeys(("nonfinite_episodes", "refused_versions", "refused_runs"), 0),
+            **dict.fromkeys(("wait_params_s", "backpressure_s", "send_s", "comm_share", "wait_share"), 0.0),
+            "num_envs": N_ENVS,
+            "run_id": self.run_id,
+            "policy_version": self.version,
+            "param_hash": self.param_hash,
+            "reconnects": 0,
+            "rss_mb": 100.0,
+            "first_obs_hash": f"{self.actor_id:016x}",
+        }
+        return P.Stats(peer_id=self.peer_id, role="actor", stats=figures)
+
 
 class SimWorker:
     """The actors of one process, on one thread: ``run(mode)`` serves them until the process is stopped.
 
     ``mode.value``: 0 heartbeats only, 1 send trajectories (at ``rate`` per second over all its actors, round
     robin among those with credit; ``rate`` 0: as fast as their credit allows). With ``proxy``, ``control`` is a
-    zmq.proxy forwarder's frontend, which the actors push to with no control plane and no credit.
+    zmq.proxy forwarder's frontend, which the actors push to with no control plane and no credit. With ``stats``
+    each actor that holds a version also sends a stats message with each heartbeat, as `zddrl actor` does once a
+    second.
     """
 
     def __init__(
@@ -178,8 +204,10 @@ class SimWorker:
         counts: Any,
         rate: float,
         proxy: bool = False,
+        stats: bool = True,
     ) -> None:
         self.ctx, self.endpoint, self.counts, self.rate, self.proxy = ctx, control, counts, rate, proxy
+        self.stats = stats
         self.connect_host = control.rsplit(":", 1)[0]
         self.selector = selectors.DefaultSelector()
         """epoll over the control DEALERs' ZMQ_FDs: a wake-up costs what is ready, not what is open (zmq.Poller
@@ -365,6 +393,8 @@ class SimWorker:
                 self._drain(actor, actor.sub, now)
             beat = P.Heartbeat(peer_id=actor.peer_id, policy_version=actor.version)
             self._send_control(actor, beat, "heartbeat_out", now)
+            if self.stats and actor.ready and actor.control is not None:
+                self._send_control(actor, actor.stats(now), "stats_out", now)
             self._schedule(actor, k, now + actor.interval)
 
     # ---------------------------------------------------------------- trajectories
@@ -439,7 +469,15 @@ class SimWorker:
 
 
 def worker_main(
-    control: str, worker: int, first_id: int, count: int, counts: Any, mode: Any, rate: float, proxy: bool = False
+    control: str,
+    worker: int,
+    first_id: int,
+    count: int,
+    counts: Any,
+    mode: Any,
+    rate: float,
+    proxy: bool = False,
+    stats: bool = True,
 ) -> None:
     """A worker process: ``count`` actors ``sim-<first_id>...`` reporting host ``sim-<worker>`` (``proxy``: pushing
     to a zmq.proxy frontend at ``control``, see SimWorker)."""
@@ -449,4 +487,4 @@ def worker_main(
     raise_nofile(worker_fds(count), f"a fleet worker with {count} actors")
     ctx = zmq.Context(io_threads=1)
     ctx.setsockopt(zmq.MAX_SOCKETS, count * SOCKETS_PER_ACTOR + FD_MARGIN)  # ZeroMQ's default is 1023 sockets
-    SimWorker(ctx, control, f"sim-{worker}", first_id, count, counts, rate, proxy).run(mode)
+    SimWorker(ctx, control, f"sim-{worker}", first_id, count, counts, rate, proxy, stats).run(mode)
