@@ -371,7 +371,7 @@ def run_bench(
     actor_counts: list[int], seconds: float, rate: float, per_worker: int, proxy: bool = True, stats: bool = True
 ) -> dict[str, Any]:
     check_nofile(max(actor_counts), per_worker)
-    t0 = time.monotonic()
+    t0, load = time.monotonic(), [round(x, 2) for x in os.getloadavg()]  # before any worker runs
     points = [run_point(n, seconds, rate, per_worker, stats) for n in actor_counts]
     comparison = None
     if proxy:  # the largest fleet again, through zmq.proxy at the same offered load
@@ -388,7 +388,7 @@ def run_bench(
             "stats": stats,
             "rollout": "CartPole, 32 steps x 4 envs",
             "cpus": os.cpu_count(),
-            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "load_avg_at_start": load,
         },
         "points": points,
         "scaling": scaling(points),
