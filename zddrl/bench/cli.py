@@ -6,6 +6,7 @@ import click
 
 from zddrl.bench.bus import bus
 from zddrl.bench.codec import codec
+from zddrl.bench.fleet import fleet
 from zddrl.bench.learner import learner
 from zddrl.bench.replay import replay
 from zddrl.bench.sample import sample
@@ -14,11 +15,12 @@ from zddrl.bench.train import train
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, codec, sample, train, learner, replay. Each prints a table, or JSON with --json."""
+    """Benchmarks: bus, codec, fleet, sample, train, learner, replay. Each prints a table, or JSON with --json."""
 
 
 bench.add_command(bus)
 bench.add_command(codec)
+bench.add_command(fleet)
 bench.add_command(learner)
 bench.add_command(replay)
 bench.add_command(sample)
