@@ -28,7 +28,8 @@ import numpy as np
 import zmq
 
 from zddrl import protocol as P
-from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, RECONNECT_INITIAL_S, RECONNECT_MAX_S
+from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S
+from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 T_STEPS, N_ENVS, OBS_DIM = 32, 4, 4
 """A CartPole rollout: 32 steps of 4 envs, 4 observation floats (about 5 KiB of arrays)."""
