@@ -5,114 +5,28 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import signal
-import threading
 from pathlib import Path
-from typing import Any
 
 import click
-from loguru import logger
 
 from zddrl import STARTED_AT, __version__
-from zddrl.config import ConfigError, load_broker_config, load_config, parse_override, split_endpoints
+from zddrl.cli.common import (
+    CONNECT_HELP,
+    _check_run_dir,
+    _connect_list,
+    _credentials,
+    _load,
+    _overrides,
+    key_option,
+    keys_option,
+    set_option,
+    stop_on_signals,
+)
+from zddrl.cli.keys import keys
+from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
+from zddrl.config import ConfigError, load_broker_config
 from zddrl.logs import configure
 from zddrl.transport.link import Refused
-
-CONNECT_HELP = (
-    "Broker control endpoint, the only address a client needs; or a fallback list tcp://A:5555,tcp://B:5555, "
-    "tried in turn (the next one when the current broker falls silent)."
-)
-
-
-def _connect_list(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
-    """--connect checked where it is given (config.split_endpoints): a bad entry is a one-line usage error."""
-    try:
-        return ",".join(split_endpoints(value))
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc)) from None
-
-
-def stop_on_signals() -> threading.Event:
-    """SIGINT/SIGTERM only set the returned event; loops check it and shut down cleanly."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: Any) -> None:
-        logger.info(f"{signal.Signals(signum).name} received: stopping")
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    return stop
-
-
-def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
-    out = dict(parse_override(s) for s in sets)
-    out.update({k: v for k, v in named.items() if v is not None})
-    return out
-
-
-def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
-    """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
-    from zddrl.envs import EnvError, probe_spec
-
-    try:
-        config = load_config(config_path, overrides)
-        if check_env:
-            probe_spec(config.env.id, config.env.max_episode_steps)
-        return config
-    except (ConfigError, EnvError) as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
-    """``learner.checkpoints.check_run_dir`` as a usage error."""
-    from zddrl.learner.checkpoints import check_run_dir
-
-    try:
-        check_run_dir(config, run_dir, resume)
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-keys_option = click.option(
-    "--keys",
-    "keys_dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    envvar="ZDDRL_KEYS",
-    help="Key directory of a closed bus (zddrl keys; docs/security.md). Without it the bus is open, which the "
-    "broker allows on loopback only.",
-)
-key_option = click.option(
-    "--key",
-    "key_name",
-    default=None,
-    envvar="ZDDRL_KEY",
-    help="Which of this role's keys in --keys to use (needed when it holds the secrets of several).",
-)
-
-
-def _credentials(keys_dir: str | None, role: str, key_name: str | None):
-    """This client's ``keys.Credentials`` from --keys (None without it); a bad key directory is a usage error."""
-    from zddrl.keys import KeysError, credentials
-
-    if keys_dir is None:
-        if key_name is not None:
-            raise click.UsageError("--key names a key in --keys: give --keys DIR too")
-        return None
-    try:
-        return credentials(keys_dir, role, key_name)
-    except KeysError as exc:
-        raise click.UsageError(f"--keys: {exc}") from None
-
-
-set_option = click.option(
-    "--set",
-    "sets",
-    multiple=True,
-    metavar="SECTION.KEY=VALUE",
-    help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).",
-)
 
 
 class _LazyGroup(click.Group):
@@ -361,71 +275,6 @@ def learner(
     _run_shard(config, plan, connect, run_dir, t0, resume, creds)
 
 
-def _default_run_dir(config) -> Path:
-    from zddrl.ops.train import default_run_dir
-
-    return default_run_dir(config)
-
-
-class _ExitWith(click.ClickException):
-    """A ClickException with the exit code of the failure it reports."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
-
-
-def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: float) -> None:
-    """``zddrl learner --restart N``: this same command line, run as a child and restarted when it dies."""
-    import sys
-
-    from zddrl.ops.restart import SupervisorError, supervise_learner
-
-    try:
-        supervise_learner(sys.argv[1:], run_dir, STARTED_AT if t0 is None else t0, restarts, max_seconds)
-    except SupervisorError as exc:
-        raise _ExitWith(str(exc), exc.exit_code) from None  # a usage error of the learner stays exit 2
-
-
-def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
-    """Re-run this command once per local device as a shard (same arguments, one run directory)."""
-    import sys
-
-    from zddrl.dist.launch import LaunchError, Rendezvous, run_shards
-
-    argv = list(sys.argv[1:])
-    if "--run-dir" not in argv:  # every shard must agree on the (default, time-stamped) directory
-        argv += ["--run-dir", run_dir]
-    try:
-        run_shards(plan, Rendezvous(nnodes, node_rank, master_addr, master_port), argv)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    except LaunchError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-def _run_shard(config, plan, connect, run_dir, t0, resume, creds) -> None:
-    """This process is the learner, or one shard of it: join the group, train, leave the group."""
-    from zddrl.dist.shards import ShardError, ShardGroup
-    from zddrl.learner.node import LearnerNode
-
-    try:
-        group = ShardGroup.from_env(plan, config.learner.collective_timeout_s)
-    except ShardError as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        node = LearnerNode(connect, config, run_dir, t0=t0, resume=resume, group=group, credentials=creds)
-        summary = node.run(stop_on_signals())
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
-    except (Refused, ShardError) as exc:
-        raise click.ClickException(str(exc)) from None
-    finally:
-        group.close()
-    if group.is_main:
-        click.echo(json.dumps(summary))
-
-
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option("--actors", type=int, default=None, help="Actor processes (overrides train.actors).")
@@ -536,45 +385,4 @@ def plot(run_dirs, output) -> None:
     click.echo(output)
 
 
-@main.group()
-def keys() -> None:
-    """Keys of a closed bus: a CURVE keypair per broker and client, an Ed25519 signing key per learner.
-
-    One directory holds them (docs/security.md): broker/, learners/, actors/, monitors/. The broker needs
-    its own secret and every client's public key; a client needs its own secret and the broker's public key;
-    actors also need the learners' NAME.sign.pub to pin."""
-
-
-@keys.command("new")
-@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor"]))
-@click.argument("name")
-@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
-def keys_new(role, name, keys_dir) -> None:
-    """Make the keys of ROLE NAME in --keys (never overwrites); prints the files written."""
-    from zddrl.keys import KeysError, new_key
-
-    try:
-        for path in new_key(keys_dir, role, name):
-            secret = path.suffix in (".key_secret", ".sign")
-            click.echo(f"{path}  ({'secret: keep it on its own host only' if secret else 'public'})")
-    except KeysError as exc:
-        raise click.UsageError(str(exc)) from None
-
-
-@keys.command("list")
-@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def keys_list(keys_dir, as_json) -> None:
-    """The keys in --keys: role, name, public key, and whether this directory holds the secret."""
-    from zddrl.keys import KeysError, list_keys
-
-    try:
-        found = list_keys(keys_dir)
-    except KeysError as exc:
-        raise click.UsageError(str(exc)) from None
-    if as_json:
-        click.echo(json.dumps([k._asdict() for k in found], indent=2))
-        return
-    for k in found:
-        extra = ("secret here" if k.secret else "public only") + (", signs" if k.signing else "")
-        click.echo(f"{k.role:<8} {k.name:<24} {k.public}  ({extra})")
+main.add_command(keys)

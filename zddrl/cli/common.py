@@ -1,0 +1,110 @@
+"""What the commands share: the common options, loading a config as a usage error, credentials from --keys,
+and the stop event set by SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import click
+from loguru import logger
+
+from zddrl.config import ConfigError, load_config, parse_override, split_endpoints
+
+CONNECT_HELP = (
+    "Broker control endpoint, the only address a client needs; or a fallback list tcp://A:5555,tcp://B:5555, "
+    "tried in turn (the next one when the current broker falls silent)."
+)
+
+
+def _connect_list(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+    """--connect checked where it is given (config.split_endpoints): a bad entry is a one-line usage error."""
+    try:
+        return ",".join(split_endpoints(value))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def stop_on_signals() -> threading.Event:
+    """SIGINT/SIGTERM only set the returned event; loops check it and shut down cleanly."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: Any) -> None:
+        logger.info(f"{signal.Signals(signum).name} received: stopping")
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
+    out = dict(parse_override(s) for s in sets)
+    out.update({k: v for k, v in named.items() if v is not None})
+    return out
+
+
+def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
+    """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
+    from zddrl.envs import EnvError, probe_spec
+
+    try:
+        config = load_config(config_path, overrides)
+        if check_env:
+            probe_spec(config.env.id, config.env.max_episode_steps)
+        return config
+    except (ConfigError, EnvError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
+    """``learner.checkpoints.check_run_dir`` as a usage error."""
+    from zddrl.learner.checkpoints import check_run_dir
+
+    try:
+        check_run_dir(config, run_dir, resume)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+keys_option = click.option(
+    "--keys",
+    "keys_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    envvar="ZDDRL_KEYS",
+    help="Key directory of a closed bus (zddrl keys; docs/security.md). Without it the bus is open, which the "
+    "broker allows on loopback only.",
+)
+key_option = click.option(
+    "--key",
+    "key_name",
+    default=None,
+    envvar="ZDDRL_KEY",
+    help="Which of this role's keys in --keys to use (needed when it holds the secrets of several).",
+)
+
+
+def _credentials(keys_dir: str | None, role: str, key_name: str | None):
+    """This client's ``keys.Credentials`` from --keys (None without it); a bad key directory is a usage error."""
+    from zddrl.keys import KeysError, credentials
+
+    if keys_dir is None:
+        if key_name is not None:
+            raise click.UsageError("--key names a key in --keys: give --keys DIR too")
+        return None
+    try:
+        return credentials(keys_dir, role, key_name)
+    except KeysError as exc:
+        raise click.UsageError(f"--keys: {exc}") from None
+
+
+set_option = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="SECTION.KEY=VALUE",
+    help="Override a config value, e.g. --set algo.lr=1e-3 (repeatable).",
+)

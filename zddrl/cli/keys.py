@@ -1,0 +1,51 @@
+"""`zddrl keys`: make and list the keys of a closed bus (zddrl/keys.py; docs/security.md)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.group()
+def keys() -> None:
+    """Keys of a closed bus: a CURVE keypair per broker and client, an Ed25519 signing key per learner.
+
+    One directory holds them (docs/security.md): broker/, learners/, actors/, monitors/. The broker needs
+    its own secret and every client's public key; a client needs its own secret and the broker's public key;
+    actors also need the learners' NAME.sign.pub to pin."""
+
+
+@keys.command("new")
+@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor"]))
+@click.argument("name")
+@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
+def keys_new(role, name, keys_dir) -> None:
+    """Make the keys of ROLE NAME in --keys (never overwrites); prints the files written."""
+    from zddrl.keys import KeysError, new_key
+
+    try:
+        for path in new_key(keys_dir, role, name):
+            secret = path.suffix in (".key_secret", ".sign")
+            click.echo(f"{path}  ({'secret: keep it on its own host only' if secret else 'public'})")
+    except KeysError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@keys.command("list")
+@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def keys_list(keys_dir, as_json) -> None:
+    """The keys in --keys: role, name, public key, and whether this directory holds the secret."""
+    from zddrl.keys import KeysError, list_keys
+
+    try:
+        found = list_keys(keys_dir)
+    except KeysError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps([k._asdict() for k in found], indent=2))
+        return
+    for k in found:
+        extra = ("secret here" if k.secret else "public only") + (", signs" if k.signing else "")
+        click.echo(f"{k.role:<8} {k.name:<24} {k.public}  ({extra})")
