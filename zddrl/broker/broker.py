@@ -51,7 +51,7 @@ from zddrl.broker.sockets import open_sockets
 from zddrl.config import BrokerConfig, split_endpoint
 from zddrl.keys import KeysError
 from zddrl.logs import RateLimitedLog
-from zddrl.transport.io import NOBLOCK, recv_frames
+from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
 POLL_TIMEOUT_S = 0.1
 _STATUS_REFUSED = P.encode(P.Reject(reason="status: rate limited, ask less often"))
@@ -424,9 +424,12 @@ class Broker:
 
     # ---------------------------------------------------------------- liveness
     def _send_heartbeats(self) -> None:
+        # One message for every member, encoded once: the pass over 1,024 members took 20-30 ms when each was
+        # encoded and sent with send_multipart (zddrl bench fleet), and it stalls forwarding meanwhile.
+        beat = P.encode(P.Heartbeat(peer_id="broker", policy_version=self.policy_version))
         for member in list(self.members.values()):
             self.router.return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
-            self._send(self.control, member.identity, P.Heartbeat(peer_id="broker", policy_version=self.policy_version))
+            self._send_frames(self.control, member.identity, beat)
 
     def _purge_expired(self, now: float) -> None:
         limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
@@ -459,8 +462,8 @@ class Broker:
         self._send_frames(sock, identity, P.encode(msg))
 
     def _send_frames(self, sock: zmq.Socket, identity: bytes, frames: Sequence[Any]) -> None:
-        try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+        try:  # io.send_frames: ~1.3 us a message where send_multipart takes ~8.5 (bench fleet's heartbeat pass)
+            send_frames(sock, frames, NOBLOCK, prefix=identity)
         except zmq.ZMQError:  # peer gone or its queue is full: it will reconnect or re-ask
             self.counters["control_unroutable"] += 1
 
