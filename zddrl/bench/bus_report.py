@@ -100,7 +100,11 @@ def format_report(report: dict[str, Any]) -> str:
             ],
         )
     )
-    out += ["", "Parameter broadcast: send -> last subscriber holds the verified version"]
+    return "\n".join(out + [""] + _broadcast_and_codec(report) + [""] + _targets(report))
+
+
+def _broadcast_and_codec(report: dict[str, Any]) -> list[str]:
+    out = ["Parameter broadcast: send -> last subscriber holds the verified version"]
     out.append(
         _table(
             ["bus", "size", "subscribers", "median ms", "min ms", "max ms", "reps"],
@@ -135,10 +139,13 @@ def format_report(report: dict[str, Any]) -> str:
                 ],
             )
         )
+    return out
+
+
+def _targets(report: dict[str, Any]) -> list[str]:
     t = report["targets"]
     worst = t["broker_vs_proxy"]["worst"]
-    out += [
-        "",
+    return [
         f"Targets: broker >= {RATIO_TARGET}x proxy from {size_label(RATIO_FROM_BYTES)}: "
         f"{_met(t['broker_vs_proxy']['met'])} (worst {worst if worst is None else f'{worst:.2f}x'}); "
         f"codec >= {CODEC_TARGET:g}x faster than pickle at {size_label(CODEC_PAYLOAD)}: "
@@ -152,4 +159,3 @@ def format_report(report: dict[str, Any]) -> str:
         ),
         f"Broker counters: {report['broker_counters']}   wall {report['wall_s']:.1f} s",
     ]
-    return "\n".join(out)
