@@ -51,12 +51,18 @@ def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray
     Same names, dtypes and layout as an actor's (9 arrays: the per-message cost of the bus grows with
     their number, so a single big array would flatter it).
     """
-    rng = np.random.default_rng(seed)
     T, N = T_STEPS, N_ENVS
     fixed = T * N * (8 + 3 * 4 + 2) + N * 4  # actions, logp/values/rewards, terminated/truncated, next_value
     dim = (payload_bytes - fixed) // (4 * (T * N + N))
     if dim < 1:
         raise ValueError(f"payload {payload_bytes} B is too small for a trajectory (>= 2048 B)")
+    return rollout_arrays(T, N, dim, seed)
+
+
+def rollout_arrays(T: int, N: int, dim: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """The nine arrays of a ``T`` x ``N`` rollout of ``dim``-float observations and two actions, as an actor sends
+    them (no truncation in it)."""
+    rng = np.random.default_rng(seed)
     f32 = np.float32
     return {
         "obs": rng.standard_normal((T, N, dim), f32),

@@ -28,6 +28,7 @@ import numpy as np
 import zmq
 
 from zddrl import protocol as P
+from zddrl.bench import common as C
 from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S
 from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
@@ -89,19 +90,7 @@ def worker_fds(actors: int) -> int:
 
 def cartpole_arrays(seed: int) -> dict[str, np.ndarray]:
     """The nine arrays of a CartPole rollout as ``zddrl.actor.host.collect`` sends them (no truncation)."""
-    rng = np.random.default_rng(seed)
-    T, N, f32 = T_STEPS, N_ENVS, np.float32
-    return {
-        "obs": rng.standard_normal((T, N, OBS_DIM), f32),
-        "actions": rng.integers(0, 2, (T, N), np.int64),
-        "logp": np.full((T, N), -0.69, f32),
-        "values": rng.standard_normal((T, N), f32),
-        "rewards": np.ones((T, N), f32),
-        "terminated": np.zeros((T, N), bool),
-        "truncated": np.zeros((T, N), bool),
-        "next_obs": rng.standard_normal((N, OBS_DIM), f32),
-        "next_value": np.zeros(N, f32),
-    }
+    return C.rollout_arrays(T_STEPS, N_ENVS, OBS_DIM, seed)
 
 
 class SimActor:
