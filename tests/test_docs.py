@@ -16,12 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
-    "cls", [C.Config, C.EnvConfig, C.ModelConfig, C.AlgoConfig, C.TrainConfig, C.LearnerConfig, C.BrokerConfig]
+    "cls",
+    [
+        C.Config,
+        C.EnvConfig,
+        C.ModelConfig,
+        C.AlgoConfig,
+        C.ReplayConfig,
+        C.TrainConfig,
+        C.LearnerConfig,
+        C.BrokerConfig,
+    ],
 )
 def test_every_config_key_is_documented_with_its_default(cls: type) -> None:
     text = (ROOT / "docs" / "configuration.md").read_text()
     for f in dataclasses.fields(cls):
-        if f.name in ("env", "model", "algo", "train", "learner"):
+        if f.name in ("env", "model", "algo", "replay", "train", "learner"):
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, float) and math.isinf(default):

@@ -29,7 +29,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("sync", "async", "impala")
+MODES = ("sync", "async", "impala", "apex", "sac")
+REPLAY_MODES = ("apex", "sac")
+"""Modes that learn off-policy from a replay buffer ([replay])."""
+TARGET_KINDS = ("train", "eval")
+PLACEMENTS = ("learner",)
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
 
@@ -81,9 +85,11 @@ class ModelConfig:
 @dataclass(frozen=True)
 class AlgoConfig:
     mode: str = "sync"
-    """sync (distributed PPO) | async (PPO with truncated IS) | impala (V-trace)."""
+    """sync (distributed PPO) | async (PPO with truncated IS) | impala (V-trace) | apex (Ape-X dueling double DQN)
+    | sac (soft actor-critic); the last two learn from a replay buffer ([replay])."""
     batch_size: int = 256
-    """Env steps per update, summed over all actors; fixed whatever the number of actors."""
+    """Env steps per update, summed over all actors; fixed whatever the number of actors. apex/sac: env steps taken
+    into the replay buffer per update (each update then takes ``replay.replay_ratio`` gradient steps per step)."""
     gamma: float = 0.99
     """Discount factor."""
     gae_lambda: float = 0.95
@@ -135,6 +141,18 @@ class AlgoConfig:
     """V-trace trace-cutting c-bar."""
     torch_threads: int = 1
     """Intra-op threads of the learner (small MLPs run fastest on one)."""
+    target_update_every: int = 500
+    """apex: gradient steps between copies of the online Q-network into the target network."""
+    tau: float = 0.005
+    """sac: Polyak factor of the target critics (``target += tau * (online - target)`` per gradient step)."""
+    eps_base: float = 0.4
+    """apex: exploration of env ``i`` of ``N``: ``eps_base ** (1 + eps_alpha * i / (N - 1))`` (Horgan et al. 2018)."""
+    eps_alpha: float = 7.0
+    """apex: see ``eps_base``."""
+    init_alpha: float = 1.0
+    """sac: initial entropy temperature."""
+    autotune_alpha: bool = True
+    """sac: tune the temperature towards a target entropy of ``-action_dim`` (Haarnoja et al. 2018b)."""
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, f"algo.mode must be one of {MODES}, got {self.mode!r}")
@@ -162,6 +180,54 @@ class AlgoConfig:
             "too stale to train on before the next version is published",
         )
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
+        _require(self.target_update_every >= 1, "algo.target_update_every must be >= 1")
+        _require(0.0 < self.tau <= 1.0, "algo.tau must be in (0, 1]")
+        _require(0.0 <= self.eps_base <= 1.0 and self.eps_alpha >= 0, "algo.eps_base in [0, 1], algo.eps_alpha >= 0")
+        _require(self.init_alpha > 0, "algo.init_alpha must be > 0")
+        _require(
+            self.mode not in REPLAY_MODES or not (self.normalize_obs or self.normalize_reward),
+            f"algo.normalize_obs and algo.normalize_reward are not supported in mode {self.mode!r} (stored "
+            "transitions would change meaning as the statistics move)",
+        )
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """The replay buffer of the apex and sac modes (zddrl/algos/replay.py), one per learner shard."""
+
+    capacity: int = 100_000
+    """Transitions held (per learner shard); a capacity that would not fit in memory is an error at start."""
+    batch_size: int = 256
+    """Transitions per gradient step."""
+    learning_starts: int = 1000
+    """Transitions in the buffer (all shards) before the first gradient step."""
+    replay_ratio: float = 0.25
+    """Gradient steps per env step taken in. Enforced by throttling intake: an update takes in ``algo.batch_size``
+    env steps, then takes its gradient steps before it reads more, so the actors wait on credit meanwhile."""
+    alpha: float = 0.6
+    """Priority exponent (0: uniform sampling)."""
+    beta: float = 0.4
+    """Initial importance-sampling exponent, annealed to 1 over ``beta_steps`` gradient steps."""
+    beta_steps: int = 100_000
+    """Gradient steps over which beta reaches 1."""
+    n_step: int = 3
+    """Rewards summed per stored transition (n-step returns)."""
+    max_version_age: int = 0
+    """Retire transitions acted by a policy more than this many versions older than the newest data (0: keep)."""
+    memory_fraction: float = 0.8
+    """Share of the memory available at start the buffer may take."""
+    placement: str = "learner"
+    """Where the buffer lives: ``learner`` (a ring inside each learner shard)."""
+
+    def __post_init__(self) -> None:
+        _require(self.capacity >= 1 and self.batch_size >= 1, "replay.capacity and replay.batch_size must be >= 1")
+        _require(self.learning_starts >= 0, "replay.learning_starts must be >= 0")
+        _require(0.0 < self.replay_ratio <= 1024, "replay.replay_ratio must be in (0, 1024]")
+        _require(self.alpha >= 0 and 0.0 <= self.beta <= 1.0, "replay.alpha >= 0 and replay.beta in [0, 1]")
+        _require(self.beta_steps >= 1 and self.n_step >= 1, "replay.beta_steps and replay.n_step must be >= 1")
+        _require(self.max_version_age >= 0, "replay.max_version_age must be >= 0")
+        _require(0.0 < self.memory_fraction <= 1.0, "replay.memory_fraction must be in (0, 1]")
+        _require(self.placement in PLACEMENTS, f"replay.placement must be one of {PLACEMENTS}")
 
 
 @dataclass(frozen=True)
@@ -169,7 +235,16 @@ class TrainConfig:
     actors: int = 2
     """Actor processes `zddrl train` starts."""
     until_return: float = math.inf
-    """Stop once the mean return of the last 20 training episodes reaches this."""
+    """Stop once the target return (``target_kind``) reaches this."""
+    target_kind: str = "train"
+    """What ``until_return`` is compared with: ``train`` (mean of the last 20 training episodes) or ``eval`` (mean
+    of ``eval_episodes`` deterministic episodes the learner runs every ``eval_every`` env steps)."""
+    eval_every: int = 0
+    """Env steps between the learner's deterministic evaluations (0: none)."""
+    eval_episodes: int = 10
+    """Episodes per evaluation, one per env, each env seeded from ``env.seed + 1_000_000`` on."""
+    checkpoint_replay: bool = False
+    """apex/sac: checkpoints hold the replay buffer too (``--resume`` restores it)."""
     max_steps: int = 1_000_000
     """Stop after this many env steps (summed over actors)."""
     max_seconds: float = 600.0
@@ -198,6 +273,12 @@ class TrainConfig:
             "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1",
         )
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
+        _require(self.target_kind in TARGET_KINDS, f"train.target_kind must be one of {TARGET_KINDS}")
+        _require(self.eval_every >= 0 and self.eval_episodes >= 1, "train.eval_every >= 0, train.eval_episodes >= 1")
+        _require(
+            self.target_kind != "eval" or self.eval_every > 0,
+            "train.target_kind = 'eval' needs train.eval_every > 0 (the evaluations are the target)",
+        )
 
 
 PARAM_DTYPES = tuple(WIRE_PARAM_DTYPES)
@@ -253,6 +334,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 

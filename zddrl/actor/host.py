@@ -23,6 +23,7 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
+from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import NumpyPolicy
 from zddrl.actor.trust import joinable
 from zddrl.config import Config
@@ -119,6 +120,8 @@ class RolloutBuffer:
         self.rewards = np.zeros((T, N), dtype=np.float32)
         self.terminated = np.zeros((T, N), dtype=bool)
         self.truncated = np.zeros((T, N), dtype=bool)
+        self.q_taken = np.zeros((T, N), dtype=np.float32)
+        """apex: Q(s, a) of the actions taken, for the TD errors (not sent)."""
 
 
 class Collected(NamedTuple):
@@ -133,7 +136,10 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
+Policy = NumpyPolicy | NumpyQPolicy | NumpySACPolicy
+
+
+def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = RolloutBuffer(T, vec)
@@ -145,6 +151,8 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, 
         out = policy.act(obs, rng)
         buf.obs[t] = obs
         buf.actions[t], buf.logp[t], buf.values[t] = out.actions, out.logp, out.values
+        if out.q_taken is not None:
+            buf.q_taken[t] = out.q_taken
         _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
         for i, fo in final_obs.items():
             if buf.truncated[t, i] and not buf.terminated[t, i]:
@@ -170,6 +178,8 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, 
             trunc_obs=final,
             trunc_value=policy.value(final).astype(np.float32),
         )
+    if isinstance(policy, NumpyQPolicy):  # Ape-X: the initial priorities, from this actor's own estimates
+        arrays["td_errors"] = policy.td_errors(arrays, buf.q_taken)
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
     return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))
 
@@ -185,34 +195,40 @@ def rollout_len(params: P.Parameters, config: Config) -> int:
     return int(params.meta.get("rollout_len", config.env.rollout_len))
 
 
+def build_policy(params: P.Parameters, config: Config, vec: VecEnv, actor_id: int = 0) -> Policy:
+    """The run's acting network from a version's parameters (the mode decides which); raises on a bad layout."""
+    flat, layout, activation, spec = params.arrays["flat"], params.layout, config.model.activation, vec.spec
+    if config.algo.mode == "apex":
+        a = config.algo
+        total = config.train.actors * config.env.num_envs
+        eps = apex_epsilons(a.eps_base, a.eps_alpha, actor_id * vec.num_envs, vec.num_envs, total)
+        return NumpyQPolicy(flat, layout, activation, eps, a.gamma, config.replay.n_step)
+    if config.algo.mode == "sac":
+        return NumpySACPolicy(flat, layout, activation, spec.action_low, spec.action_high)
+    return NumpyPolicy(
+        flat, layout, activation, spec.discrete, params.arrays.get("obs_mean"), params.arrays.get("obs_var")
+    )
+
+
 def policy_of(
-    params: P.Parameters, config: Config, vec: VecEnv, max_message_bytes: int
-) -> tuple[NumpyPolicy | None, str]:
-    """``(NumpyPolicy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
+    params: P.Parameters, config: Config, vec: VecEnv, max_message_bytes: int, actor_id: int = 0
+) -> tuple[Policy | None, str]:
+    """``(policy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
     network for this env (observation and action sizes), its numbers must be finite, and the rollout it asks for
     must be a size the actor can hold and the broker would take."""
     T = params.meta.get("rollout_len", config.env.rollout_len)
     if not isinstance(T, int) or isinstance(T, bool) or not 1 <= T <= MAX_ROLLOUT_LEN:
         return None, f"meta.rollout_len {T!r} is not an int in 1..{MAX_ROLLOUT_LEN}"
-    step_bytes = vec.num_envs * (4 * (int(np.prod(vec.spec.obs_shape)) + 4 * max(vec.spec.action_dim, 2) + 3 * 4 + 2))
+    step_bytes = vec.num_envs * (4 * (int(np.prod(vec.spec.obs_shape)) + 4 * max(vec.spec.action_dim, 2) + 4 * 4 + 2))
     if T * step_bytes > max_message_bytes:
         return (
             None,
             f"a rollout of {T} steps (~{T * step_bytes} bytes) would exceed max_message_bytes {max_message_bytes}",
         )
     try:
-        policy = NumpyPolicy(
-            params.arrays["flat"],
-            params.layout,
-            config.model.activation,
-            vec.spec.discrete,
-            params.arrays.get("obs_mean"),
-            params.arrays.get("obs_var"),
-        )
-        if not policy.pi or not policy.v:
-            return None, "its layout does not build this run's network (no policy or no value layers)"
+        policy = build_policy(params, config, vec, actor_id)
         values = policy.value(vec.obs)
-        outputs = policy.pi[-1][1].shape[0]
+        outputs = policy.outputs
     except Exception as exc:  # noqa: BLE001 - a version that does not build is refused, whatever the defect
         return None, f"its layout does not build this run's network ({type(exc).__name__}: {exc})"
     if outputs != vec.spec.action_dim:
@@ -331,7 +347,7 @@ class ActorHost:
         )
         generation, push = link.generation, self._push(link)
         params: P.Parameters | None = None
-        policy: NumpyPolicy | None = None
+        policy: Policy | None = None
         refused = -1  # the newest version judged unusable (policy_of): never judged again
         limit = link.welcome.max_message_bytes if link.welcome is not None else P.DEFAULT_MAX_MESSAGE_BYTES
         next_stats = 0.0
@@ -354,7 +370,7 @@ class ActorHost:
                 if newest is None or newest.run_id != run_id:
                     continue
                 if newest.policy_version > judged or policy is None:  # a version not judged yet
-                    candidate, why = policy_of(newest, config, vec, limit)
+                    candidate, why = policy_of(newest, config, vec, limit, self.actor_id)
                     if candidate is None:  # act with the version held, or keep waiting for a usable one
                         refused = max(refused, newest.policy_version)
                         self.timers.refused_versions += 1

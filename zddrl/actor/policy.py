@@ -29,6 +29,8 @@ class ActOutput(NamedTuple):
     """``[N]`` float32 behaviour log-probabilities."""
     values: np.ndarray
     """``[N]`` float32 state values."""
+    q_taken: np.ndarray | None = None
+    """apex: ``[N]`` float32 ``Q(s, a)`` of the actions taken (the actor's TD errors need it); None otherwise."""
 
 
 class NumpyPolicy:
@@ -50,6 +52,10 @@ class NumpyPolicy:
         self.discrete = discrete
         self.log_std = np.zeros(0, np.float32) if discrete else np.asarray(weights["log_std"], dtype=np.float32)
         """Box actions: the Gaussian's state-independent log std (empty for discrete actions)."""
+        if not self.pi or not self.v:
+            raise ValueError("no policy or no value layers")
+        self.outputs = self.pi[-1][1].shape[0]
+        """Logits (Discrete) or action means (Box) per observation."""
         self.obs_mean = None if obs_mean is None else np.asarray(obs_mean, dtype=np.float32)
         self.obs_var = None if obs_var is None else np.asarray(obs_var, dtype=np.float32)
 

@@ -1,13 +1,15 @@
 """What every learner core shares: the model, the optimizer, normalisers, parameters and state.
 
-Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trace) subclass
-``LearnerCore`` and implement ``update(trajectories) -> figures``. No sockets here.
+Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trace, ``ApexLearner`` and
+``SACLearner`` on a replay buffer) subclass ``LearnerCore`` and implement ``update(trajectories) -> figures``;
+``make_model`` builds the network that travels to the actors. No sockets here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -150,6 +152,9 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor, group: ShardGro
 class LearnerCore:
     """Model + optimizer + normalisation; ``params()`` is what travels to the actors."""
 
+    model: Any
+    """The network that travels to the actors (``make_model``: an ``ActorCritic`` unless a subclass says otherwise)."""
+
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         self.group = group or ShardGroup()
         torch.set_num_threads(config.algo.torch_threads)
@@ -158,7 +163,7 @@ class LearnerCore:
         self.algo = config.algo
         self.device = self.group.device
         torch.manual_seed(config.env.seed)  # the network starts the same on every shard ...
-        self.model = ActorCritic(spec, config.model).to(self.device)
+        self.model = self.make_model().to(self.device)
         self.group.sync_module(self.model.parameters())  # ... and surely so, whatever the device
         torch.manual_seed(config.env.seed + self.group.rank)  # minibatch order differs by shard
         self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
@@ -170,8 +175,19 @@ class LearnerCore:
         self._ratelog = RateLimitedLog()
         """A poisoned run can skip every step: one line per interval with a count, not one per step."""
 
+    def make_model(self) -> torch.nn.Module:
+        """The network whose parameters travel to the actors (built once, before the optimizer)."""
+        return ActorCritic(self.spec, self.config.model)
+
     def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def greedy(self, obs: np.ndarray) -> np.ndarray:
+        """The deterministic actions the current network takes on raw ``obs`` ``[K, *obs]`` (evaluation)."""
+        with torch.no_grad():
+            dist = self.model.distribution(self.tensor(self.normalize(obs)))
+            actions = dist.probs.argmax(dim=1) if self.spec.discrete else dist.mean
+        return actions.cpu().numpy()
 
     def params(self) -> tuple[np.ndarray, list, dict[str, np.ndarray]]:
         flat, layout = flatten_params(self.model)
@@ -205,13 +221,15 @@ class LearnerCore:
         """A training input on this shard's device."""
         return torch.as_tensor(x, device=self.device)
 
-    def step_optimizer(self, loss: torch.Tensor | None, weight: int) -> float | None:
+    def step_optimizer(self, loss: torch.Tensor | None, weight: int, optimizer: Adam | None = None) -> float | None:
         """Backward, average the gradients over the shards (``weight`` = samples behind this shard's
         ``loss``; None when it had none), clip, step. Returns the gradient norm before clipping, or
-        None when no shard had a sample (no step then: Adam's momentum would move the weights)."""
-        params = self.optimizer.params
+        None when no shard had a sample (no step then: Adam's momentum would move the weights).
+        ``optimizer``: the model's unless given (SAC steps its critics and temperature with their own)."""
+        optimizer = optimizer or self.optimizer
+        params = optimizer.params
         self._ratelog.flush()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         if loss is not None:
             loss.backward()
         else:
@@ -228,7 +246,7 @@ class LearnerCore:
                 "skipped-step", f"skipped an optimizer step: gradient norm {grad_norm} ({self.skipped_steps} so far)"
             )
             return None
-        self.optimizer.step()
+        optimizer.step()
         return grad_norm
 
     def state(self) -> dict:

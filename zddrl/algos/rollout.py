@@ -29,6 +29,9 @@ class Rollout(Protocol):
     def seq(self) -> int: ...
 
     @property
+    def policy_version(self) -> int: ...
+
+    @property
     def arrays(self) -> Mapping[str, np.ndarray]: ...
 
 
@@ -41,7 +44,7 @@ LOGP_BOUND = 1e4
 sampled with probability e^-10000 is never drawn (float32 cannot even hold e^-104), and a Gaussian's density
 reaches e^10000 only with a standard deviation no policy has; a number out there is a bug or an attack, and
 training on it would only be saved by the ratio bound (``returns.LOG_RATIO_BOUND``)."""
-_FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value")
+_FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value", "td_errors")
 
 
 def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

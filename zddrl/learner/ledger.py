@@ -165,16 +165,25 @@ class Ledger:
             "dropped_invalid": sum(p.dropped_invalid.values()),
             **columns,
         }
+        row["eval_return"] = p.eval_return
+        row["target_kind"] = self.config.train.target_kind
         self.last_row = row
-        target = self.config.train.until_return
-        if not p.target and ret >= target:
+        target, value = self.config.train.until_return, self.target_value()
+        if not p.target and value >= target:
             p.target = {
                 "wall_s_to_target": round(wall, 3),
                 "env_steps_to_target": steps,
-                "return_at_target": round(ret, 2),
+                "return_at_target": round(value, 2),
             }
-            self.log.info(f"target return {target} reached: {ret:.1f} after {steps} env steps, {wall:.2f} s")
+            self.log.info(
+                f"target return {target} ({self.config.train.target_kind}) reached: {value:.1f} after {steps} env "
+                f"steps, {wall:.2f} s"
+            )
         return row
+
+    def target_value(self) -> float:
+        """What the target is compared with: the training return (last 20 episodes) or the newest evaluation's."""
+        return self.progress.eval_return if self.config.train.target_kind == "eval" else self.return_mean()
 
     def drops(self) -> dict[str, int]:
         p = self.progress
@@ -190,6 +199,8 @@ class Ledger:
         target = self.config.train.until_return
         return {
             "target_return": None if math.isinf(target) else target,
+            "target_kind": self.config.train.target_kind,
+            "eval_return": None if math.isnan(p.eval_return) else round(p.eval_return, 2),
             "reached": bool(p.target),
             "wall_s_to_target": p.target.get("wall_s_to_target"),
             "env_steps_to_target": p.target.get("env_steps_to_target"),

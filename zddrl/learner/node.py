@@ -26,15 +26,19 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
+from zddrl.algos.apex import ApexLearner
 from zddrl.algos.core import LearnerCore
 from zddrl.algos.impala import ImpalaLearner
 from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.replay_learner import REPLAY_FIGURES
 from zddrl.algos.rollout import mismatch
+from zddrl.algos.sac import SACLearner
 from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
 from zddrl.learner.admit import AskedLengths, envs_of, refusal
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
+from zddrl.learner.evaluation import Evaluator
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
@@ -67,8 +71,23 @@ REPORTED_FIGURES = (
     "is_weight_mean",
     "rho_mean",
     "sps",
+    "loss",
+    "q_mean",
+    "alpha",
+    "eval_return",
+    *REPLAY_FIGURES,
 )
 """The last update's figures that go to `zddrl status` with the learner's stats."""
+
+
+CORES: dict[str, type[LearnerCore]] = {
+    "sync": PPOLearner,
+    "async": PPOLearner,
+    "impala": ImpalaLearner,
+    "apex": ApexLearner,
+    "sac": SACLearner,
+}
+"""The learner core of each ``algo.mode``."""
 
 
 class MainShard(NamedTuple):
@@ -76,6 +95,7 @@ class MainShard(NamedTuple):
     runlog: RunLog
     checkpoints: Checkpoints
     fleet: Fleet
+    evaluator: Evaluator
 
 
 class LearnerNode:
@@ -111,8 +131,7 @@ class LearnerNode:
         self.run_id = self.group.broadcast(f"{config.name}-{uuid.uuid4().hex[:8]}")  # one run, whatever the shards
         self.log = logger.bind(role="learner", peer=self.peer_id)
         self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
-        core_cls = ImpalaLearner if config.algo.mode == "impala" else PPOLearner
-        self.core: LearnerCore = core_cls(config, self.spec, self.group)
+        self.core: LearnerCore = CORES[config.algo.mode](config, self.spec, self.group)
         self.policy_version = 0
         self.rollout_len = config.env.rollout_len
         """Per-env rollout length the actors are told to sample (sync mode sizes it from the fleet)."""
@@ -137,6 +156,7 @@ class LearnerNode:
                     self.log,
                     sizes_rollouts=self.algo.mode == "sync",
                 ),
+                Evaluator(config),
             )
         self.updates = progress.updates if progress is not None else 0
         self.max_chunk_bytes = 1 << 30
@@ -242,6 +262,10 @@ class LearnerNode:
             ledger = self.own.ledger
             ledger.progress.updates = self.updates
             figures.update(got.figures or {})
+            evaluator = self.own.evaluator
+            if evaluator.due(ledger.env_steps()):
+                ledger.progress.eval_return = evaluator.run(self.core.greedy, ledger.env_steps())
+                figures["eval_s"] = evaluator.last_s
             if self.algo.mode != "sync":
                 ledger.watch_lag()
             row = ledger.row(

@@ -36,6 +36,8 @@ class Progress:
     dropped_stale: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dropped_invalid: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     """Per actor: trajectories that did not fit the run (algos.rollout.mismatch), never trained on."""
+    eval_return: float = math.nan
+    """Mean return of the newest deterministic evaluation (``evaluation.py``); NaN before the first."""
     target: dict[str, Any] = field(default_factory=dict)
     """``wall_s_to_target``, ``env_steps_to_target`` and ``return_at_target`` once the target return was reached."""
 
@@ -66,6 +68,7 @@ class Progress:
             "dropped_stale": dict(self.dropped_stale),
             "dropped_invalid": dict(self.dropped_invalid),
             "target": dict(self.target),
+            "eval_return": self.eval_return,
         }
 
     @classmethod
@@ -76,6 +79,7 @@ class Progress:
             steps_before=int(state["env_steps"]),
             wall_before=float(state["wall_s"]),
             target=dict(state["target"]),
+            eval_return=float(state.get("eval_return", math.nan)),
         )
         p.returns.extend(float(r) for r in state["returns"])
         p.dropped_late.update(state["dropped_late"])

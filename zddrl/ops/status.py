@@ -122,6 +122,11 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
             f"{'-' if ret is None else f'{ret:.1f}'}  dropped late {learner.get('dropped_late')} "
             f"stale {learner.get('dropped_stale')} invalid {learner.get('dropped_invalid', 0)}"
         )
+        if "replay_size" in learner:
+            lines.append(
+                f"replay: {learner['replay_size']} transitions, fill {100 * learner.get('replay_fill', 0):.0f}%, "
+                f"{learner.get('replay_bytes', 0) / 1e6:.1f} MB, {learner.get('grad_steps_total', 0)} gradient steps"
+            )
     return lines
 
 

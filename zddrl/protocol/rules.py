@@ -202,7 +202,9 @@ TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
 """Every trajectory carries these."""
 TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
 """Present together, and only in a rollout where some episode was truncated (``K >= 1``)."""
-_KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS)
+OPTIONAL_STEP_ARRAYS = {"td_errors": _F32}
+"""``[T, N]`` arrays a mode may add: ``td_errors``, Ape-X's actor-side TD errors (the initial priorities)."""
+_KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS + tuple(OPTIONAL_STEP_ARRAYS))
 
 
 def check_trajectory_layout(layout: Layout) -> None:
@@ -244,6 +246,9 @@ def check_trajectory_layout(layout: Layout) -> None:
         )
     for name, dtype in STEP_ARRAYS.items():
         need(name, dtype, steps)
+    for name, dtype in OPTIONAL_STEP_ARRAYS.items():
+        if name in arrays:
+            need(name, dtype, steps)
     need("next_obs", _F32, steps[1:] + observation)
     need("next_value", _F32, steps[1:])
     present = [name for name in TRUNCATION_ARRAYS if name in arrays]

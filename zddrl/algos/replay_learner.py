@@ -1,0 +1,142 @@
+"""What the replay modes (apex, sac) share: intake into the buffer and the gradient steps the replay ratio owes.
+
+An update takes in the batch's rollouts (``replay.PrioritizedReplay.insert_arrays``: n-step returns, the
+policy version that acted, the actor's initial priorities where it sends them), then takes
+``replay.replay_ratio`` gradient steps per env step taken in, once the buffer (all shards) holds
+``replay.learning_starts`` transitions. Fractions carry over to the next update, so over a run the ratio holds
+exactly. The learner reads no more data before it has taken them: that throttles intake, and the credit
+window makes the actors wait (docs/configuration.md, ``[replay]``).
+
+Shards: each keeps its own buffer of the data the broker routed to it; all take the same number of gradient
+steps (the owed count is computed from the steps of every shard), each on a batch of its own, with the
+gradients averaged (``LearnerCore.step_optimizer``). No sockets here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from zddrl.algos.core import LearnerCore
+from zddrl.algos.replay import PrioritizedReplay, ReplayBatch
+from zddrl.algos.rollout import Rollout
+from zddrl.config import Config
+from zddrl.dist.shards import ShardGroup
+from zddrl.envs import EnvSpec
+
+REPLAY_FIGURES = ("replay_size", "replay_fill", "replay_bytes", "grad_steps_total")
+"""Figures of the buffer that `zddrl status` shows next to the learner's (besides the metrics row)."""
+
+
+class ReplayLearner(LearnerCore):
+    """``update(trajectories)``: insert, then the owed gradient steps (``train_step`` of the subclass)."""
+
+    def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
+        super().__init__(config, spec, group)
+        rc = config.replay
+        self.replay = PrioritizedReplay(
+            rc.capacity,
+            spec.obs_shape,
+            np.float32,
+            () if spec.discrete else (spec.action_dim,),
+            np.int64 if spec.discrete else np.float32,
+            alpha=rc.alpha,
+            beta0=rc.beta,
+            beta_steps=rc.beta_steps,
+            gamma=config.algo.gamma,
+            n_step=rc.n_step,
+            seed=config.env.seed * 7919 + self.group.rank,
+            memory_fraction=rc.memory_fraction,
+        )
+        self.owed = 0.0
+        """Gradient steps owed by the replay ratio and not taken yet (a fraction below 1 once paid)."""
+        self.grad_steps = 0
+
+    def initial_td(self, arrays: Any) -> np.ndarray | None:
+        """The TD errors that set new transitions' priorities (None: the largest priority seen so far)."""
+        return None
+
+    def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:  # pragma: no cover - interface
+        """One gradient step on ``batch`` (None: this shard has nothing to sample; it joins the collectives)."""
+        raise NotImplementedError
+
+    def update(self, trajectories: Sequence[Rollout], staleness: float = 0.0) -> dict[str, float]:
+        rc = self.config.replay
+        steps, newest = 0, -1
+        for traj in trajectories:
+            self.replay.insert_arrays(traj.arrays, traj.policy_version, self.initial_td(traj.arrays))
+            steps += int(traj.arrays["rewards"].size)
+            newest = max(newest, traj.policy_version)
+        total, held, newest_all = self._agreed(steps, len(self.replay), newest)
+        if rc.max_version_age and newest_all >= 0:
+            self.replay.drop_older_than(int(newest_all) - rc.max_version_age)
+        self.steps_trained += int(total)
+        lr = self.set_lr(staleness)
+        if held < rc.learning_starts:
+            owed = 0
+        else:
+            self.owed += rc.replay_ratio * total
+            owed = int(self.owed)
+            self.owed -= owed
+        sums: dict[str, float] = defaultdict(float)
+        for _ in range(owed):
+            batch = self.replay.sample(rc.batch_size) if len(self.replay) else None
+            for name, value in self.train_step(batch).items():
+                sums[name] += value
+            self.grad_steps += 1
+        figures = {name: value / owed for name, value in sums.items()}
+        figures.update(
+            batch_steps=steps,
+            grad_steps=owed,
+            grad_steps_total=self.grad_steps,
+            lr=lr,
+            beta=self.replay.beta,
+            replay_size=len(self.replay),
+            replay_fill=round(self.replay.fill, 4),
+            replay_bytes=self.replay.nbytes,
+            replay_stale_updates=self.replay.stale_updates,
+            replay_dropped_by_version=self.replay.dropped_by_version,
+        )
+        return figures
+
+    def _agreed(self, steps: int, held: int, newest: int) -> tuple[int, int, int]:
+        """Env steps taken in and transitions held by all shards, and the newest version any shard saw."""
+        if not self.group.sharded:
+            return steps, held, newest
+        parts = self.group.exchange([steps, held, newest])
+        return sum(p[0] for p in parts), sum(p[1] for p in parts), max(p[2] for p in parts)
+
+    def batch_tensors(self, batch: ReplayBatch) -> dict[str, torch.Tensor]:
+        """A sampled batch on this shard's device."""
+        return {
+            "obs": self.tensor(batch.obs),
+            "next_obs": self.tensor(batch.next_obs),
+            "actions": self.tensor(batch.actions),
+            "returns": self.tensor(batch.returns),
+            "discounts": self.tensor(batch.discounts),
+            "weights": self.tensor(batch.weights),
+        }
+
+    def update_priorities(self, batch: ReplayBatch, td: torch.Tensor) -> None:
+        if self.config.replay.alpha > 0:
+            self.replay.update_priorities(batch.ids, td.detach().abs().cpu().numpy())
+
+    def state(self) -> dict:
+        state = {**super().state(), "replay_owed": self.owed, "grad_steps": self.grad_steps}
+        if self.config.train.checkpoint_replay:
+            state["replay"] = {
+                k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+                for k, v in self.replay.state_dict().items()
+            }
+        return state
+
+    def load_state(self, state: dict) -> None:
+        super().load_state(state)
+        self.owed = float(state.get("replay_owed", 0.0))
+        self.grad_steps = int(state.get("grad_steps", 0))
+        if "replay" in state:
+            self.replay.load_state_dict(state["replay"])
