@@ -537,6 +537,8 @@ BAD += [
         traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)),
         "'trunc_idx' must be int64 [1]",
     ),
+    ("trajectory td_errors float64", traj_frames(td_errors=np.zeros((2, 2))), "'td_errors' must be float32 [2, 2]"),
+    ("trajectory td_errors of another T", traj_frames(td_errors=np.zeros((3, 2), F32)), "'td_errors' must be float32"),
     ("trajectory env_steps not T * N", traj_frames(env_steps=5), "env_steps 5 must be T * N = 4"),
     ("trajectory episodes unpaired", traj_frames(ep_returns=[1.0], ep_lengths=[]), "must pair up"),
     ("trajectory more episodes than steps", traj_frames(ep_returns=[1.0] * 5, ep_lengths=[1] * 5), "must pair up"),
@@ -998,3 +1000,9 @@ def test_unexportable_array_frames_are_protocol_errors() -> None:
             P.decode(frames_of(header, frame))
         with pytest.raises(P.ProtocolError, match="bytes-like"):
             P.validate_trajectory(frames_of(header, frame), 1 << 20)
+
+
+def test_a_trajectory_may_carry_td_errors() -> None:
+    td = np.arange(4, dtype=F32).reshape(2, 2)
+    msg = P.decode(traj_frames(td_errors=td))
+    np.testing.assert_array_equal(msg.arrays["td_errors"], td)

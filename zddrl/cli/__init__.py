@@ -24,7 +24,7 @@ from zddrl.cli.common import (
 )
 from zddrl.cli.keys import keys
 from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
-from zddrl.config import ConfigError, load_broker_config
+from zddrl.config import MODES, ConfigError, load_broker_config
 from zddrl.logs import configure
 from zddrl.transport.link import Refused
 
@@ -166,7 +166,7 @@ GPUS_HELP = (
     default=None,
     help="Run directory (default: train.run_dir/NAME-TIME).",
 )
-@click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
+@click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Overrides algo.mode.")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
 @click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
 @click.option("--shards", type=click.IntRange(1, 64), default=None, help="N CPU shards: the same as --gpus cpu:N.")
@@ -279,7 +279,7 @@ def learner(
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option("--actors", type=int, default=None, help="Actor processes (overrides train.actors).")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
-@click.option("--mode", type=click.Choice(["sync", "async", "impala"]), default=None, help="Overrides algo.mode.")
+@click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Overrides algo.mode.")
 @click.option("--until-return", type=float, default=None, help="Stop at this mean return of the last 20 episodes.")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")

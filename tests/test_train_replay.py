@@ -1,0 +1,68 @@
+"""End to end: `zddrl train` on the replay examples (Ape-X DQN on CartPole, SAC on Pendulum) learning for real,
+and a resume that brings the replay buffer back."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
+
+ROOT = Path(__file__).resolve().parent.parent
+APEX = str(ROOT / "examples" / "cartpole_apex.toml")
+SAC = str(ROOT / "examples" / "pendulum_sac.toml")
+
+
+def train(config: str, run_dir: Path, *args: str, timeout: float) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-m", "zddrl", "train", config, "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def metrics(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_apex_reaches_a_greedy_475_on_cartpole(tmp_path: Path) -> None:
+    # The example's own settings; measured here: the greedy target at 20-35k env steps (docs/benchmarks.md).
+    summary = train(APEX, tmp_path / "run", "--max-seconds", "240", timeout=300)
+    assert summary["reached"] and summary["mode"] == "apex", summary
+    assert summary["target_kind"] == "eval" and summary["return_at_target"] >= 475
+    rows = metrics(tmp_path / "run")
+    assert rows[-1]["target_kind"] == "eval" and float(rows[-1]["eval_return"]) >= 475
+    steps = sum(int(r["grad_steps"]) for r in rows)
+    taken_in = sum(int(r["batch_steps"]) for r in rows)
+    assert steps == pytest.approx(0.5 * (taken_in - 1000), abs=0.5 * 128 + 1)  # the replay ratio, held
+    assert int(rows[-1]["replay_bytes"]) > 0 and 0 < float(rows[-1]["replay_fill"]) <= 1
+
+
+def test_sac_reaches_minus_200_on_pendulum(tmp_path: Path) -> None:
+    summary = train(SAC, tmp_path / "run", "--max-seconds", "400", timeout=460)
+    assert summary["reached"] and summary["mode"] == "sac", summary
+    assert summary["target_kind"] == "train" and summary["return_at_target"] >= -200
+    rows = metrics(tmp_path / "run")
+    assert float(rows[-1]["alpha"]) < 1.0  # the temperature was tuned down from its start
+
+
+def test_a_resumed_apex_run_gets_its_replay_buffer_back(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    first = train(APEX, run_dir, "--max-steps", "2500", "--set", "train.checkpoint_replay=true", timeout=120)
+    rows = metrics(run_dir)
+    held = int(rows[-1]["replay_size"])
+    assert held >= 2000
+    train(APEX, run_dir, "--resume", str(run_dir), "--max-steps", "3000", timeout=120)
+    after = metrics(run_dir)[len(rows)]
+    assert int(after["replay_size"]) >= held + int(after["batch_steps"]) - 64  # the old transitions, then the new
+    assert int(after["env_steps"]) > first["total_env_steps"]
