@@ -46,6 +46,16 @@ def test_apex_reaches_a_greedy_475_on_cartpole(tmp_path: Path) -> None:
     taken_in = sum(int(r["batch_steps"]) for r in rows)
     assert steps == pytest.approx(0.5 * (taken_in - 1000), abs=0.5 * 128 + 1)  # the replay ratio, held
     assert int(rows[-1]["replay_bytes"]) > 0 and 0 < float(rows[-1]["replay_fill"]) <= 1
+    final = str(tmp_path / "run" / "checkpoints" / "final.pt")
+    done = subprocess.run(
+        [sys.executable, "-m", "zddrl", "eval", final, "--episodes", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["mean"] > 300  # the greedy policy of the final checkpoint, on other seeds
 
 
 def test_sac_reaches_minus_200_on_pendulum(tmp_path: Path) -> None:

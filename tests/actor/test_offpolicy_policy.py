@@ -101,5 +101,6 @@ def test_a_version_whose_layout_is_not_the_modes_network_is_refused() -> None:
     torch.manual_seed(0)
     policy, why = policy_of(params_of(DuelingQ(DISCRETE, cfg.model)), cfg, vec, 1 << 20)
     assert policy is None and "does not build" in why
-    assert isinstance(build_policy(params_of(SquashedGaussian(vec.spec, cfg.model)), cfg, vec), NumpySACPolicy)
+    params = params_of(SquashedGaussian(vec.spec, cfg.model))
+    assert isinstance(build_policy(params.arrays["flat"], params.layout, {}, cfg, vec.spec), NumpySACPolicy)
     vec.close()

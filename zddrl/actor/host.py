@@ -14,6 +14,7 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -27,7 +28,7 @@ from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import NumpyPolicy
 from zddrl.actor.trust import joinable
 from zddrl.config import Config
-from zddrl.envs import VecEnv, env_factory
+from zddrl.envs import EnvSpec, VecEnv, env_factory
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -195,19 +196,26 @@ def rollout_len(params: P.Parameters, config: Config) -> int:
     return int(params.meta.get("rollout_len", config.env.rollout_len))
 
 
-def build_policy(params: P.Parameters, config: Config, vec: VecEnv, actor_id: int = 0) -> Policy:
-    """The run's acting network from a version's parameters (the mode decides which); raises on a bad layout."""
-    flat, layout, activation, spec = params.arrays["flat"], params.layout, config.model.activation, vec.spec
+def build_policy(
+    flat: np.ndarray,
+    layout: list,
+    extras: Mapping[str, np.ndarray],
+    config: Config,
+    spec: EnvSpec,
+    actor_id: int = 0,
+    num_envs: int = 0,
+) -> Policy:
+    """The run's acting network from a version's buffer, layout and extra arrays (the mode decides which network);
+    raises on a layout that does not build it. ``actor_id`` and this host's ``num_envs`` (0: the config's) place
+    its envs in Ape-X's epsilon schedule."""
+    activation, num_envs = config.model.activation, num_envs or config.env.num_envs
     if config.algo.mode == "apex":
         a = config.algo
-        total = config.train.actors * config.env.num_envs
-        eps = apex_epsilons(a.eps_base, a.eps_alpha, actor_id * vec.num_envs, vec.num_envs, total)
+        eps = apex_epsilons(a.eps_base, a.eps_alpha, actor_id * num_envs, num_envs, config.train.actors * num_envs)
         return NumpyQPolicy(flat, layout, activation, eps, a.gamma, config.replay.n_step)
     if config.algo.mode == "sac":
         return NumpySACPolicy(flat, layout, activation, spec.action_low, spec.action_high)
-    return NumpyPolicy(
-        flat, layout, activation, spec.discrete, params.arrays.get("obs_mean"), params.arrays.get("obs_var")
-    )
+    return NumpyPolicy(flat, layout, activation, spec.discrete, extras.get("obs_mean"), extras.get("obs_var"))
 
 
 def policy_of(
@@ -226,7 +234,8 @@ def policy_of(
             f"a rollout of {T} steps (~{T * step_bytes} bytes) would exceed max_message_bytes {max_message_bytes}",
         )
     try:
-        policy = build_policy(params, config, vec, actor_id)
+        arrays = params.arrays
+        policy = build_policy(arrays["flat"], params.layout, arrays, config, vec.spec, actor_id, vec.num_envs)
         values = policy.value(vec.obs)
         outputs = policy.outputs
     except Exception as exc:  # noqa: BLE001 - a version that does not build is refused, whatever the defect

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zddrl.algos.offpolicy_nets import DuelingQ
 from zddrl.algos.replay import ReplayBatch
 from zddrl.algos.replay_learner import ReplayLearner
 from zddrl.config import Config
@@ -34,9 +33,6 @@ class ApexLearner(ReplayLearner):
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         super().__init__(config, spec, group)
         self.target = copy.deepcopy(self.model).requires_grad_(False)
-
-    def make_model(self) -> torch.nn.Module:
-        return DuelingQ(self.spec, self.config.model)
 
     def initial_td(self, arrays: Any) -> np.ndarray | None:
         td = arrays.get("td_errors")

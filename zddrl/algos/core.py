@@ -2,7 +2,7 @@
 
 Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trace, ``ApexLearner`` and
 ``SACLearner`` on a replay buffer) subclass ``LearnerCore`` and implement ``update(trajectories) -> figures``;
-``make_model`` builds the network that travels to the actors. No sockets here.
+``acting_model`` builds the network that travels to the actors. No sockets here.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
+from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
 from zddrl.algos.optim import Adam
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
@@ -149,11 +150,20 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor, group: ShardGro
     return float("nan") if var_y <= 0 else 1.0 - var_r / var_y
 
 
+def acting_model(config: Config, spec: EnvSpec) -> torch.nn.Module:
+    """The network whose parameters travel to the actors in ``config``'s mode (what a checkpoint's ``model`` holds)."""
+    if config.algo.mode == "apex":
+        return DuelingQ(spec, config.model)
+    if config.algo.mode == "sac":
+        return SquashedGaussian(spec, config.model)
+    return ActorCritic(spec, config.model)
+
+
 class LearnerCore:
     """Model + optimizer + normalisation; ``params()`` is what travels to the actors."""
 
     model: Any
-    """The network that travels to the actors (``make_model``: an ``ActorCritic`` unless a subclass says otherwise)."""
+    """The network that travels to the actors (``acting_model``)."""
 
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         self.group = group or ShardGroup()
@@ -163,7 +173,7 @@ class LearnerCore:
         self.algo = config.algo
         self.device = self.group.device
         torch.manual_seed(config.env.seed)  # the network starts the same on every shard ...
-        self.model = self.make_model().to(self.device)
+        self.model = acting_model(config, spec).to(self.device)
         self.group.sync_module(self.model.parameters())  # ... and surely so, whatever the device
         torch.manual_seed(config.env.seed + self.group.rank)  # minibatch order differs by shard
         self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
@@ -174,10 +184,6 @@ class LearnerCore:
         """Optimizer steps not taken because the gradient was not finite."""
         self._ratelog = RateLimitedLog()
         """A poisoned run can skip every step: one line per interval with a count, not one per step."""
-
-    def make_model(self) -> torch.nn.Module:
-        """The network whose parameters travel to the actors (built once, before the optimizer)."""
-        return ActorCritic(self.spec, self.config.model)
 
     def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError

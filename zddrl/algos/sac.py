@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from zddrl.algos.offpolicy_nets import SquashedGaussian, TwinQ
+from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
 from zddrl.algos.replay import ReplayBatch
 from zddrl.algos.replay_learner import ReplayLearner
@@ -44,9 +44,6 @@ class SACLearner(ReplayLearner):
         low, high = np.asarray(spec.action_low, np.float32), np.asarray(spec.action_high, np.float32)
         self.action_mid = self.tensor((high + low) / 2)
         self.action_half = self.tensor((high - low) / 2)
-
-    def make_model(self) -> torch.nn.Module:
-        return SquashedGaussian(self.spec, self.config.model)
 
     def set_lr(self, staleness: float = 0.0) -> float:
         lr = super().set_lr(staleness)

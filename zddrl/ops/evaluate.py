@@ -6,8 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from zddrl.actor.policy import NumpyPolicy
-from zddrl.algos.model import ActorCritic, flatten_params
+from zddrl.actor.host import build_policy
+from zddrl.algos.core import acting_model
+from zddrl.algos.model import flatten_params
 from zddrl.config import Config
 from zddrl.envs import VecEnv, env_factory
 from zddrl.learner.runlog import load_checkpoint
@@ -20,18 +21,12 @@ def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
     config = Config.from_dict(state["config"])
     make = env_factory(config.env.id, config.env.max_episode_steps)
     vec = VecEnv(make, [seed])
-    model = ActorCritic(vec.spec, config.model)
+    model = acting_model(config, vec.spec)
     model.load_state_dict(state["model"])
     flat, layout = flatten_params(model)
     rms = state.get("obs_rms")
-    policy = NumpyPolicy(
-        flat,
-        layout,
-        config.model.activation,
-        vec.spec.discrete,
-        None if rms is None else rms["mean"].numpy(),
-        None if rms is None else rms["var"].numpy(),
-    )
+    extras = {} if rms is None else {"obs_mean": rms["mean"].numpy(), "obs_var": rms["var"].numpy()}
+    policy = build_policy(flat, layout, extras, config, vec.spec, num_envs=1)
     rng = np.random.default_rng(seed)
     try:
         while len(vec.finished) < episodes:
