@@ -9,6 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
 LAYERS = [
     {"protocol"},
+    {"tomlconf"},
     {"config", "keys", "logs", "proc", "values"},
     {"envs"},
     {"dist"},

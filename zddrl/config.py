@@ -1,28 +1,32 @@
 """Typed configuration: frozen dataclasses, loaded from TOML, overridden from the CLI.
 
-This module is the one source of defaults. A run config has four sections::
+This module is the one source of defaults. A run config has six sections::
 
-    [env]    what the actors step          [algo]   how the learner learns
-    [model]  the policy/value network      [train]  limits of `zddrl train`
+    [env]    what the actors step          [algo]    how the learner learns
+    [model]  the policy/value network      [replay]  the buffer of the replay modes
+    [train]  limits of `zddrl train`       [learner] its shards and parameter transport
 
 ``load_config(path, overrides)`` reads a TOML file, applies dotted ``section.key=value`` overrides
-and validates everything; an unknown key or a bad value is a :class:`ConfigError` whose text names
-the key. The run spec that actors receive from the broker is ``config.to_dict()`` and is rebuilt
+and validates everything (``zddrl.tomlconf``); an unknown key or a bad value is a :class:`ConfigError` whose
+text names the key. The run spec that actors receive from the broker is ``config.to_dict()`` and is rebuilt
 on their side with ``Config.from_dict`` (same validation).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from zddrl.protocol import PARAM_DTYPES as WIRE_PARAM_DTYPES
+from zddrl.tomlconf import ConfigError as ConfigError  # re-exported: callers read every config name from here
+from zddrl.tomlconf import build as _build
+from zddrl.tomlconf import parse_override as parse_override
+from zddrl.tomlconf import require as _require
+from zddrl.tomlconf import to_toml as to_toml
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,15 +40,6 @@ TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner",)
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the text names the key and the reason."""
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -361,56 +356,6 @@ class Config:
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
 
 
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    origin = typing.get_origin(hint) or hint
-    if origin is float:
-        if value is None and key == "train.until_return":
-            return math.inf
-        _require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key} must be a number")
-        return float(value)
-    if origin is int:
-        _require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer")
-        return value
-    if origin is bool:
-        _require(isinstance(value, bool), f"{key} must be true or false")
-        return value
-    if origin is str:
-        _require(isinstance(value, str), f"{key} must be a string")
-        return value
-    if origin is tuple:
-        item = typing.get_args(hint)[0]
-        ok = (int,) if item is int else (int, float)
-        _require(
-            isinstance(value, (list, tuple)) and all(isinstance(v, ok) and not isinstance(v, bool) for v in value),
-            f"{key} must be a list of {'integers' if item is int else 'numbers'}",
-        )
-        return tuple(item(v) for v in value)
-    return value
-
-
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    _require(isinstance(data, dict), f"{prefix or 'config'} must be a table")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    _require(
-        not unknown,
-        f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
-        f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}",
-    )
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
-        raise ConfigError(str(exc)) from None
-
-
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     _require(len(parts) in (1, 2), f"override {key!r} must be 'section.key' or a top-level key")
@@ -419,37 +364,6 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         data.setdefault(parts[0], {})[parts[1]] = value
     else:
         data[parts[0]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"algo.lr=1e-3"`` -> ``("algo.lr", 0.001)``; the value is read as a TOML value, else a string."""
-    key, sep, raw = text.partition("=")
-    _require(bool(sep) and bool(key.strip()), f"override {text!r} must look like section.key=value")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return key.strip(), value
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return json.dumps(str(value))
-
-
-def to_toml(config: dict[str, Any]) -> str:
-    """A config dict (``Config.to_dict()``) as TOML: top-level scalars, then one table per section."""
-    lines = [f"{k} = {_toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
-    for section, table in config.items():
-        if isinstance(table, dict):
-            lines.append(f"\n[{section}]")
-            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
-    return "\n".join(lines) + "\n"
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:

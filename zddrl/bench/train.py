@@ -4,7 +4,9 @@ Each seed runs the real `zddrl train CONFIG --seed S` command as a subprocess; t
 its own summary (``wall_s_to_target`` counts from the command's start, start-up included) and
 the command's wall time measured from outside. With ``--sb3 SCRIPT`` the Stable-Baselines3
 anchor script (shared/anchors/sb3_ppo_cartpole.py) runs for the same seeds in the same
-session, interleaved, so both figures come from the same machine state.
+session, interleaved, so both figures come from the same machine state; ``--sb3-offpolicy SCRIPT``
+(shared/anchors/sb3_offpolicy.py) does the same for the replay modes: SB3's DQN next to apex, its SAC
+next to sac, each stopped at its target so that both whole commands are times to solve.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ DEFAULT_CONFIGS = {
     "sync": EXAMPLES / "cartpole_ppo.toml",
     "async": EXAMPLES / "cartpole_ppo.toml",
     "impala": EXAMPLES / "cartpole_impala.toml",
+    "apex": EXAMPLES / "cartpole_apex.toml",
+    "sac": EXAMPLES / "pendulum_sac.toml",
 }
+SB3_OFFPOLICY_ALGO = {"apex": "dqn", "sac": "sac"}
+"""The SB3 algorithm the off-policy anchor runs next to each replay mode (same env, same target)."""
 """Each mode runs with its own tuned example unless --config MODE=PATH says otherwise."""
 
 
@@ -98,7 +104,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     "examples/cartpole_impala.toml for impala).",
 )
 @click.option("--seeds", default="1,2,3", show_default=True, help="Comma-separated seeds.")
-@click.option("--modes", default="sync", show_default=True, help="Comma-separated modes (sync,async,impala).")
+@click.option("--modes", default="sync", show_default=True, help="Comma-separated modes (sync,async,impala,apex,sac).")
 @click.option(
     "--sb3",
     "sb3_script",
@@ -106,10 +112,16 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     help="Path of the SB3 anchor script to run side by side. "
     "Run with a python that has stable-baselines3: --sb3-python.",
 )
+@click.option(
+    "--sb3-offpolicy",
+    "sb3_offpolicy",
+    default=None,
+    help="Path of the SB3 off-policy anchor (sb3_offpolicy.py): DQN next to apex, SAC next to sac.",
+)
 @click.option("--sb3-python", default=None, help="Interpreter for the SB3 script (default: this one).")
 @click.option("--set", "sets", multiple=True, help="Passed to every `zddrl train` (e.g. train.actors=3).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def train(configs, seeds, modes, sb3_script, sb3_python, sets, as_json) -> None:
+def train(configs, seeds, modes, sb3_script, sb3_offpolicy, sb3_python, sets, as_json) -> None:
     """Time-to-target and env-steps-to-target of `zddrl train`, per mode, medians over seeds."""
     paths = dict(DEFAULT_CONFIGS)
     for item in configs:
@@ -123,6 +135,9 @@ def train(configs, seeds, modes, sb3_script, sb3_python, sets, as_json) -> None:
         for seed in (int(s) for s in seeds.split(",")):
             for mode in modes.split(","):
                 rows.append(run_zddrl(paths[mode], seed, mode, extra, Path(tmp) / f"{mode}-s{seed}"))
+                if sb3_offpolicy and mode in SB3_OFFPOLICY_ALGO:
+                    algo = SB3_OFFPOLICY_ALGO[mode]
+                    rows.append(run_sb3_offpolicy(sb3_python or sys.executable, sb3_offpolicy, algo, seed))
             if sb3_script:
                 rows.append(run_sb3_with(sb3_python or sys.executable, sb3_script, seed))
     result = {
@@ -177,5 +192,35 @@ def run_sb3_with(python: str, script: str, seed: int) -> dict[str, Any]:
         "command_wall_s": round(wall, 3),
         "setup_s": out["setup_s"],
         "sps": out["sps"],
+        "total_env_steps": out["env_steps"],
+    }
+
+
+def run_sb3_offpolicy(python: str, script: str, algo: str, seed: int) -> dict[str, Any]:
+    """The SB3 off-policy anchor for one seed, stopped at its target: the command's wall time is its time to solve
+    (``wall_s_to_target``), like the whole `zddrl train` command's."""
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [python, script, "--algo", algo, "--seed", str(seed), "--stop-at-target"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise click.ClickException(f"SB3 {algo} anchor failed (seed {seed}): {done.stderr[-2000:]}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    reached = out["hit_s"] is not None
+    return {
+        "impl": "sb3",
+        "mode": algo,
+        "seed": seed,
+        "reached": reached,
+        "wall_s_to_target": round(wall, 3) if reached else None,
+        "learn_s_to_target": out["hit_s"],
+        "env_steps_to_target": out["hit_steps"],
+        "command_wall_s": round(wall, 3),
+        "setup_s": out["setup_s"],
+        "sps": round(out["env_steps"] / wall, 1),
         "total_env_steps": out["env_steps"],
     }

@@ -1,0 +1,109 @@
+"""Typed dataclasses from TOML: the checks of values against type hints, CLI overrides, and TOML out.
+
+Generic over frozen dataclasses (nested ones are tables); ``zddrl.config`` holds the sections and the one
+source of defaults. An unknown key or a value of the wrong type is a :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import typing
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the text names the key and the reason."""
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def coerce(value: Any, hint: Any, key: str) -> Any:
+    origin = typing.get_origin(hint) or hint
+    if origin is float:
+        if value is None and key == "train.until_return":
+            return math.inf
+        require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key} must be a number")
+        return float(value)
+    if origin is int:
+        require(isinstance(value, int) and not isinstance(value, bool), f"{key} must be an integer")
+        return value
+    if origin is bool:
+        require(isinstance(value, bool), f"{key} must be true or false")
+        return value
+    if origin is str:
+        require(isinstance(value, str), f"{key} must be a string")
+        return value
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        ok = (int,) if item is int else (int, float)
+        require(
+            isinstance(value, (list, tuple)) and all(isinstance(v, ok) and not isinstance(v, bool) for v in value),
+            f"{key} must be a list of {'integers' if item is int else 'numbers'}",
+        )
+        return tuple(item(v) for v in value)
+    return value
+
+
+def build(cls: type, data: Any, prefix: str) -> Any:
+    require(isinstance(data, dict), f"{prefix or 'config'} must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    require(
+        not unknown,
+        f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+        f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}",
+    )
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            kwargs[name] = build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = coerce(value, hint, f"{prefix}{name}")
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
+        raise ConfigError(str(exc)) from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"algo.lr=1e-3"`` -> ``("algo.lr", 0.001)``; the value is read as a TOML value, else a string."""
+    key, sep, raw = text.partition("=")
+    require(bool(sep) and bool(key.strip()), f"override {text!r} must look like section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A config dict (``Config.to_dict()``) as TOML: top-level scalars, then one table per section."""
+    lines = [f"{k} = {toml_value(v)}" for k, v in config.items() if not isinstance(v, dict)]
+    for section, table in config.items():
+        if isinstance(table, dict):
+            lines.append(f"\n[{section}]")
+            lines += [f"{k} = {toml_value(v)}" for k, v in table.items() if v is not None]
+    return "\n".join(lines) + "\n"
