@@ -144,9 +144,9 @@ class AlgoConfig:
     """apex: exploration of env ``i`` of ``N``: ``eps_base ** (1 + eps_alpha * i / (N - 1))`` (Horgan et al. 2018)."""
     eps_alpha: float = 7.0
     """apex: see ``eps_base``."""
-    init_alpha: float = 1.0
-    """sac: initial entropy temperature."""
-    autotune_alpha: bool = True
+    init_temperature: float = 1.0
+    """sac: initial entropy temperature (the papers' alpha)."""
+    autotune_temperature: bool = True
     """sac: tune the temperature towards a target entropy of ``-action_dim`` (Haarnoja et al. 2018b)."""
 
     def __post_init__(self) -> None:
@@ -178,7 +178,7 @@ class AlgoConfig:
         _require(self.target_update_every >= 1, "algo.target_update_every must be >= 1")
         _require(0.0 < self.tau <= 1.0, "algo.tau must be in (0, 1]")
         _require(0.0 <= self.eps_base <= 1.0 and self.eps_alpha >= 0, "algo.eps_base in [0, 1], algo.eps_alpha >= 0")
-        _require(self.init_alpha > 0, "algo.init_alpha must be > 0")
+        _require(self.init_temperature > 0, "algo.init_temperature must be > 0")
         _require(
             self.mode not in REPLAY_MODES or not (self.normalize_obs or self.normalize_reward),
             f"algo.normalize_obs and algo.normalize_reward are not supported in mode {self.mode!r} (stored "
@@ -277,6 +277,8 @@ class TrainConfig:
 
 
 PARAM_DTYPES = tuple(WIRE_PARAM_DTYPES)
+NONE_IS_INF = frozenset({"train.until_return"})
+"""Keys whose infinite default travels as null (``Config.to_dict``)."""
 
 
 def parse_gpus(gpus: str) -> tuple[str, tuple[int, ...]]:
@@ -343,7 +345,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        return _build(cls, data, "")
+        return _build(cls, data, "", NONE_IS_INF)
 
     def replace(self, overrides: dict[str, Any]) -> Config:
         """A copy with dotted-key overrides applied (``{"algo.lr": 1e-3}``), validated."""

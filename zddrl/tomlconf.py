@@ -28,10 +28,12 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def coerce(value: Any, hint: Any, key: str) -> Any:
+def coerce(value: Any, hint: Any, key: str, none_is_inf: frozenset[str] = frozenset()) -> Any:
+    """``value`` as ``hint`` says, or ConfigError naming ``key``; a None for a key of ``none_is_inf`` is infinity
+    (TOML has no null: such keys are written as absent, msgpack and JSON as null)."""
     origin = typing.get_origin(hint) or hint
     if origin is float:
-        if value is None and key == "train.until_return":
+        if value is None and key in none_is_inf:
             return math.inf
         require(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key} must be a number")
         return float(value)
@@ -55,7 +57,7 @@ def coerce(value: Any, hint: Any, key: str) -> Any:
     return value
 
 
-def build(cls: type, data: Any, prefix: str) -> Any:
+def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = frozenset()) -> Any:
     require(isinstance(data, dict), f"{prefix or 'config'} must be a table")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -69,9 +71,9 @@ def build(cls: type, data: Any, prefix: str) -> Any:
     for name, value in data.items():
         hint = hints[name]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-            kwargs[name] = build(hint, value, f"{prefix}{name}.")
+            kwargs[name] = build(hint, value, f"{prefix}{name}.", none_is_inf)
         else:
-            kwargs[name] = coerce(value, hint, f"{prefix}{name}")
+            kwargs[name] = coerce(value, hint, f"{prefix}{name}", none_is_inf)
     try:
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check

@@ -11,16 +11,19 @@ import pytest
 import torch
 
 from zddrl.algos.apex import ApexLearner
+from zddrl.algos.core import spec_refusal
 from zddrl.algos.replay_nstep import nstep_td_errors
+from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac import SACLearner
 from zddrl.config import Config, ConfigError
+from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 
 DISCRETE = EnvSpec((3,), True, 2)
 BOX = EnvSpec((3,), False, 1, (-2.0,), (2.0,))
 
 
-def config(mode: str, **replay) -> Config:
+def config(mode: str, **replay: object) -> Config:
     overrides = {
         "algo.mode": mode,
         "model.hidden": [16, 16],
@@ -201,10 +204,64 @@ def test_state_round_trips_through_a_weights_only_checkpoint_with_the_buffer(mod
     again = (ApexLearner if mode == "apex" else SACLearner)(cfg, spec)
     again.load_state(state)
     assert len(again.replay) == len(core.replay) and again.grad_steps == core.grad_steps
+    assert_same(again.state(), core.state())  # every network, optimizer, temperature, counter and the buffer
     a, b = core.replay.sample(8), again.replay.sample(8)
     np.testing.assert_array_equal(a.ids, b.ids)
     obs = np.ones((2, 3), np.float32)
     np.testing.assert_array_equal(core.greedy(obs), again.greedy(obs))
+    other = (ApexLearner if mode == "apex" else SACLearner)(cfg, spec, ShardGroup(rank=1))
+    other.load_state(state)  # another shard: the weights, not the main shard's buffer nor its sampling stream
+    assert len(other.replay) == 0 and other.grad_steps == core.grad_steps
+
+
+def assert_same(a, b, path: str = "state") -> None:
+    assert type(a) is type(b), path
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            if k != "torch_rng":  # the generator moved on while the original sampled
+                assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_array_equal(a, b, err_msg=path)
+    else:
+        assert a == b, path
+
+
+def test_hostile_numbers_are_refused_or_bounded_never_fatal() -> None:
+    huge = rollout(DISCRETE)
+    huge.arrays["rewards"][0, 0] = 3e38  # finite, but its n-step return overflows float32
+    assert "rewards beyond" in mismatch(huge.arrays, DISCRETE)
+    wild = rollout(BOX)
+    wild.arrays["actions"][0, 0, 0] = 1e30
+    assert mismatch(wild.arrays, BOX, bounded=True) == "actions outside the env's action bounds"
+    assert mismatch(wild.arrays, BOX) == ""  # PPO's actors send unclipped Gaussian samples
+    assert mismatch(rollout(BOX).arrays, BOX, bounded=True) == ""
+    core = ApexLearner(config("apex").replace({"replay.capacity": 16}), DISCRETE)
+    assert "does not fit" not in core.refusal(rollout(DISCRETE, T=7).arrays)  # 8 x 2 slots: fits
+    assert "the buffer holds 16" in core.refusal(rollout(DISCRETE, T=8).arrays)
+    core = ApexLearner(config("apex"), DISCRETE)
+    core.update([rollout(DISCRETE)])
+    batch = core.replay.sample(4)
+    core.update_priorities(batch, torch.tensor([math.inf, math.nan, 1.0, 2.0]))  # a diverged network: no crash
+    assert core.nonfinite_td == 2
+    assert core.replay.tree.get(batch.ids[:2] % core.replay.capacity).max() <= core.replay.max_priority * (1 + 1e-9)
+
+
+def test_a_shard_without_data_still_takes_part_and_refreshes_its_target() -> None:
+    core = ApexLearner(config("apex").replace({"algo.target_update_every": 1}), DISCRETE)
+    with torch.no_grad():
+        core.target.advantage.bias.add_(1.0)
+    assert core.train_step(None) == {}
+    sample = torch.ones((1, 3))
+    assert torch.equal(core.target(sample), core.model(sample))
+    sac = SACLearner(config("sac"), BOX)
+    assert sac.train_step(None) == {}
 
 
 def test_replay_modes_refuse_what_they_cannot_learn_with() -> None:
@@ -216,3 +273,6 @@ def test_replay_modes_refuse_what_they_cannot_learn_with() -> None:
         ApexLearner(config("apex"), BOX)
     with pytest.raises(ValueError, match="continuous"):
         SACLearner(config("sac"), DISCRETE)
+    unbounded = EnvSpec((3,), False, 1, (-math.inf,), (math.inf,))
+    assert "finite action bounds" in spec_refusal(config("sac"), unbounded)
+    assert spec_refusal(config("apex"), BOX) == "algo.mode 'apex' needs a discrete (Discrete) action space"

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from zddrl.actor.policy import _ACT, ActOutput
+from zddrl.actor.policy import ACTIVATIONS, ActOutput
 from zddrl.algos.flat import unflatten
 from zddrl.algos.replay_nstep import nstep_td_errors
 
@@ -22,8 +22,9 @@ SQUASH_EPS = 1e-6
 
 def apex_epsilons(eps_base: float, eps_alpha: float, first: int, count: int, total: int) -> np.ndarray:
     """Exploration of envs ``first .. first + count - 1`` of ``total``: ``eps_base ** (1 + eps_alpha i / (total - 1))``
-    (Horgan et al. 2018); an index past ``total - 1`` explores as the last one, a fleet of one env as ``eps_base``."""
-    i = np.minimum(np.arange(first, first + count), max(total - 1, 0))
+    (Horgan et al. 2018). Indices past ``total - 1`` start the schedule over (an actor beyond the planned fleet
+    explores like one within it, never all at the smallest epsilon); a fleet of one env explores at ``eps_base``."""
+    i = np.arange(first, first + count) % max(total, 1)
     return (eps_base ** (1.0 + eps_alpha * i / max(total - 1, 1))).astype(np.float32)
 
 
@@ -37,7 +38,7 @@ class _Torso:
         self.layers = [
             (np.ascontiguousarray(weights[f"torso.{i}.weight"].T), weights[f"torso.{i}.bias"].copy()) for i in indices
         ]
-        self.act_fn = _ACT[activation]
+        self.act_fn = ACTIVATIONS[activation]
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = x.reshape(x.shape[0], -1)

@@ -19,7 +19,7 @@ def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
-_ACT: dict[str, Callable[[np.ndarray], np.ndarray]] = {"tanh": np.tanh, "relu": _relu}
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"tanh": np.tanh, "relu": _relu}
 
 
 class ActOutput(NamedTuple):
@@ -48,7 +48,7 @@ class NumpyPolicy:
         weights = unflatten(np.asarray(flat, dtype=np.float32), layout)
         self.pi = self._layers(weights, "pi")
         self.v = self._layers(weights, "v")
-        self.act_fn = _ACT[activation]
+        self.act_fn = ACTIVATIONS[activation]
         self.discrete = discrete
         self.log_std = np.zeros(0, np.float32) if discrete else np.asarray(weights["log_std"], dtype=np.float32)
         """Box actions: the Gaussian's state-independent log std (empty for discrete actions)."""

@@ -38,11 +38,9 @@ class ApexLearner(ReplayLearner):
         td = arrays.get("td_errors")
         if td is None:
             return None
-        rc = self.config.replay
-        if rc.alpha == 0:
+        if self.config.replay.alpha == 0:
             return np.abs(td)
-        cap = max(self.replay.max_priority ** (1.0 / rc.alpha) - self.replay.eps, 0.0)
-        return np.minimum(np.abs(td), cap)
+        return np.minimum(np.abs(td), self.td_cap())
 
     def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:
         if batch is None:

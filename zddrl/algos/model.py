@@ -30,7 +30,7 @@ class Tanh(nn.Module):
         return torch.sigmoid(2.0 * x).mul(2.0).sub(1.0)
 
 
-_ACTIVATIONS = {"tanh": Tanh, "relu": nn.ReLU}
+ACTIVATIONS = {"tanh": Tanh, "relu": nn.ReLU}
 
 
 def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
@@ -42,7 +42,7 @@ def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
         nn.init.zeros_(linear.bias)
         layers.append(linear)
         if not last:
-            layers.append(_ACTIVATIONS[activation]())
+            layers.append(ACTIVATIONS[activation]())
     return nn.Sequential(*layers)
 
 

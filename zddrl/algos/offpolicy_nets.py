@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from zddrl.algos.model import _ACTIVATIONS
+from zddrl.algos.model import ACTIVATIONS
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
 
@@ -31,7 +31,7 @@ def torso(sizes: list[int], activation: str) -> nn.Sequential:
         linear = nn.Linear(sizes[i], sizes[i + 1])
         nn.init.orthogonal_(linear.weight, math.sqrt(2))
         nn.init.zeros_(linear.bias)
-        layers += [linear, _ACTIVATIONS[activation]()]
+        layers += [linear, ACTIVATIONS[activation]()]
     return nn.Sequential(*layers)
 
 

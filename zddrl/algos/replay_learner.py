@@ -55,6 +55,15 @@ class ReplayLearner(LearnerCore):
         self.owed = 0.0
         """Gradient steps owed by the replay ratio and not taken yet (a fraction below 1 once paid)."""
         self.grad_steps = 0
+        self.nonfinite_td = 0
+
+    def refusal(self, arrays: Any) -> str:
+        """Why a checked rollout cannot go into this buffer, or "": its block must fit the ring (``replay.py``)."""
+        T, N = arrays["rewards"].shape
+        block = (T + 1) * N + (len(arrays["trunc_idx"]) if "trunc_idx" in arrays else 0)
+        if block > self.replay.capacity:
+            return f"a rollout of {block} replay slots ((T + 1) N + K), the buffer holds {self.replay.capacity}"
+        return ""
 
     def initial_td(self, arrays: Any) -> np.ndarray | None:
         """The TD errors that set new transitions' priorities (None: the largest priority seen so far)."""
@@ -100,6 +109,7 @@ class ReplayLearner(LearnerCore):
             replay_bytes=self.replay.nbytes,
             replay_stale_updates=self.replay.stale_updates,
             replay_dropped_by_version=self.replay.dropped_by_version,
+            nonfinite_td=self.nonfinite_td,
         )
         return figures
 
@@ -122,8 +132,23 @@ class ReplayLearner(LearnerCore):
         }
 
     def update_priorities(self, batch: ReplayBatch, td: torch.Tensor) -> None:
-        if self.config.replay.alpha > 0:
-            self.replay.update_priorities(batch.ids, td.detach().abs().cpu().numpy())
+        """New priorities ``|td|``; a non-finite TD error (a diverging network, an absurd reward) gets the largest
+        priority the buffer allows instead of ending the run, and is counted."""
+        if self.config.replay.alpha == 0:
+            return
+        errors = td.detach().abs().cpu().numpy()
+        bad = ~np.isfinite(errors)
+        if bad.any():
+            self.nonfinite_td += int(bad.sum())
+            errors = np.where(bad, self.td_cap(), errors)
+            self._ratelog.warning(
+                "nonfinite_td", f"{self.nonfinite_td} non-finite TD errors so far (given the top priority)"
+            )
+        self.replay.update_priorities(batch.ids, errors)
+
+    def td_cap(self) -> float:
+        """The TD error whose priority is the largest seen so far: the most a transition may be given."""
+        return max(self.replay.max_priority ** (1.0 / self.config.replay.alpha) - self.replay.eps, 0.0)
 
     def state(self) -> dict:
         state = {**super().state(), "replay_owed": self.owed, "grad_steps": self.grad_steps}
@@ -138,5 +163,7 @@ class ReplayLearner(LearnerCore):
         super().load_state(state)
         self.owed = float(state.get("replay_owed", 0.0))
         self.grad_steps = int(state.get("grad_steps", 0))
-        if "replay" in state:
-            self.replay.load_state_dict(state["replay"])
+        if "replay" in state and self.group.is_main:
+            self.replay.load_state_dict(state["replay"])  # the main shard's buffer: the others start afresh
+        else:
+            self.replay.rng = np.random.default_rng([self.config.env.seed, self.group.rank, self.steps_trained])

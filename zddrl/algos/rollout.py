@@ -44,6 +44,11 @@ LOGP_BOUND = 1e4
 sampled with probability e^-10000 is never drawn (float32 cannot even hold e^-104), and a Gaussian's density
 reaches e^10000 only with a standard deviation no policy has; a number out there is a bug or an attack, and
 training on it would only be saved by the ratio bound (``returns.LOG_RATIO_BOUND``)."""
+REWARD_BOUND = 1e9
+"""Rewards must lie within ``+-REWARD_BOUND``: no env pays more per step, and sums of such numbers (returns, n-step
+targets) overflow float32 (3.4e38) long before anything is learned from them."""
+BOUND_SLACK = 1e-4
+"""Relative tolerance of the action-bounds check (float32 rounding of ``mid + half * tanh(u)``)."""
 _FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value", "td_errors")
 
 
@@ -56,11 +61,14 @@ def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     return _NO_INDEX, np.zeros((0, *obs_shape), dtype=np.float32), _NO_VALUE
 
 
-def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int | None = None) -> str:
+def mismatch(
+    arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int | None = None, bounded: bool = False
+) -> str:
     """Why a decoded trajectory cannot be trained on in a run of ``spec``, or "" if it can.
 
     ``rollout_len``: the only ``T`` accepted (IMPALA stacks trajectories time-major, so all of a batch
-    must share it); None accepts any.
+    must share it); None accepts any. ``bounded``: continuous actions must lie within the env's bounds (SAC's
+    actors send the squashed actions they executed; PPO's send unclipped Gaussian samples).
     """
     obs, actions = arrays["obs"], arrays["actions"]
     T, N = obs.shape[:2]
@@ -77,6 +85,11 @@ def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int |
             return "positive log-probabilities of discrete actions"
     elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
         return f"actions of shape {list(actions.shape)}, the run's env needs [T, N, {spec.action_dim}]"
+    elif bounded and not _within_bounds(actions, spec):
+        return "actions outside the env's action bounds"
+    rewards = arrays["rewards"]
+    if np.abs(rewards).max() > REWARD_BOUND:  # NaN passes here: the finiteness check below names it
+        return f"rewards beyond +-{REWARD_BOUND:g}"
     logp = arrays["logp"]
     if logp.min() < -LOGP_BOUND or logp.max() > LOGP_BOUND:  # NaN passes here: the finiteness check below names it
         return f"implausible behaviour log-probabilities (outside +-{LOGP_BOUND:g}: {logp.min():g} .. {logp.max():g})"
@@ -91,3 +104,9 @@ def mismatch(arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int |
         if a is not None and a.size and not np.isfinite(a).all():
             return f"non-finite values in {name!r}"
     return ""
+
+
+def _within_bounds(actions: np.ndarray, spec: EnvSpec) -> bool:
+    low, high = np.asarray(spec.action_low), np.asarray(spec.action_high)
+    slack = BOUND_SLACK * (high - low) + 1e-6
+    return bool(np.all(actions >= low - slack) and np.all(actions <= high + slack))  # False for NaN too

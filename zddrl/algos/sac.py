@@ -21,6 +21,7 @@ import math
 import numpy as np
 import torch
 
+from zddrl.algos.core import spec_refusal
 from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
 from zddrl.algos.replay import ReplayBatch
@@ -32,14 +33,19 @@ from zddrl.envs import EnvSpec
 
 class SACLearner(ReplayLearner):
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
+        why = spec_refusal(config, spec)
+        if why:
+            raise ValueError(why)
         super().__init__(config, spec, group)
         a = config.algo
         self.critic = TwinQ(spec, config.model).to(self.device)
         self.group.sync_module(self.critic.parameters())
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.critic_optimizer = Adam(self.critic.parameters(), lr=a.lr)
-        self.log_alpha = torch.tensor([math.log(a.init_alpha)], device=self.device, requires_grad=a.autotune_alpha)
-        self.alpha_optimizer = Adam([self.log_alpha], lr=a.lr) if a.autotune_alpha else None
+        self.log_alpha = torch.tensor(
+            [math.log(a.init_temperature)], device=self.device, requires_grad=a.autotune_temperature
+        )
+        self.alpha_optimizer = Adam([self.log_alpha], lr=a.lr) if a.autotune_temperature else None
         self.target_entropy = -float(spec.action_dim)
         low, high = np.asarray(spec.action_low, np.float32), np.asarray(spec.action_high, np.float32)
         self.action_mid = self.tensor((high + low) / 2)
@@ -94,7 +100,7 @@ class SACLearner(ReplayLearner):
             "actor_loss": float(actor_loss.detach()),
             "q_mean": float(q1.detach().mean()),
             "entropy": float(-logp.detach().mean()),
-            "alpha": float(alpha),
+            "temperature": float(alpha),
             "is_weight_mean": float(w.mean()),
         }
         if self.alpha_optimizer is not None:

@@ -30,9 +30,9 @@ DEFAULT_CONFIGS = {
     "apex": EXAMPLES / "cartpole_apex.toml",
     "sac": EXAMPLES / "pendulum_sac.toml",
 }
+"""Each mode runs with its own tuned example unless --config MODE=PATH says otherwise."""
 SB3_OFFPOLICY_ALGO = {"apex": "dqn", "sac": "sac"}
 """The SB3 algorithm the off-policy anchor runs next to each replay mode (same env, same target)."""
-"""Each mode runs with its own tuned example unless --config MODE=PATH says otherwise."""
 
 
 def _median(values: list[Any]) -> float | None:

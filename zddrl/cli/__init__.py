@@ -280,7 +280,7 @@ def learner(
 @click.option("--actors", type=int, default=None, help="Actor processes (overrides train.actors).")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
 @click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Overrides algo.mode.")
-@click.option("--until-return", type=float, default=None, help="Stop at this mean return of the last 20 episodes.")
+@click.option("--until-return", type=float, default=None, help="Stop at this target return (train.target_kind).")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None, help="Exact run directory to write.")

@@ -73,7 +73,7 @@ REPORTED_FIGURES = (
     "sps",
     "loss",
     "q_mean",
-    "alpha",
+    "temperature",
     "eval_return",
     *REPLAY_FIGURES,
 )
@@ -322,7 +322,8 @@ class LearnerNode:
         """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". IMPALA stacks rollouts
         time-major, so there every one must have the run's length."""
         try:
-            return mismatch(msg.arrays, self.core.spec, self.rollout_len if self.algo.mode == "impala" else None)
+            T = self.rollout_len if self.algo.mode == "impala" else None
+            return mismatch(msg.arrays, self.core.spec, T, self.algo.mode == "sac") or self.core.refusal(msg.arrays)
         except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it, never the run
             return f"its check failed ({type(exc).__name__}: {exc})"
 
