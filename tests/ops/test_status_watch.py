@@ -346,3 +346,22 @@ def test_status_json_has_the_new_keys(broker: BrokerHandle, members: Members) ->
     got = json.loads(out.stdout)
     assert got["health"] == [] and got["departures"] == []
     assert set(got["members"]) == {"learner-0", "actor-0", "actor-1"}
+
+
+def test_format_status_shows_a_replay_learners_buffer() -> None:
+    actor = body()["members"]["actor-0"]
+    learner = {
+        **actor,
+        "role": "learner",
+        "stats": {
+            "shard": 0,
+            "policy_version": 7,
+            "updates": 7,
+            "replay_size": 12_345,
+            "replay_fill": 0.125,
+            "replay_bytes": 6_500_000,
+            "grad_steps_total": 900,
+        },
+    }
+    text = format_status(body(members={"learner-0": learner}))
+    assert "replay: 12345 transitions, fill 12%, 6.5 MB, 900 gradient steps" in text
