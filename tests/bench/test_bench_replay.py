@@ -15,7 +15,10 @@ from zddrl.bench.replay import fitting_capacity
 @pytest.mark.timeout(60)
 def test_bench_replay_smoke() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "replay", "--json", "--capacity", "5000", "--seconds", "0.05"],
+        [
+            *(sys.executable, "-m", "zddrl", "bench", "replay", "--json"),
+            *("--capacity", "5000", "--seconds", "0.05", "--learner-threads", "1"),
+        ],
         capture_output=True,
         text=True,
         timeout=50,
@@ -33,6 +36,9 @@ def test_bench_replay_smoke() -> None:
     atari = rows["atari"]
     assert atari["obs_dtype"] == "uint8" and atari["bare_min_bytes"] == 4 * 84 * 84 + 8 + 5
     assert atari["bytes_per_transition"] < 1.1 * atari["bare_min_bytes"] < atari["naive_bytes"]
+    learners = {r["mode"]: r for r in report["learners"]}
+    assert set(learners) == {"apex", "sac"} and all(r["threads"] == 1 for r in learners.values())
+    assert all(r["grad_steps_per_s"] > 0 and r["env_steps_per_s_bound"] > 0 for r in learners.values())
 
 
 def test_capacity_shrinks_to_what_fits_and_says_so() -> None:

@@ -32,6 +32,7 @@ import click
 import numpy as np
 
 from zddrl.algos.replay import PrioritizedReplay, available_memory, replay_nbytes
+from zddrl.bench.replay_learners import bench_learners, format_learner_rows
 
 WORKLOADS: dict[str, tuple[tuple[int, ...], Any]] = {"cartpole": ((4,), np.float32), "atari": ((4, 84, 84), np.uint8)}
 ACTION_DTYPE = np.int64
@@ -184,8 +185,17 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     show_default=True,
     help="Share of the available memory one buffer may take (a smaller capacity is used, and said, beyond it).",
 )
-def replay(as_json: bool, capacity: int, workloads: str, seconds: float, memory_fraction: float) -> None:
-    """Insert and sample throughput of the local prioritized replay buffer, and its bytes per transition."""
+@click.option(
+    "--learner-threads",
+    default="1,2",
+    show_default=True,
+    help="Torch threads to time the apex and sac learner cores with ('' skips them).",
+)
+def replay(
+    as_json: bool, capacity: int, workloads: str, seconds: float, memory_fraction: float, learner_threads: str
+) -> None:
+    """Insert and sample throughput of the local prioritized replay buffer, its bytes per transition, and the
+    gradient steps/s of the apex and sac learner cores on their examples' settings."""
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -193,8 +203,12 @@ def replay(as_json: bool, capacity: int, workloads: str, seconds: float, memory_
     rows = []
     for name in names:  # one buffer at a time: each is freed before the next is built
         rows.append(bench_workload(name, capacity, seconds, memory_fraction * available_memory()))
+    threads = [int(t) for t in learner_threads.split(",") if t.strip()]
+    learners = bench_learners(threads, seconds) if threads else []
     if as_json:
         report = {"bench": "replay", "batch": BATCH, "rollout": {"T": T_STEPS, "N": N_ENVS}, "results": rows}
-        click.echo(json.dumps(report))
+        click.echo(json.dumps({**report, "learners": learners}))
         return
     click.echo(format_rows(rows))
+    if learners:
+        click.echo("\n" + format_learner_rows(learners))
