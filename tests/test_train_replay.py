@@ -85,3 +85,19 @@ def test_apex_trains_as_two_cpu_shards(tmp_path: Path) -> None:
     assert summary["shards"] == 2 and min(summary["shard_trajectories"]) > 0, summary
     rows = metrics(run_dir)
     assert sum(int(r["grad_steps"]) for r in rows) > 0  # every shard took them together (else the hashes differ)
+
+
+def test_a_buffer_that_cannot_fit_or_an_env_the_mode_cannot_learn_is_a_usage_error(tmp_path: Path) -> None:
+    for config, extra, message in (
+        (APEX, ["--set", "replay.capacity=2000000000000"], "lower the capacity"),
+        (SAC, ["--set", "env.id='CartPole-v1'"], "needs a continuous (1-D Box) action space"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "zddrl", "train", config, "--run-dir", str(tmp_path / "r"), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        assert not (tmp_path / "r").exists()  # refused before anything started

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zddrl.algos.apex import ApexLearner
-from zddrl.algos.core import spec_refusal
+from zddrl.algos.checks import replay_refusal, spec_refusal
 from zddrl.algos.replay_nstep import nstep_td_errors
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac import SACLearner
@@ -276,3 +276,5 @@ def test_replay_modes_refuse_what_they_cannot_learn_with() -> None:
     unbounded = EnvSpec((3,), False, 1, (-math.inf,), (math.inf,))
     assert "finite action bounds" in spec_refusal(config("sac"), unbounded)
     assert spec_refusal(config("apex"), BOX) == "algo.mode 'apex' needs a discrete (Discrete) action space"
+    assert "more than 80% of" in replay_refusal(config("apex", capacity=10**12), DISCRETE)
+    assert replay_refusal(config("apex"), DISCRETE) == ""

@@ -150,18 +150,6 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor, group: ShardGro
     return float("nan") if var_y <= 0 else 1.0 - var_r / var_y
 
 
-def spec_refusal(config: Config, spec: EnvSpec) -> str:
-    """Why ``config``'s mode cannot learn in an env of ``spec`` (checked before anything starts), or ""."""
-    mode = config.algo.mode
-    if mode == "apex" and not spec.discrete:
-        return "algo.mode 'apex' needs a discrete (Discrete) action space"
-    if mode == "sac" and spec.discrete:
-        return "algo.mode 'sac' needs a continuous (1-D Box) action space"
-    if mode == "sac" and not np.all(np.isfinite(spec.action_low + spec.action_high)):
-        return "algo.mode 'sac' needs finite action bounds (it squashes actions into them)"
-    return ""
-
-
 def acting_model(config: Config, spec: EnvSpec) -> torch.nn.Module:
     """The network whose parameters travel to the actors in ``config``'s mode (what a checkpoint's ``model`` holds)."""
     if config.algo.mode == "apex":

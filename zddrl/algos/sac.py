@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from zddrl.algos.core import spec_refusal
+from zddrl.algos.checks import spec_refusal
 from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
 from zddrl.algos.replay import ReplayBatch

@@ -48,15 +48,19 @@ def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
 
 def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
     """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
-    from zddrl.algos.core import spec_refusal
+    from zddrl.algos.checks import replay_refusal, spec_refusal
     from zddrl.envs import EnvError, probe_spec
 
     try:
         config = load_config(config_path, overrides)
         if check_env:
-            why = spec_refusal(config, probe_spec(config.env.id, config.env.max_episode_steps))
+            spec = probe_spec(config.env.id, config.env.max_episode_steps)
+            why = spec_refusal(config, spec)
             if why:
                 raise ConfigError(f"{config.env.id}: {why}")
+            why = replay_refusal(config, spec)
+            if why:
+                raise ConfigError(why)
         return config
     except (ConfigError, EnvError) as exc:
         raise click.UsageError(str(exc)) from None
