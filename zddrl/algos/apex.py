@@ -54,14 +54,17 @@ class ApexLearner(ReplayLearner):
 
     def _learn(self, batch: ReplayBatch) -> dict[str, float]:
         b = self.batch_tensors(batch)
+        n = len(batch.ids)
+        # One online pass over s and s' (half the calls at small batches; the rows of s' get no gradient).
+        q_all = self.model(torch.cat([b["obs"], b["next_obs"]]))
         with torch.no_grad():
-            best = self.model(b["next_obs"]).argmax(dim=1, keepdim=True)
+            best = q_all[n:].argmax(dim=1, keepdim=True)
             boot = self.target(b["next_obs"]).gather(1, best).squeeze(1)
             y = b["returns"] + b["discounts"] * boot
-        q = self.model(b["obs"]).gather(1, b["actions"].long().unsqueeze(1)).squeeze(1)
+        q = q_all[:n].gather(1, b["actions"].long().unsqueeze(1)).squeeze(1)
         td = q - y
         loss = (b["weights"] * F.smooth_l1_loss(q, y, reduction="none")).mean()
-        grad_norm = self.step_optimizer(loss, len(batch.ids))
+        grad_norm = self.step_optimizer(loss, n)
         self.update_priorities(batch, td)
         figures = {
             "loss": float(loss.detach()),
