@@ -23,10 +23,10 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.actor.policy import NumpyPolicy
+from zddrl.actor.policy import Policy, build_policy
 from zddrl.actor.trust import joinable
 from zddrl.config import Config
-from zddrl.envs import VecEnv, env_factory
+from zddrl.envs import VecEnv, make_factory
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -110,7 +110,7 @@ class RolloutBuffer:
     def __init__(self, T: int, vec: VecEnv) -> None:
         N, spec = vec.num_envs, vec.spec
         self.T, self.N = T, N
-        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=np.float32)
+        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=vec.dtype)  # uint8 pixels stay uint8 (4x fewer bytes)
         self.actions = np.zeros(
             (T, N) if spec.discrete else (T, N, spec.action_dim), dtype=np.int64 if spec.discrete else np.float32
         )
@@ -133,7 +133,7 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
+def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = RolloutBuffer(T, vec)
@@ -164,7 +164,7 @@ def collect(vec: VecEnv, policy: NumpyPolicy, rng: np.random.Generator, T: int, 
         "next_value": policy.value(vec.obs).astype(np.float32),
     }
     if trunc_idx:  # most rollouts have none: three empty frames fewer to send and check
-        final = np.stack(trunc_obs).astype(np.float32, copy=False)
+        final = np.stack(trunc_obs).astype(vec.dtype, copy=False)
         arrays.update(
             trunc_idx=np.array(trunc_idx, dtype=np.int64),
             trunc_obs=final,
@@ -185,34 +185,33 @@ def rollout_len(params: P.Parameters, config: Config) -> int:
     return int(params.meta.get("rollout_len", config.env.rollout_len))
 
 
-def policy_of(
-    params: P.Parameters, config: Config, vec: VecEnv, max_message_bytes: int
-) -> tuple[NumpyPolicy | None, str]:
-    """``(NumpyPolicy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
+def policy_of(params: P.Parameters, config: Config, vec: VecEnv, max_message_bytes: int) -> tuple[Policy | None, str]:
+    """``(policy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
     network for this env (observation and action sizes), its numbers must be finite, and the rollout it asks for
     must be a size the actor can hold and the broker would take."""
     T = params.meta.get("rollout_len", config.env.rollout_len)
     if not isinstance(T, int) or isinstance(T, bool) or not 1 <= T <= MAX_ROLLOUT_LEN:
         return None, f"meta.rollout_len {T!r} is not an int in 1..{MAX_ROLLOUT_LEN}"
-    step_bytes = vec.num_envs * (4 * (int(np.prod(vec.spec.obs_shape)) + 4 * max(vec.spec.action_dim, 2) + 3 * 4 + 2))
+    obs_bytes = vec.dtype.itemsize * int(np.prod(vec.spec.obs_shape))
+    step_bytes = vec.num_envs * (obs_bytes + 4 * max(vec.spec.action_dim, 2) + 3 * 4 + 2)
     if T * step_bytes > max_message_bytes:
         return (
             None,
             f"a rollout of {T} steps (~{T * step_bytes} bytes) would exceed max_message_bytes {max_message_bytes}",
         )
     try:
-        policy = NumpyPolicy(
+        policy = build_policy(
             params.arrays["flat"],
             params.layout,
-            config.model.activation,
-            vec.spec.discrete,
+            config.model,
+            vec.spec,
             params.arrays.get("obs_mean"),
             params.arrays.get("obs_var"),
         )
-        if not policy.pi or not policy.v:
+        if not policy.outputs:
             return None, "its layout does not build this run's network (no policy or no value layers)"
         values = policy.value(vec.obs)
-        outputs = policy.pi[-1][1].shape[0]
+        outputs = policy.outputs
     except Exception as exc:  # noqa: BLE001 - a version that does not build is refused, whatever the defect
         return None, f"its layout does not build this run's network ({type(exc).__name__}: {exc})"
     if outputs != vec.spec.action_dim:
@@ -323,7 +322,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps, self.allow_envs), seeds)
+        vec = VecEnv(make_factory(config.env, self.allow_envs), seeds)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(
@@ -331,7 +330,7 @@ class ActorHost:
         )
         generation, push = link.generation, self._push(link)
         params: P.Parameters | None = None
-        policy: NumpyPolicy | None = None
+        policy: Policy | None = None
         refused = -1  # the newest version judged unusable (policy_of): never judged again
         limit = link.welcome.max_message_bytes if link.welcome is not None else P.DEFAULT_MAX_MESSAGE_BYTES
         next_stats = 0.0

@@ -53,7 +53,7 @@ def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Confi
 def _params(config: Config) -> tuple[np.ndarray, list]:
     from zddrl.algos.model import ActorCritic, flatten_params
 
-    return flatten_params(ActorCritic(probe_spec(config.env.id), config.model))
+    return flatten_params(ActorCritic(probe_spec(config.env), config.model))
 
 
 def _plain_loop(

@@ -53,7 +53,7 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
     try:
         config = load_config(config_path, overrides)
         if check_env:
-            probe_spec(config.env.id, config.env.max_episode_steps)
+            probe_spec(config.env)
         return config
     except (ConfigError, EnvError) as exc:
         raise click.UsageError(str(exc)) from None

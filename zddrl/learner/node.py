@@ -110,7 +110,7 @@ class LearnerNode:
         self.ctx = context or zmq.Context.instance()
         self.run_id = self.group.broadcast(f"{config.name}-{uuid.uuid4().hex[:8]}")  # one run, whatever the shards
         self.log = logger.bind(role="learner", peer=self.peer_id)
-        self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
+        self.spec = probe_spec(config.env)
         core_cls = ImpalaLearner if config.algo.mode == "impala" else PPOLearner
         self.core: LearnerCore = core_cls(config, self.spec, self.group)
         self.policy_version = 0

@@ -6,10 +6,10 @@ from typing import Any
 
 import numpy as np
 
-from zddrl.actor.policy import NumpyPolicy
+from zddrl.actor.policy import build_policy
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.config import Config
-from zddrl.envs import VecEnv, env_factory
+from zddrl.envs import VecEnv, make_factory
 from zddrl.learner.runlog import load_checkpoint
 
 
@@ -18,17 +18,16 @@ def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
     seeded with ``seed``; later resets continue that env's generator)."""
     state = load_checkpoint(checkpoint)
     config = Config.from_dict(state["config"])
-    make = env_factory(config.env.id, config.env.max_episode_steps)
-    vec = VecEnv(make, [seed])
+    vec = VecEnv(make_factory(config.env), [seed])
     model = ActorCritic(vec.spec, config.model)
     model.load_state_dict(state["model"])
     flat, layout = flatten_params(model)
     rms = state.get("obs_rms")
-    policy = NumpyPolicy(
+    policy = build_policy(
         flat,
         layout,
-        config.model.activation,
-        vec.spec.discrete,
+        config.model,
+        vec.spec,
         None if rms is None else rms["mean"].numpy(),
         None if rms is None else rms["var"].numpy(),
     )
