@@ -102,7 +102,7 @@ def _register_ale() -> None:
     try:
         import ale_py
     except ImportError:
-        raise EnvError('env.atari needs ale-py: pip install "gymnasium[atari]" opencv-python-headless') from None
+        raise EnvError('env.atari needs ale-py and OpenCV: pip install -e ".[atari]"') from None
     gym.register_envs(ale_py)
 
 
