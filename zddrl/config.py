@@ -40,6 +40,7 @@ TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner",)
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
+MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn")
 
 
 @dataclass(frozen=True)
@@ -54,25 +55,44 @@ class EnvConfig:
     """Base seed: env ``i`` of actor ``a`` uses ``seed + a * 1000 + i``."""
     max_episode_steps: int = 0
     """Time limit override; 0 keeps the env's registered limit."""
+    atari: bool = False
+    """Atari from pixels (an ALE id such as ``ALE/Breakout-v5``; needs ``gymnasium[atari]``): gymnasium's
+    AtariPreprocessing (``noop_max`` no-op starts, 4 frames per step, 84x84 grayscale uint8), FIRE at reset
+    in the games that need it, and the last ``frame_stack`` frames stacked (zddrl.envs.atari_wrappers)."""
+    frame_stack: int = 4
+    """Frames stacked into one observation with ``atari`` (1: no stacking)."""
+    noop_max: int = 30
+    """With ``atari``: at most this many random no-op steps after each reset (0: none)."""
+    clip_rewards: bool = False
+    """The learner trains on the sign of each reward (Mnih et al. 2015); trajectories carry the env's own
+    rewards, so the episode returns every metric reports are the true ones."""
 
     def __post_init__(self) -> None:
         _require(bool(self.id), "env.id must name a gymnasium env or a 'module:callable'")
         _require(self.num_envs >= 1, f"env.num_envs must be >= 1, got {self.num_envs}")
         _require(self.rollout_len >= 1, f"env.rollout_len must be >= 1, got {self.rollout_len}")
         _require(self.max_episode_steps >= 0, "env.max_episode_steps must be >= 0")
+        _require(1 <= self.frame_stack <= 16, f"env.frame_stack must be in 1..16, got {self.frame_stack}")
+        _require(self.noop_max >= 0, f"env.noop_max must be >= 0, got {self.noop_max}")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    kind: str = "mlp"
+    """mlp (separate policy and value MLPs, vector observations) | nature_cnn (Mnih et al. 2015) | impala_cnn
+    (Espeholt et al. 2018's ResNet torso). The CNNs share one torso between the policy and value heads and
+    take ``[C, H, W]`` observations (uint8 pixels scaled to [0, 1] inside the network)."""
     hidden: tuple[int, ...] = (64, 64)
-    """Hidden layer sizes of the policy and of the (separate) value network."""
+    """Hidden layer sizes of the policy and of the (separate) value network; the CNNs use ``hidden[0]`` as the
+    width of the fully connected layer after the torso (the papers: 512 for nature_cnn, 256 for impala_cnn)."""
     activation: str = "tanh"
-    """tanh | relu."""
+    """tanh | relu (the MLP's; the CNNs use ReLU, as the papers do)."""
     log_std_init: float = 0.0
     """Initial log standard deviation of the Gaussian policy (Box action spaces)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", tuple(self.hidden))
+        _require(self.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {self.kind!r}")
         _require(len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), "model.hidden must be positive sizes")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}")
 

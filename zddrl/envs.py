@@ -19,6 +19,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from zddrl.config import EnvConfig
+
 
 class EnvError(ValueError):
     """An env that cannot be built or whose spaces zddrl cannot handle."""
@@ -34,6 +36,12 @@ class EnvSpec:
     """Number of actions (Discrete) or the action vector length (Box)."""
     action_low: tuple[float, ...] = ()
     action_high: tuple[float, ...] = ()
+    obs_dtype: str = "float32"
+    """``float32`` or ``uint8`` (pixels): observations keep this dtype in the actor's buffer, on the wire and in
+    the learner's batches; a model scales ``uint8`` inside its forward pass (zddrl.algos.cnn)."""
+
+
+OBS_DTYPES = ("float32", "uint8")
 
 
 def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
@@ -71,6 +79,58 @@ def env_factory(
     return lambda: gym.make(env_id, **kwargs)
 
 
+def make_factory(env: EnvConfig, allowed: frozenset[str] | None = None) -> Callable[[], gym.Env]:
+    """``env_factory`` for a run's ``[env]`` section, with its wrappers (``env.atari``: ``atari_wrappers``)."""
+    if not env.atari:
+        return env_factory(env.id, env.max_episode_steps, allowed)
+    if allowed is not None and env_refusal(env.id, allowed):
+        raise EnvError(env_refusal(env.id, allowed))
+    _register_ale()
+    try:
+        gym.spec(env.id)
+    except gym.error.Error as exc:
+        raise EnvError(f"unknown Atari env id {env.id!r}: {exc}") from None
+    # ALE ids skip frames themselves (v5: 4); AtariPreprocessing wants every frame to max-pool the last two.
+    kwargs: dict[str, Any] = {"frameskip": 1}
+    if env.max_episode_steps:
+        kwargs["max_episode_steps"] = env.max_episode_steps
+    return lambda: atari_wrappers(gym.make(env.id, **kwargs), env)
+
+
+def _register_ale() -> None:
+    """gymnasium >= 1.0 registers the ALE ids only once ale_py is imported (an installed package, no remote code)."""
+    try:
+        import ale_py
+    except ImportError:
+        raise EnvError('env.atari needs ale-py and OpenCV: pip install -e ".[atari]"') from None
+    gym.register_envs(ale_py)
+
+
+def atari_wrappers(env: gym.Env, config: EnvConfig) -> gym.Env:
+    """The DQN/IMPALA preprocessing (Mnih et al. 2015; Machado et al. 2018): ``noop_max`` random no-ops at reset,
+    4 frames per step max-pooled over the last two, 84x84 grayscale ``uint8``; FIRE at reset in games that
+    wait for it; the last ``frame_stack`` frames stacked (``[frame_stack, 84, 84]``). Reward clipping and
+    episodic life are the VecEnv's (``clip_rewards``, ``episodic_life``): metrics see the true returns."""
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=config.noop_max, frame_skip=4, screen_size=84)
+    if "FIRE" in env.unwrapped.get_action_meanings():  # type: ignore[attr-defined]
+        env = FireReset(env)
+    if config.frame_stack > 1:
+        env = gym.wrappers.FrameStackObservation(env, config.frame_stack)
+    return env
+
+
+class FireReset(gym.Wrapper):
+    """Press FIRE after each reset: games like Breakout do nothing until then (an agent that never fires
+    sees a frozen screen until the time limit)."""
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        self.env.reset(**kwargs)
+        obs, _, terminated, truncated, info = self.env.step(1)
+        if terminated or truncated:
+            obs, info = self.env.reset()
+        return obs, info
+
+
 def _with_limit(env: gym.Env, max_episode_steps: int) -> gym.Env:
     if not isinstance(env, gym.Env):
         raise EnvError(f"env factory returned {type(env).__name__}, not a gymnasium.Env")
@@ -81,8 +141,10 @@ def env_spec(env: gym.Env) -> EnvSpec:
     obs, act = env.observation_space, env.action_space
     if not isinstance(obs, gym.spaces.Box):
         raise EnvError(f"observation space {obs} is not supported (Box only)")
+    # uint8 observations (pixels, 4x smaller) stay uint8; every other dtype travels as float32
+    obs_dtype = "uint8" if obs.dtype == np.uint8 else "float32"
     if isinstance(act, gym.spaces.Discrete):
-        return EnvSpec(obs_shape=tuple(obs.shape), discrete=True, action_dim=int(act.n))
+        return EnvSpec(obs_shape=tuple(obs.shape), discrete=True, action_dim=int(act.n), obs_dtype=obs_dtype)
     if isinstance(act, gym.spaces.Box) and len(act.shape) == 1:
         return EnvSpec(
             obs_shape=tuple(obs.shape),
@@ -90,13 +152,22 @@ def env_spec(env: gym.Env) -> EnvSpec:
             action_dim=int(act.shape[0]),
             action_low=tuple(float(x) for x in act.low),
             action_high=tuple(float(x) for x in act.high),
+            obs_dtype=obs_dtype,
         )
     raise EnvError(f"action space {act} is not supported (Discrete or 1-D Box only)")
 
 
-def probe_spec(env_id: str, max_episode_steps: int = 0) -> EnvSpec:
-    """Build one env to read its spaces (the learner never steps it)."""
-    env = env_factory(env_id, max_episode_steps)()
+def probe_spec(env: EnvConfig | str, max_episode_steps: int = 0) -> EnvSpec:
+    """Build one env of the run (its ``[env]`` section, or a bare id) to read its spaces (the learner never
+    steps it)."""
+    if isinstance(env, str):
+        return spec_of(env_factory(env, max_episode_steps))
+    return spec_of(make_factory(env))
+
+
+def spec_of(make: Callable[[], gym.Env]) -> EnvSpec:
+    """The spec of the env ``make`` builds (one built and closed)."""
+    env = make()
     try:
         return env_spec(env)
     finally:
@@ -117,7 +188,9 @@ class VecEnv:
         self.envs = [make() for _ in seeds]
         self.spec = env_spec(self.envs[0])
         self.num_envs = len(self.envs)
-        self.obs = np.stack([np.asarray(env.reset(seed=s)[0], dtype=np.float32) for env, s in zip(self.envs, seeds)])
+        self.dtype = np.dtype(self.spec.obs_dtype)
+        """Observations keep the env's uint8 (pixels) from env to wire; anything else is float32."""
+        self.obs = np.stack([np.asarray(env.reset(seed=s)[0], dtype=self.dtype) for env, s in zip(self.envs, seeds)])
         self.ep_return = np.zeros(self.num_envs, dtype=np.float64)
         self.ep_length = np.zeros(self.num_envs, dtype=np.int64)
         self.finished: list[tuple[float, int]] = []
@@ -140,7 +213,7 @@ class VecEnv:
             self.ep_return[i] += r
             self.ep_length[i] += 1
             if term or trunc:
-                final_obs[i] = np.asarray(obs, dtype=np.float32)
+                final_obs[i] = np.asarray(obs, dtype=self.dtype)
                 self.finished.append((float(self.ep_return[i]), int(self.ep_length[i])))
                 self.ep_return[i], self.ep_length[i] = 0.0, 0
                 obs, _ = env.reset()

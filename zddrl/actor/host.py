@@ -25,10 +25,10 @@ from loguru import logger
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
-from zddrl.actor.policy import NumpyPolicy
+from zddrl.actor.policy import Policy, actor_critic_policy
 from zddrl.actor.trust import joinable
 from zddrl.config import Config
-from zddrl.envs import EnvSpec, VecEnv, env_factory
+from zddrl.envs import EnvSpec, VecEnv, make_factory
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -112,7 +112,7 @@ class RolloutBuffer:
     def __init__(self, T: int, vec: VecEnv) -> None:
         N, spec = vec.num_envs, vec.spec
         self.T, self.N = T, N
-        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=np.float32)
+        self.obs = np.zeros((T, N, *spec.obs_shape), dtype=vec.dtype)  # uint8 pixels stay uint8 (4x fewer bytes)
         self.actions = np.zeros(
             (T, N) if spec.discrete else (T, N, spec.action_dim), dtype=np.int64 if spec.discrete else np.float32
         )
@@ -135,9 +135,6 @@ class Collected(NamedTuple):
     """Episodes that ended with a non-finite return (an env's NaN or infinite reward), left out of the figures:
     the protocol wants them finite. The rollout whose rewards frame carried the non-finite reward (this one or
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
-
-
-Policy = NumpyPolicy | NumpyQPolicy | NumpySACPolicy
 
 
 def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
@@ -173,7 +170,7 @@ def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowd
         "next_value": policy.value(vec.obs).astype(np.float32),
     }
     if trunc_idx:  # most rollouts have none: three empty frames fewer to send and check
-        final = np.stack(trunc_obs).astype(np.float32, copy=False)
+        final = np.stack(trunc_obs).astype(vec.dtype, copy=False)
         arrays.update(
             trunc_idx=np.array(trunc_idx, dtype=np.int64),
             trunc_obs=final,
@@ -215,7 +212,7 @@ def build_policy(
         return NumpyQPolicy(flat, layout, activation, eps, a.gamma, config.replay.n_step)
     if config.algo.mode == "sac":
         return NumpySACPolicy(flat, layout, activation, spec.action_low, spec.action_high)
-    return NumpyPolicy(flat, layout, activation, spec.discrete, extras.get("obs_mean"), extras.get("obs_var"))
+    return actor_critic_policy(flat, layout, config.model, spec, extras.get("obs_mean"), extras.get("obs_var"))
 
 
 def policy_of(
@@ -227,7 +224,8 @@ def policy_of(
     T = params.meta.get("rollout_len", config.env.rollout_len)
     if not isinstance(T, int) or isinstance(T, bool) or not 1 <= T <= MAX_ROLLOUT_LEN:
         return None, f"meta.rollout_len {T!r} is not an int in 1..{MAX_ROLLOUT_LEN}"
-    step_bytes = vec.num_envs * (4 * (int(np.prod(vec.spec.obs_shape)) + 4 * max(vec.spec.action_dim, 2) + 4 * 4 + 2))
+    obs_bytes = vec.dtype.itemsize * int(np.prod(vec.spec.obs_shape))
+    step_bytes = vec.num_envs * (obs_bytes + 4 * max(vec.spec.action_dim, 2) + 4 * 4 + 2)
     if T * step_bytes > max_message_bytes:
         return (
             None,
@@ -236,6 +234,8 @@ def policy_of(
     try:
         arrays = params.arrays
         policy = build_policy(arrays["flat"], params.layout, arrays, config, vec.spec, actor_id, vec.num_envs)
+        if not policy.outputs:
+            return None, "its layout does not build this run's network (no policy or no value layers)"
         values = policy.value(vec.obs)
         outputs = policy.outputs
     except Exception as exc:  # noqa: BLE001 - a version that does not build is refused, whatever the defect
@@ -348,7 +348,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = VecEnv(env_factory(config.env.id, config.env.max_episode_steps, self.allow_envs), seeds)
+        vec = VecEnv(make_factory(config.env, self.allow_envs), seeds)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(

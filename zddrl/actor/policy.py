@@ -3,16 +3,19 @@
 Actors do not import torch: for the MLPs used on vector observations a numpy forward pass is
 several times cheaper per step than a torch call, and an actor host starts in a fraction of the
 time. The maths mirrors ``zddrl.algos.model.ActorCritic`` exactly (tests check it against torch).
+CNN policies run in torch instead (``zddrl.actor.torch_policy``, chosen by ``actor_critic_policy``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from zddrl.algos.flat import normalize_obs, unflatten
+from zddrl.config import ModelConfig
+from zddrl.envs import EnvSpec
 
 
 def _relu(x: np.ndarray) -> np.ndarray:
@@ -31,6 +34,17 @@ class ActOutput(NamedTuple):
     """``[N]`` float32 state values."""
     q_taken: np.ndarray | None = None
     """apex: ``[N]`` float32 ``Q(s, a)`` of the actions taken (the actor's TD errors need it); None otherwise."""
+
+
+class Policy(Protocol):
+    """What an actor host acts with: ``NumpyPolicy`` (MLPs) or ``torch_policy.TorchPolicy`` (CNNs)."""
+
+    @property
+    def outputs(self) -> int: ...
+
+    def value(self, obs: np.ndarray) -> np.ndarray: ...
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput: ...
 
 
 class NumpyPolicy:
@@ -52,10 +66,6 @@ class NumpyPolicy:
         self.discrete = discrete
         self.log_std = np.zeros(0, np.float32) if discrete else np.asarray(weights["log_std"], dtype=np.float32)
         """Box actions: the Gaussian's state-independent log std (empty for discrete actions)."""
-        if not self.pi or not self.v:
-            raise ValueError("no policy or no value layers")
-        self.outputs = self.pi[-1][1].shape[0]
-        """Logits (Discrete) or action means (Box) per observation."""
         self.obs_mean = None if obs_mean is None else np.asarray(obs_mean, dtype=np.float32)
         self.obs_var = None if obs_var is None else np.asarray(obs_var, dtype=np.float32)
 
@@ -81,23 +91,53 @@ class NumpyPolicy:
     def value(self, obs: np.ndarray) -> np.ndarray:
         return self._forward(self.v, self.prepare(obs))[:, 0]
 
+    @property
+    def outputs(self) -> int:
+        """Size of the policy's output: the number of actions (Discrete) or the action vector's length (Box)."""
+        return int(self.pi[-1][1].shape[0]) if self.pi and self.v else 0  # 0: no policy or no value layers
+
     def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput:
         x = self.prepare(obs)
-        out = self._forward(self.pi, x)
-        values = self._forward(self.v, x)[:, 0]
-        if self.discrete:
-            logits = out - out.max(axis=1, keepdims=True)
-            logp_all = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-            if deterministic:
-                actions = logp_all.argmax(axis=1)
-            else:  # inverse-CDF sampling: one uniform draw per env from this actor's own generator
-                cdf = np.exp(logp_all).cumsum(axis=1)
-                u = rng.random((out.shape[0], 1), dtype=np.float32) * cdf[:, -1:]
-                actions = np.minimum((cdf < u).sum(axis=1), out.shape[1] - 1)
-            logp = logp_all[np.arange(out.shape[0]), actions]
-            return ActOutput(actions.astype(np.int64), logp.astype(np.float32), values.astype(np.float32))
-        std = np.exp(self.log_std)
-        noise = np.zeros_like(out) if deterministic else rng.standard_normal(out.shape, dtype=np.float32)
-        actions = out + std * noise
-        logp = (-0.5 * noise**2 - self.log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
-        return ActOutput(actions.astype(np.float32), logp.astype(np.float32), values.astype(np.float32))
+        return sample(self._forward(self.pi, x), self._forward(self.v, x)[:, 0], self.log_std, rng, deterministic)
+
+
+def sample(
+    out: np.ndarray, values: np.ndarray, log_std: np.ndarray, rng: np.random.Generator, deterministic: bool = False
+) -> ActOutput:
+    """Actions drawn from the policy's output ``out`` ``[N, A]`` with this actor's own generator: categorical
+    over logits when ``log_std`` is empty (Discrete), else Gaussian around ``out``. Shared by every actor-side
+    policy, so that numpy and torch inference draw the same actions from the same numbers."""
+    if not log_std.size:
+        logits = out - out.max(axis=1, keepdims=True)
+        logp_all = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+        if deterministic:
+            actions = logp_all.argmax(axis=1)
+        else:  # inverse-CDF sampling: one uniform draw per env from this actor's own generator
+            cdf = np.exp(logp_all).cumsum(axis=1)
+            u = rng.random((out.shape[0], 1), dtype=np.float32) * cdf[:, -1:]
+            actions = np.minimum((cdf < u).sum(axis=1), out.shape[1] - 1)
+        logp = logp_all[np.arange(out.shape[0]), actions]
+        return ActOutput(actions.astype(np.int64), logp.astype(np.float32), values.astype(np.float32))
+    std = np.exp(log_std)
+    noise = np.zeros_like(out) if deterministic else rng.standard_normal(out.shape, dtype=np.float32)
+    actions = out + std * noise
+    logp = (-0.5 * noise**2 - log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
+    return ActOutput(actions.astype(np.float32), logp.astype(np.float32), values.astype(np.float32))
+
+
+def actor_critic_policy(
+    flat: np.ndarray,
+    layout: list,
+    model: ModelConfig,
+    spec: EnvSpec,
+    obs_mean: np.ndarray | None = None,
+    obs_var: np.ndarray | None = None,
+) -> Policy:
+    """The actor-side policy of a parameter version: numpy for the MLPs; torch (imported only then) for the
+    CNNs, whose convolutions numpy runs far slower (docs/benchmarks.md, actor inference). Raises on a layout that
+    does not build this network."""
+    if model.kind == "mlp":
+        return NumpyPolicy(flat, layout, model.activation, spec.discrete, obs_mean, obs_var)
+    from zddrl.actor.torch_policy import TorchPolicy
+
+    return TorchPolicy(flat, layout, model, spec, obs_mean, obs_var)

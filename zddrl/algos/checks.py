@@ -16,6 +16,8 @@ from zddrl.envs import EnvSpec
 def spec_refusal(config: Config, spec: EnvSpec) -> str:
     """Why ``config``'s mode cannot learn in an env of ``spec``, or ""."""
     mode = config.algo.mode
+    if mode in REPLAY_MODES and config.model.kind != "mlp":
+        return f"algo.mode {mode!r} runs with model.kind 'mlp' only (its CNN networks are not built yet)"
     if mode == "apex" and not spec.discrete:
         return "algo.mode 'apex' needs a discrete (Discrete) action space"
     if mode == "sac" and spec.discrete:
@@ -32,7 +34,7 @@ def replay_refusal(config: Config, spec: EnvSpec) -> str:
     rc = config.replay
     action_shape = () if spec.discrete else (spec.action_dim,)
     action_dtype = np.int64 if spec.discrete else np.float32
-    need = replay_nbytes(rc.capacity, spec.obs_shape, np.float32, action_shape, action_dtype)
+    need = replay_nbytes(rc.capacity, spec.obs_shape, np.dtype(spec.obs_dtype), action_shape, action_dtype)
     try:
         check_fits(rc.capacity, need, rc.memory_fraction)
     except ReplayMemoryError as exc:

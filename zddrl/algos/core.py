@@ -18,6 +18,7 @@ from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
 from zddrl.algos.optim import Adam
+from zddrl.algos.rollout import Rollout
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
@@ -205,6 +206,23 @@ class LearnerCore:
         if self.obs_rms is not None:
             extra = {"obs_mean": self.obs_rms.mean.astype(np.float32), "obs_var": self.obs_rms.var.astype(np.float32)}
         return flat, layout, extra
+
+    def learning_rewards(self, trajectories: Sequence[Rollout]) -> list[np.ndarray]:
+        """Each trajectory's ``[T, N]`` rewards as the loss sees them: their sign with ``env.clip_rewards``
+        (Mnih et al. 2015), then divided by the return's std with ``algo.normalize_reward``. The wire keeps the
+        env's own rewards, which the learner's episode figures sum (learner/episodes.py): true returns."""
+        rewards = [t.arrays["rewards"] for t in trajectories]
+        if self.config.env.clip_rewards:
+            rewards = [np.sign(r) for r in rewards]
+        if self.reward_scaler is not None:
+            rewards = self.reward_scaler.scale(
+                [
+                    (t.peer_id, t.seq, r, t.arrays["terminated"] | t.arrays["truncated"])
+                    for t, r in zip(trajectories, rewards)
+                ],
+                self.group,
+            )
+        return rewards
 
     def normalize(self, obs: np.ndarray) -> np.ndarray:
         """Observations as the actors feed them to the network (same statistics, same clip)."""

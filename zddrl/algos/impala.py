@@ -81,15 +81,7 @@ class ImpalaLearner(LearnerCore):
     """
 
     def update(self, trajectories: Sequence[Rollout], staleness: float = 0.0) -> dict[str, float]:
-        rewards = [t.arrays["rewards"] for t in trajectories]
-        if self.reward_scaler is not None:
-            rewards = self.reward_scaler.scale(
-                [
-                    (t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
-                    for t in trajectories
-                ],
-                self.group,
-            )
+        rewards = self.learning_rewards(trajectories)
         tm = stack_time_major(trajectories, rewards) if trajectories else None
         T, B = tm.rewards.shape if tm is not None else (0, 0)
         obs = self.tensor(self.normalize(tm.obs)) if tm is not None else None

@@ -1,8 +1,8 @@
 """The policy/value network (torch, learner side) and its flat-buffer form for the wire.
 
-The learner trains ``ActorCritic``; parameters travel as one contiguous float32 buffer plus a
-layout (``[name, dtype, shape, offset]`` rows, offsets in elements), from which actors rebuild the
-weights without torch (``zddrl.algos.flat``; actors use ``zddrl.actor.policy``).
+The learner trains ``ActorCritic`` (an MLP, or a CNN of zddrl.algos.cnn for pixels); parameters travel as one
+contiguous float32 buffer plus a layout (``[name, dtype, shape, offset]`` rows, offsets in elements), from which
+actors rebuild the weights (``zddrl.algos.flat``; actors use ``zddrl.actor.policy``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from zddrl.algos.cnn import PixelTorso
 from zddrl.algos.flat import unflatten
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
@@ -47,7 +48,11 @@ def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:
 
 
 class ActorCritic(nn.Module):
-    """Separate policy and value MLPs (the SB3/CleanRL default for PPO on vector observations).
+    """The policy and value networks of ``config.kind``.
+
+    ``mlp``: separate policy and value MLPs on the flattened observation (the SB3/CleanRL default for PPO on
+    vector observations). ``nature_cnn`` / ``impala_cnn``: one convolutional torso (zddrl.algos.cnn) shared by a
+    linear policy head and a linear value head, as the Atari literature does.
 
     Discrete actions: categorical over ``pi`` logits. Box actions: Gaussian with mean ``pi(x)`` and a
     state-independent ``log_std``.
@@ -55,29 +60,49 @@ class ActorCritic(nn.Module):
 
     def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
-        obs_dim = int(np.prod(spec.obs_shape))
-        hidden = list(config.hidden)
         self.discrete = spec.discrete
-        self.pi = _mlp([obs_dim, *hidden, spec.action_dim], config.activation, 0.01)
-        self.v = _mlp([obs_dim, *hidden, 1], config.activation, 1.0)
+        self.torso: PixelTorso | None = None
+        if config.kind == "mlp":
+            obs_dim = int(np.prod(spec.obs_shape))
+            hidden = list(config.hidden)
+            self.pi = _mlp([obs_dim, *hidden, spec.action_dim], config.activation, 0.01)
+            self.v = _mlp([obs_dim, *hidden, 1], config.activation, 1.0)
+        else:
+            self.torso = PixelTorso(config.kind, spec.obs_shape, config.hidden[0])
+            self.pi = _mlp([config.hidden[0], spec.action_dim], "relu", 0.01)
+            self.v = _mlp([config.hidden[0], 1], "relu", 1.0)
         if not spec.discrete:
             self.log_std = nn.Parameter(torch.full((spec.action_dim,), float(config.log_std_init)))
 
-    def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.v(obs.flatten(1)).squeeze(-1)
+    def features(self, obs: torch.Tensor) -> torch.Tensor:
+        """What the heads read: the CNN torso's output, or the flattened observation (as float) for the MLPs."""
+        if self.torso is not None:
+            return self.torso(obs)
+        return obs.flatten(1).float()
 
-    def distribution(self, obs: torch.Tensor) -> torch.distributions.Distribution:
-        out = self.pi(obs.flatten(1))
+    def value(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.v(self.features(obs)).squeeze(-1)
+
+    def heads(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pi output [B, A], value [B])`` with one pass through the torso."""
+        x = self.features(obs)
+        return self.pi(x), self.v(x).squeeze(-1)
+
+    def distribution_of(self, out: torch.Tensor) -> torch.distributions.Distribution:
         if self.discrete:
             return torch.distributions.Categorical(logits=out, validate_args=False)
         return torch.distributions.Normal(out, self.log_std.exp().expand_as(out), validate_args=False)
 
+    def distribution(self, obs: torch.Tensor) -> torch.distributions.Distribution:
+        return self.distribution_of(self.pi(self.features(obs)))
+
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log-prob of ``actions``, entropy, value), each ``[B]``."""
-        dist = self.distribution(obs)
+        out, value = self.heads(obs)
+        dist = self.distribution_of(out)
         if self.discrete:
-            return dist.log_prob(actions.long()), dist.entropy(), self.value(obs)
-        return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1), self.value(obs)
+            return dist.log_prob(actions.long()), dist.entropy(), value
+        return dist.log_prob(actions).sum(-1), dist.entropy().sum(-1), value
 
 
 def flatten_params(module: nn.Module) -> tuple[np.ndarray, list]:

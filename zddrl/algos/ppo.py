@@ -99,15 +99,7 @@ class PPOLearner(LearnerCore):
         a = self.algo
         recompute = a.mode != "sync"  # stale data: values and log-probs of the current network
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
-        rewards_of = [t.arrays["rewards"] for t in trajectories]
-        if self.reward_scaler is not None:
-            rewards_of = self.reward_scaler.scale(
-                [
-                    (t.peer_id, t.seq, t.arrays["rewards"], t.arrays["terminated"] | t.arrays["truncated"])
-                    for t in trajectories
-                ],
-                self.group,
-            )
+        rewards_of = self.learning_rewards(trajectories)
         for traj, rewards in zip(trajectories, rewards_of):
             x = traj.arrays
             T, N = x["rewards"].shape
@@ -153,7 +145,7 @@ class PPOLearner(LearnerCore):
         spec = self.spec
         actions = np.zeros(0, np.int64) if spec.discrete else np.zeros((0, spec.action_dim), np.float32)
         return {
-            "obs": np.zeros((0, *spec.obs_shape), np.float32),
+            "obs": np.zeros((0, *spec.obs_shape), spec.obs_dtype),
             "actions": actions,
             **{k: np.zeros(0, np.float32) for k in ("logp", "values", "advantages", "returns")},
         }

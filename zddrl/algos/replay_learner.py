@@ -41,7 +41,7 @@ class ReplayLearner(LearnerCore):
         self.replay = PrioritizedReplay(
             rc.capacity,
             spec.obs_shape,
-            np.float32,
+            np.dtype(spec.obs_dtype),  # uint8 frames stay uint8 (the networks scale them)
             () if spec.discrete else (spec.action_dim,),
             np.int64 if spec.discrete else np.float32,
             alpha=rc.alpha,

@@ -57,8 +57,8 @@ def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     carries none (the arrays are on the wire only when some episode was truncated)."""
     if "trunc_idx" in arrays:
         return arrays["trunc_idx"], arrays["trunc_obs"], arrays["trunc_value"]
-    obs_shape = arrays["next_obs"].shape[1:]
-    return _NO_INDEX, np.zeros((0, *obs_shape), dtype=np.float32), _NO_VALUE
+    next_obs = arrays["next_obs"]
+    return _NO_INDEX, np.zeros((0, *next_obs.shape[1:]), dtype=next_obs.dtype), _NO_VALUE
 
 
 def mismatch(
@@ -74,6 +74,8 @@ def mismatch(
     T, N = obs.shape[:2]
     if obs.shape[2:] != tuple(spec.obs_shape):
         return f"observations of shape {list(obs.shape[2:])}, the run's env has {list(spec.obs_shape)}"
+    if obs.dtype != np.dtype(spec.obs_dtype):  # the protocol made next_obs and trunc_obs the same dtype
+        return f"observations of dtype {obs.dtype}, the run's env has {spec.obs_dtype}"
     if rollout_len is not None and T != rollout_len:
         return f"a rollout of {T} steps, the run's rollouts have {rollout_len}"
     if spec.discrete:
@@ -101,7 +103,7 @@ def mismatch(
             return "truncation indices of steps that were not truncated (or were terminated)"
     for name in (*_FLOAT_ARRAYS, *(("actions",) if not spec.discrete else ())):
         a = arrays.get(name)
-        if a is not None and a.size and not np.isfinite(a).all():
+        if a is not None and a.size and a.dtype.kind == "f" and not np.isfinite(a).all():  # uint8 pixels always are
             return f"non-finite values in {name!r}"
     return ""
 

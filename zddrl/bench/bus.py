@@ -50,7 +50,8 @@ SECURE = "secure"
 """The broker path on a closed bus (``--secure``)."""
 DIRECT_CURVE = "direct-curve"
 """With ``--secure``: the direct PUSH -> PULL pair with CURVE, what encryption costs ZeroMQ alone on one hop."""
-DEFAULT_PAYLOADS = "4096,65536,1048576,8388608"
+DEFAULT_PAYLOADS = f"4096,65536,1048576,8388608,{C.PIXEL_ROLLOUT_BYTES}"
+"""The last: an Atari rollout (128 x 8 envs of 4x84x84 uint8 frames, 29 MB; common.pixel_rollout_arrays)."""
 FIRST_MSG_TIMEOUT_S = 20.0
 DRAIN_QUIET_S = 0.15
 """A lane counts as drained once its receiver saw nothing new for this long."""
@@ -391,7 +392,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     default=DEFAULT_PAYLOADS,
     show_default=True,
     callback=_int_list,
-    help="Trajectory payload sizes in bytes, comma-separated.",
+    help=f"Trajectory payload sizes in bytes, comma-separated ({C.PIXEL_ROLLOUT_BYTES}: an Atari rollout, uint8).",
 )
 @click.option(
     "--broadcast-sizes",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from zddrl.bench.actor import actor
 from zddrl.bench.bus import bus
 from zddrl.bench.codec import codec
 from zddrl.bench.fleet import fleet
@@ -15,9 +16,10 @@ from zddrl.bench.train import train
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, codec, fleet, sample, train, learner, replay. Each prints a table, or JSON with --json."""
+    """Benchmarks: actor, bus, codec, fleet, sample, train, learner, replay; each prints a table (or --json)."""
 
 
+bench.add_command(actor)
 bench.add_command(bus)
 bench.add_command(codec)
 bench.add_command(fleet)

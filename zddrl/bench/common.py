@@ -9,6 +9,7 @@ far less than a message per trajectory, and the cost is the same on every path m
 from __future__ import annotations
 
 import importlib
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -44,13 +45,36 @@ _spawn = mp.get_context("spawn")
 # --------------------------------------------------------------------------------------------
 
 
+PIXEL_T, PIXEL_N, PIXEL_FRAME = 128, 8, (4, 84, 84)
+"""An Atari rollout as examples/pong_ppo.toml's actors send it: 128 steps x 8 envs of 4 stacked 84x84 uint8 frames."""
+
+
+def pixel_rollout_arrays(seed: int = 0) -> dict[str, np.ndarray]:
+    """The nine arrays of a ``PIXEL_T`` x ``PIXEL_N`` Atari rollout: uint8 frame stacks, four actions."""
+    arrays = rollout_arrays(PIXEL_T, PIXEL_N, 1, seed)
+    rng = np.random.default_rng(seed)
+    arrays["obs"] = rng.integers(0, 256, (PIXEL_T, PIXEL_N, *PIXEL_FRAME), np.uint8)
+    arrays["next_obs"] = rng.integers(0, 256, (PIXEL_N, *PIXEL_FRAME), np.uint8)
+    return arrays
+
+
+PIXEL_ROLLOUT_BYTES = (
+    (PIXEL_T * PIXEL_N + PIXEL_N) * math.prod(PIXEL_FRAME) + PIXEL_T * PIXEL_N * (8 + 3 * 4 + 2) + PIXEL_N * 4
+)
+"""29,149,728 bytes (obs and next_obs; actions, logp, values, rewards, the two flags; next_value): the payload size
+``zddrl bench bus`` measures with a pixel rollout instead of float rows."""
+
+
 def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
     """The arrays ``zddrl.actor.host.collect`` sends for a typical rollout (no truncation in it), as close to
     ``payload_bytes`` as their layout allows (observations fill it; under by less than one obs row per step).
+    ``PIXEL_ROLLOUT_BYTES`` exactly is an Atari rollout (``pixel_rollout_arrays``).
 
     Same names, dtypes and layout as an actor's (9 arrays: the per-message cost of the bus grows with
     their number, so a single big array would flatter it).
     """
+    if payload_bytes == PIXEL_ROLLOUT_BYTES:
+        return pixel_rollout_arrays(seed)
     T, N = T_STEPS, N_ENVS
     fixed = T * N * (8 + 3 * 4 + 2) + N * 4  # actions, logp/values/rewards, terminated/truncated, next_value
     dim = (payload_bytes - fixed) // (4 * (T * N + N))
@@ -85,9 +109,9 @@ def trajectory(run_id: str, seq: int, arrays: dict[str, np.ndarray]) -> P.Trajec
         seq=seq,
         policy_version=0,
         param_hash="0" * 16,
-        env_steps=T_STEPS * N_ENVS,
+        env_steps=arrays["rewards"].size,
         arrays=arrays,
-        info={"total_env_steps": seq * T_STEPS * N_ENVS},
+        info={"total_env_steps": seq * arrays["rewards"].size},
         ep_returns=[21.0, 34.0],
         ep_lengths=[21, 34],
     )

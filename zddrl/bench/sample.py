@@ -28,8 +28,8 @@ import zmq
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
-from zddrl.config import Config
-from zddrl.envs import VecEnv, env_factory, probe_spec
+from zddrl.config import Config, load_config
+from zddrl.envs import VecEnv, env_factory, make_factory, probe_spec
 from zddrl.proc import free_ports
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink, hello_fields
@@ -37,10 +37,18 @@ from zddrl.transport.link import BrokerLink, hello_fields
 WARMUP_S = 1.0
 
 
-def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Config().algo.max_in_flight) -> Config:
-    return Config(name="bench-sample").replace(
+def _config(
+    env_id: str,
+    envs: int,
+    rollout_len: int,
+    max_in_flight: int = Config().algo.max_in_flight,
+    base: Config | None = None,
+) -> Config:
+    """The bench's run: ``base``'s env and model (a run config: Atari wrappers, a CNN) or CartPole's, sampled in
+    async mode so that actors never wait for parameters."""
+    return (base or Config(name="bench-sample")).replace(
         {
-            "env.id": env_id,
+            **({} if base else {"env.id": env_id}),
             "env.num_envs": envs,
             "env.rollout_len": rollout_len,
             "algo.mode": "async",
@@ -53,17 +61,16 @@ def _config(env_id: str, envs: int, rollout_len: int, max_in_flight: int = Confi
 def _params(config: Config) -> tuple[np.ndarray, list]:
     from zddrl.algos.model import ActorCritic, flatten_params
 
-    return flatten_params(ActorCritic(probe_spec(config.env.id), config.model))
+    return flatten_params(ActorCritic(probe_spec(config.env), config.model))
 
 
-def _plain_loop(
-    env_id: str, envs: int, actor_id: int, flat: np.ndarray, layout: list, seconds: float, out: mp.Queue
-) -> None:
-    """What an actor does minus the bus: step, infer, store nothing."""
-    from zddrl.actor.policy import NumpyPolicy
+def _plain_loop(config: Config, actor_id: int, flat: np.ndarray, layout: list, seconds: float, out: mp.Queue) -> None:
+    """What an actor does minus the bus: step, infer (the actors' policy: numpy MLP or torch CNN), store nothing."""
+    from zddrl.actor.policy import actor_critic_policy
 
-    vec = VecEnv(env_factory(env_id), env_seeds(1, actor_id, envs))
-    policy = NumpyPolicy(flat, layout, "tanh", vec.spec.discrete)
+    envs = config.env.num_envs
+    vec = VecEnv(make_factory(config.env), env_seeds(1, actor_id, envs))
+    policy = actor_critic_policy(flat, layout, config.model, vec.spec)
     rng = action_rng(1, actor_id)
     steps, start = 0, time.monotonic()
     begin = start + WARMUP_S
@@ -220,17 +227,26 @@ def run_sample_bench(
     env_id: str = "CartPole-v1",
     rollout_len: int = 32,
     max_in_flight: int = Config().algo.max_in_flight,
+    base: Config | None = None,
 ) -> dict[str, Any]:
-    config = _config(env_id, envs, rollout_len, max_in_flight)
+    """With ``base`` (a run config, ``--config``): its envs and model, and a single-process loop of all
+    ``actors x envs`` envs as a second reference (the loop one would write without zddrl)."""
+    config = _config(env_id, envs, rollout_len, max_in_flight, base)
+    env_id = config.env.id
     flat, layout = _params(config)
-    plain, pipe, gym_torch = [], [], []
+    single_config = config.replace({"env.num_envs": actors * envs})
+    plain, pipe, single, gym_torch = [], [], [], []
     for _ in range(rounds):
-        plain.append(_side_by_side(_plain_loop, lambda i: (env_id, envs, i, flat, layout), actors, seconds))
+        plain.append(_side_by_side(_plain_loop, lambda i: (config, i, flat, layout), actors, seconds))
         pipe.append(_pipeline(config, actors, seconds, flat, layout)["sps"])
-    gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
+        if base is not None:
+            single.append(_side_by_side(_plain_loop, lambda i: (single_config, i, flat, layout), 1, seconds))
+    if base is None:  # the hand-written gym + torch loop knows vector observations and an MLP only
+        gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
     ratios = [p / q for p, q in zip(pipe, plain)]
     return {
         "env_id": env_id,
+        "model": config.model.kind,
         "actors": actors,
         "envs_per_actor": envs,
         "rollout_len": rollout_len,
@@ -239,7 +255,9 @@ def run_sample_bench(
         "rounds": rounds,
         "plain_sps": statistics.median(plain),
         "pipeline_sps": statistics.median(pipe),
-        "gym_torch_sps": statistics.median(gym_torch),
+        "single_sps": statistics.median(single) if single else None,
+        "single_ratio": statistics.median([p / q for p, q in zip(pipe, single)]) if single else None,
+        "gym_torch_sps": statistics.median(gym_torch) if gym_torch else None,
         "ratio": statistics.median(ratios),
         "ratios": ratios,
         "target_ratio": 0.7,
@@ -254,6 +272,13 @@ def run_sample_bench(
 @click.option("--rounds", type=int, default=2, show_default=True, help="Alternating plain/pipeline rounds.")
 @click.option("--env-id", default="CartPole-v1", show_default=True)
 @click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A run config (e.g. examples/breakout_impala.toml): its env, wrappers and model instead of --env-id's.",
+)
+@click.option(
     "--max-in-flight",
     type=int,
     default=Config().algo.max_in_flight,
@@ -261,17 +286,24 @@ def run_sample_bench(
     help="algo.max_in_flight of the run (unread trajectories an actor may have queued).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def sample(seconds, actors, envs, rollout_len, rounds, env_id, max_in_flight, as_json) -> None:
+def sample(seconds, actors, envs, rollout_len, rounds, env_id, config_path, max_in_flight, as_json) -> None:
     """Pipeline env steps/s (broker + actors + counting learner) vs plain loops side by side."""
-    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len, max_in_flight)
+    base = load_config(config_path) if config_path else None
+    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len, max_in_flight, base)
     if as_json:
         click.echo(json.dumps(result))
         return
+    policy = "numpy MLP" if result["model"] == "mlp" else f"torch {result['model']}"
     click.echo(
-        f"{actors} actors x {envs} {env_id}, rollouts of {rollout_len}, {seconds:.0f} s windows, "
+        f"{actors} actors x {envs} {result['env_id']}, rollouts of {rollout_len}, {seconds:.0f} s windows, "
         f"{rounds} rounds (medians)"
     )
-    click.echo(f"  plain loops (VecEnv + numpy MLP), summed : {result['plain_sps']:>9,.0f} env steps/s")
+    click.echo(f"  plain loops (VecEnv + {policy}), summed : {result['plain_sps']:>9,.0f} env steps/s")
     click.echo(f"  pipeline actor -> broker -> learner      : {result['pipeline_sps']:>9,.0f} env steps/s")
-    click.echo(f"  gym SyncVectorEnv + torch MLP, summed    : {result['gym_torch_sps']:>9,.0f} env steps/s")
+    if result["single_sps"] is not None:
+        click.echo(f"  one process, {actors * envs} envs + {policy}    : {result['single_sps']:>9,.0f} env steps/s")
+    if result["gym_torch_sps"] is not None:
+        click.echo(f"  gym SyncVectorEnv + torch MLP, summed    : {result['gym_torch_sps']:>9,.0f} env steps/s")
     click.echo(f"  pipeline / plain = {result['ratio']:.2f}  (target >= {result['target_ratio']})")
+    if result["single_ratio"] is not None:
+        click.echo(f"  pipeline / one process = {result['single_ratio']:.2f}")

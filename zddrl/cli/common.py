@@ -54,7 +54,7 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
     try:
         config = load_config(config_path, overrides)
         if check_env:
-            spec = probe_spec(config.env.id, config.env.max_episode_steps)
+            spec = probe_spec(config.env)
             why = spec_refusal(config, spec)
             if why:
                 raise ConfigError(f"{config.env.id}: {why}")

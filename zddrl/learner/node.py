@@ -130,7 +130,7 @@ class LearnerNode:
         self.ctx = context or zmq.Context.instance()
         self.run_id = self.group.broadcast(f"{config.name}-{uuid.uuid4().hex[:8]}")  # one run, whatever the shards
         self.log = logger.bind(role="learner", peer=self.peer_id)
-        self.spec = probe_spec(config.env.id, config.env.max_episode_steps)
+        self.spec = probe_spec(config.env)
         self.core: LearnerCore = CORES[config.algo.mode](config, self.spec, self.group)
         self.policy_version = 0
         self.rollout_len = config.env.rollout_len

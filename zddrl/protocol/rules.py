@@ -198,6 +198,8 @@ def check_chunk(fields: dict[str, Any]) -> None:
 _F32, _BOOL, _I64 = DTYPES["float32"], DTYPES["bool"], DTYPES["int64"]
 STEP_ARRAYS = {"logp": _F32, "values": _F32, "rewards": _F32, "terminated": _BOOL, "truncated": _BOOL}
 """Arrays of shape ``[T, N]`` besides ``obs`` and ``actions``, with their one dtype."""
+OBS_DTYPES = (_F32, DTYPES["uint8"])
+"""An observation travels as float32, or as uint8 (pixels: 4x fewer bytes; the learner's network scales them)."""
 TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
 """Every trajectory carries these."""
 TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
@@ -218,9 +220,10 @@ def check_trajectory_layout(layout: Layout) -> None:
     if unknown:
         raise ProtocolError(f"trajectory: unknown arrays {unknown}")
     obs_dtype, obs_shape = arrays["obs"]
-    if obs_dtype != _F32 or len(obs_shape) < 2 or 0 in obs_shape[:2]:
+    if obs_dtype not in OBS_DTYPES or len(obs_shape) < 2 or 0 in obs_shape[:2]:
         raise ProtocolError(
-            f"trajectory: 'obs' must be float32 [T, N, *obs_shape] with T, N >= 1, got {obs_dtype} {list(obs_shape)}"
+            "trajectory: 'obs' must be float32 or uint8 [T, N, *obs_shape] with T, N >= 1, "
+            f"got {DTYPE_NAMES.get(obs_dtype, obs_dtype)} {list(obs_shape)}"
         )
     steps, observation = obs_shape[:2], obs_shape[2:]
 
@@ -249,7 +252,7 @@ def check_trajectory_layout(layout: Layout) -> None:
     for name, dtype in OPTIONAL_STEP_ARRAYS.items():
         if name in arrays:
             need(name, dtype, steps)
-    need("next_obs", _F32, steps[1:] + observation)
+    need("next_obs", obs_dtype, steps[1:] + observation)  # every observation array shares obs's dtype
     need("next_value", _F32, steps[1:])
     present = [name for name in TRUNCATION_ARRAYS if name in arrays]
     if present:
@@ -260,7 +263,7 @@ def check_trajectory_layout(layout: Layout) -> None:
             raise ProtocolError("trajectory: truncation arrays of no truncation (K = 0): leave them out")
         k = k if len(k) == 1 else (1,)  # a trunc_idx of another rank is refused by need() below
         need("trunc_idx", _I64, k)
-        need("trunc_obs", _F32, k + observation)
+        need("trunc_obs", obs_dtype, k + observation)
         need("trunc_value", _F32, k)
 
 

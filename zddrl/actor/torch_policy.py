@@ -1,0 +1,62 @@
+"""Actor-side inference in torch, for the CNN policies (``model.kind`` nature_cnn or impala_cnn).
+
+Same interface as ``zddrl.actor.policy.NumpyPolicy`` (``act``, ``value``, ``outputs``), and the same action
+sampling (``policy.sample``, from the actor's numpy generator): only the forward pass differs. Why torch here:
+a numpy convolution (im2col and a matmul) of the Nature CNN on 8 frames of 4x84x84 costs several times a torch
+forward on one thread (docs/benchmarks.md, actor inference). The MLP actor never imports this module.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from zddrl.actor.policy import ActOutput, sample
+from zddrl.algos.flat import normalize_obs
+from zddrl.algos.model import ActorCritic, load_flat
+from zddrl.config import ModelConfig
+from zddrl.envs import EnvSpec
+
+INFERENCE_THREADS = 1
+"""An actor host is one of many processes on a machine of cores: its forward pass takes one of them."""
+
+
+class TorchPolicy:
+    """``act(obs, rng)`` samples actions; ``value(obs)`` evaluates the critic. Inputs are raw observations
+    (uint8 pixels stay uint8 until the network scales them, as on the learner)."""
+
+    def __init__(
+        self,
+        flat: np.ndarray,
+        layout: list,
+        model: ModelConfig,
+        spec: EnvSpec,
+        obs_mean: np.ndarray | None = None,
+        obs_var: np.ndarray | None = None,
+    ) -> None:
+        torch.set_num_threads(INFERENCE_THREADS)
+        self.net = ActorCritic(spec, model)
+        load_flat(self.net, np.asarray(flat, dtype=np.float32), layout)
+        self.net.eval()
+        self.log_std = (
+            np.zeros(0, np.float32) if spec.discrete else self.net.log_std.detach().numpy().astype(np.float32)
+        )
+        self.outputs = int(spec.action_dim)
+        """load_flat refuses a layout of other sizes: the output is the env's, by construction."""
+        self.obs_mean = None if obs_mean is None else np.asarray(obs_mean, dtype=np.float32)
+        self.obs_var = None if obs_var is None else np.asarray(obs_var, dtype=np.float32)
+
+    def prepare(self, obs: np.ndarray) -> torch.Tensor:
+        """The network's input: normalised as the learner does when the run normalises, else as it came."""
+        if self.obs_mean is not None and self.obs_var is not None:
+            obs = normalize_obs(obs, self.obs_mean, self.obs_var)
+        return torch.from_numpy(np.ascontiguousarray(obs))
+
+    def value(self, obs: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return self.net.value(self.prepare(obs)).numpy().astype(np.float32)
+
+    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput:
+        with torch.inference_mode():
+            out, values = self.net.heads(self.prepare(obs))
+        return sample(out.numpy(), values.numpy(), self.log_std, rng, deterministic)
