@@ -1,0 +1,175 @@
+"""A relay broker (broker/relay.py) between actors and a root broker: in-process nodes on threads, real sockets.
+
+A root ``Broker`` and a ``Relay`` run their loops on threads, bound on random loopback ports with short
+heartbeats; the learner shard and the actors are the test clients of broker_clients.py (a BrokerLink and a data
+socket each). Every wait is on a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import zmq
+
+from broker_clients import WAIT_S, Pusher, Shard, collect, run_spec, trajectory
+from conftest import Bus, wait_for
+from zddrl import protocol as P
+from zddrl.broker.broker import Broker
+from zddrl.broker.relay import Relay
+from zddrl.config import BrokerConfig
+
+pytestmark = pytest.mark.slow
+
+FAST = {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 3}
+
+
+@dataclass
+class Node:
+    """A broker (or relay) running on a thread; ``connect`` is its control endpoint."""
+
+    broker: Broker
+    thread: threading.Thread
+    stop: threading.Event
+
+    @property
+    def connect(self) -> str:
+        return f"tcp://127.0.0.1:{self.broker.ports['control']}"
+
+    def status(self) -> dict:
+        """The status body, read on the broker's thread's own data (a snapshot: the loop keeps running)."""
+        for _ in range(50):
+            try:
+                return self.broker.status()
+            except RuntimeError:  # a dict changed size while the loop ran: read again
+                time.sleep(0.005)
+        raise AssertionError("no consistent status")
+
+
+@contextmanager
+def nodes() -> Iterator[list[Node]]:
+    started: list[Node] = []
+
+    def start(broker: Broker) -> Node:
+        broker.bind()
+        stop = threading.Event()
+        thread = threading.Thread(target=broker.run, args=(stop,), daemon=True)
+        thread.start()
+        started.append(Node(broker, thread, stop))
+        return started[-1]
+
+    try:
+        yield start  # type: ignore[misc]
+    finally:
+        for node in reversed(started):
+            node.stop.set()
+            node.thread.join(timeout=5)
+            node.broker.close()
+
+
+def root_and_relay(start, **relay: object) -> tuple[Node, Node]:
+    root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", **FAST)))
+    cfg = BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root.connect, **FAST, **relay)  # type: ignore[arg-type]
+    return root, start(Relay(cfg, zmq.Context()))
+
+
+def start_learner(bus: Bus, root: Node, run_id: str = "run-r") -> Shard:
+    shard = Shard(bus, root, "learner-0", run_id, run_spec(mode="impala", max_staleness=4))  # type: ignore[arg-type]
+    shard.publish(0)
+    return shard
+
+
+def test_relayed_actors_reach_the_learner_with_their_ids_runs_and_versions(bus: Bus) -> None:
+    with nodes() as start:
+        root, relay = root_and_relay(start)
+        shard = start_learner(bus, root)
+        wait_for(lambda: relay.broker.policy_version == 0, WAIT_S, "version 0 at the relay")
+        actors = [Pusher(bus, relay, f"actor-{i}") for i in range(2)]  # type: ignore[arg-type]
+        for a in actors:
+            welcome = a.link.wait_welcome(WAIT_S, need_run=True)
+            assert welcome is not None and welcome.run_id == "run-r", "the relay passes the run down"
+            params = a.link.wait_params(-1, WAIT_S)
+            assert params is not None and params.policy_version == 0, "a late joiner gets the relay's cached version"
+        fleet = wait_for(lambda: (f := shard.link.fleet()) and len(f[1]) == 2 and f, WAIT_S, "both in the fleet")
+        assert set(fleet[1]) == {"actor-0", "actor-1"}  # type: ignore[index]
+
+        shard.grant(64)
+        for seq in range(10):
+            for a in actors:
+                assert a.send(trajectory("run-r", a.peer_id, seq, version=0))
+        collect([shard], 20)
+        got = sorted((t.peer_id, t.seq, t.policy_version, t.run_id) for t in shard.trajectories())
+        assert got == sorted((a.peer_id, s, 0, "run-r") for a in actors for s in range(10))
+
+        shard.publish(1)  # a new version reaches the relayed actors through the relay's PUB
+        for a in actors:
+            assert (p := a.link.wait_params(0, WAIT_S)) is not None and p.policy_version == 1
+
+        def settled() -> bool:
+            r = relay.status()["broker"]
+            return (
+                r["forwarded"] == 20
+                and root.status()["broker"]["relays"].get(relay_id(relay), {}).get("forwarded") == 20
+            )
+
+        wait_for(settled, WAIT_S, "the relay's report to count all 20")
+        body = root.status()
+        b = body["broker"]
+        assert b["accounted"] and b["accounted_subtree"] and b["received"] == b["forwarded"] == 20
+        view = b["relays"][relay_id(relay)]
+        assert view["actors"] == 2 and view["accounted"] and view["in_transit"] == 0 and view["read_here"] == 20
+        for a in actors:
+            row = body["members"][a.peer_id]
+            assert row["relay"] == relay_id(relay) and row["messages"] == 10
+        assert body["members"][relay_id(relay)]["role"] == "relay"
+
+
+def relay_id(node: Node) -> str:
+    up = node.broker.upstream_status()
+    assert up is not None
+    return up["peer_id"]
+
+
+def test_a_learner_that_stops_reading_stops_the_relayed_actors(bus: Bus) -> None:
+    """Credit end to end: with the learner's credit spent, the root stops reading, the relay's window fills, the
+    relay stops reading and the actor's sends block; granting credit again lets everything through, none lost."""
+    window = 8
+    with nodes() as start:
+        root, relay = root_and_relay(start, upstream_window=window, trajectory_hwm=2)
+        shard = start_learner(bus, root)
+        actor = Pusher(bus, relay, "actor-0", sndhwm=2)  # type: ignore[arg-type]
+        assert actor.link.wait_params(-1, WAIT_S) is not None
+        shard.grant(4)
+        sent = 0
+        # Large enough that the kernel's socket buffers hold only a few: what stops the actor is the relay.
+        while actor.send(trajectory("run-r", "actor-0", sent, version=0, nbytes=256 << 10), timeout_ms=500):
+            sent += 1
+            assert sent < 200, "the actor was never stopped"
+        r = relay.status()["broker"]
+        print(f"\nsent {sent} before blocking; relay received {r['received']}, window {window}")
+        assert r["upstream"]["in_flight"] <= window and r["received"] <= 4 + window
+        assert root.status()["broker"]["forwarded"] == 4
+        collect([shard], sent, regrant=True, timeout_s=WAIT_S)  # credit again: all of it arrives, in order per actor
+        assert [t.seq for t in shard.trajectories()] == list(range(sent))
+        wait_for(lambda: relay.status()["broker"]["received"] == sent, WAIT_S, "the relay to count them all")
+        r = relay.status()["broker"]
+        assert r["accounted"] and r["forwarded"] == sent and sum(r["dropped"].values()) == 0
+
+
+def test_a_relay_refuses_learners_and_the_root_refuses_a_relayed_id_held_by_a_direct_actor(bus: Bus) -> None:
+    with nodes() as start:
+        root, relay = root_and_relay(start)
+        start_learner(bus, root)
+        link = bus.link(relay.connect, P.Hello(role="learner", peer_id="learner-x", run_id="other", run=run_spec()))
+        wait_for(lambda: link.refused, WAIT_S, "the relay to refuse a learner")
+        assert "relay takes no learners" in str(link.refused)
+        direct = Pusher(bus, root, "actor-0")  # type: ignore[arg-type]
+        assert direct.link.wait_welcome(WAIT_S) is not None
+        relayed = bus.link(relay.connect, P.Hello(role="actor", peer_id="actor-0", host="elsewhere", pid=1))
+        assert relayed.wait_welcome(WAIT_S) is not None  # the relay has no way to know; the root refuses it
+        wait_for(lambda: root.status()["broker"]["relayed_refused"] >= 1, WAIT_S, "the root to refuse the claim")
+        assert root.status()["members"]["actor-0"].get("relay") is None, "the direct actor keeps its id"
