@@ -121,7 +121,8 @@ def test_relayed_actors_reach_the_learner_with_their_ids_runs_and_versions(bus: 
         b = body["broker"]
         assert b["accounted"] and b["accounted_subtree"] and b["received"] == b["forwarded"] == 20
         view = b["relays"][relay_id(relay)]
-        assert view["actors"] == 2 and view["accounted"] and view["in_transit"] == 0 and view["read_here"] == 20
+        assert view["actors"] == 2 and view["accounted"] and view["read_here"] == 20
+        assert view["upstream_acked"] + view["upstream_in_flight"] == 20 and view["upstream_lost"] == 0
         for a in actors:
             row = body["members"][a.peer_id]
             assert row["relay"] == relay_id(relay) and row["messages"] == 10

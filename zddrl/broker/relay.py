@@ -277,6 +277,7 @@ class Relay(Broker):
             "forwarded": c["forwarded"],
             "in_flight": r.in_flight,
             **{f"dropped_{k}": v for k, v in r.dropped.items()},
+            "upstream_acked": up.acked_total if up is not None else 0,
             "upstream_in_flight": up.in_flight if up is not None else 0,
             "upstream_lost": up.lost if up is not None else 0,
             "window": self.window,

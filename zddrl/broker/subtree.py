@@ -29,7 +29,7 @@ entry costs is bounded."""
 MAX_COUNTER_KEY_CHARS = 64
 RELAYS_LISTED = 32
 """Relays listed in the status body (by peer id); ``relays_total`` in ``broker`` counts them all."""
-ACCOUNTING = ("received", "forwarded", "in_flight")
+ACCOUNTING = ("received", "forwarded", "in_flight", "upstream_acked", "upstream_in_flight", "upstream_lost")
 
 
 @dataclass
@@ -41,10 +41,17 @@ class RelayView:
     seq: int = -1
 
     def accounted(self) -> bool:
-        """The relay's own invariant, from its report: received == forwarded + dropped + in_flight."""
+        """The relay's invariants, from its report: received == forwarded + dropped + in_flight (what it read), and
+        forwarded == upstream_acked + upstream_in_flight + upstream_lost (what it sent up: read here and credited,
+        sent and not yet credited, or sent in a session that ended before its credit came)."""
         c = self.counters
         dropped = sum(v for k, v in c.items() if k.startswith("dropped_"))
-        return c.get("received", 0) == c.get("forwarded", 0) + dropped + c.get("in_flight", 0)
+        up = c.get("upstream_acked", 0) + c.get("upstream_in_flight", 0) + c.get("upstream_lost", 0)
+        return (
+            c.get("received", 0)
+            == c.get("forwarded", 0) + dropped + c.get("in_flight", 0)
+            == (up + dropped + c.get("in_flight", 0))
+        )
 
 
 class Subtrees:
@@ -128,8 +135,8 @@ class Subtrees:
                     self.b._remove(actor, f"its relay {member.peer_id} left")
 
     def status(self) -> dict[str, Any]:
-        """Per relay: its actors, its reported counters and invariant, and what this broker read of it (``in_transit``:
-        forwarded by the relay and not yet read here: at most its upstream window, plus what a reconnect lost)."""
+        """Per relay: its actors, its reported counters and invariants, and what this broker read of it (``read_here``;
+        what the relay reports as ``upstream_acked`` is what this broker credited it, at most ``read_here``)."""
         out: dict[str, Any] = {}
         for peer_id, view in sorted(self.relays.items())[:RELAYS_LISTED]:
             relay = self.b.members.get(peer_id)
@@ -141,7 +148,6 @@ class Subtrees:
                 "dropped": {k[8:]: v for k, v in view.counters.items() if k.startswith("dropped_") and v},
                 "accounted": view.accounted(),
                 "read_here": read,
-                "in_transit": view.counters.get("forwarded", 0) - read,
                 "counters": view.counters,
             }
         return out

@@ -48,9 +48,16 @@ class Uplink:
         """...and how many of them the upstream returned credit for."""
         self.lost = 0
         """Pushed and never acknowledged when a session ended (every session)."""
+        self.acked_before = 0
+        """Acknowledged in the sessions that ended: ``acked_total`` = this + ``acked``."""
         self.sessions = 0
         self.interval_s, self.liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
         self.deadline = self.next_beat = self.reopen_at = 0.0
+
+    @property
+    def acked_total(self) -> int:
+        """Acknowledged by the upstream, every session: sent == acked_total + in_flight + lost, over all sessions."""
+        return self.acked_before + self.acked
 
     @property
     def in_flight(self) -> int:
@@ -77,8 +84,7 @@ class Uplink:
     def welcomed(self, welcome: P.Welcome, now: float) -> zmq.Socket:
         """A welcome: (re)open the data sockets on the host of the broker that sent it; returns the new SUB."""
         self._close_data()
-        self.lost += self.in_flight  # a re-welcome is a new session for the credit too (the link's rule)
-        self.sent = self.acked = 0
+        self._end_credit()  # a re-welcome is a new session for the credit too (the link's rule)
         self.welcome = welcome
         self.interval_s, self.liveness = welcome.heartbeat_interval_s, welcome.heartbeat_liveness
         self.beat_heard(now)
@@ -121,12 +127,16 @@ class Uplink:
         if self.control is not None:
             self.control.close(linger=0)
             self.control = None
-        self.lost += self.in_flight
-        self.sent = self.acked = 0
+        self._end_credit()
         self.welcome = None
         wait_s = self.brokers.next(served)
         self.reopen_at = now + wait_s
         return wait_s
+
+    def _end_credit(self) -> None:
+        self.lost += self.in_flight
+        self.acked_before += self.acked
+        self.sent = self.acked = 0
 
     def _close_data(self) -> None:
         for name in ("sub", "push"):
@@ -143,6 +153,7 @@ class Uplink:
             "in_flight": self.in_flight,
             "sent": self.sent,
             "acked": self.acked,
+            "acked_total": self.acked_total,
             "lost": self.lost,
             "sessions": self.sessions,
             "silent_s": round(max(0.0, time.monotonic() - (self.deadline - self.interval_s * self.liveness)), 3),
