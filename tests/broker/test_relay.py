@@ -22,6 +22,7 @@ from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.broker.relay import Relay
 from zddrl.config import BrokerConfig
+from zddrl.ops.status import format_status
 
 pytestmark = pytest.mark.slow
 
@@ -127,6 +128,9 @@ def test_relayed_actors_reach_the_learner_with_their_ids_runs_and_versions(bus: 
             row = body["members"][a.peer_id]
             assert row["relay"] == relay_id(relay) and row["messages"] == 10
         assert body["members"][relay_id(relay)]["role"] == "relay"
+        text = format_status(body)  # what `zddrl status` prints at the root
+        assert f"actor via {relay_id(relay)}" in text and "whole tree accounted: ok" in text
+        assert "upstream" in format_status(relay.status()) and "(welcomed)" in format_status(relay.status())
 
 
 def relay_id(node: Node) -> str:
