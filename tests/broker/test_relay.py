@@ -12,17 +12,20 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, Pusher, Shard, collect, run_spec, trajectory
+from broker_clients import WAIT_S, Pusher, Shard, collect, parameters, run_spec, trajectory
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.broker.relay import Relay
 from zddrl.config import BrokerConfig
+from zddrl.keys import credentials, new_key
 from zddrl.ops.status import format_status
+from zddrl.transport.signatures import signed_hello, signed_params
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +78,7 @@ def nodes() -> Iterator[list[Node]]:
 def root_and_relay(start, **relay: object) -> tuple[Node, Node]:
     root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", **FAST)))
     cfg = BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root.connect, **FAST, **relay)  # type: ignore[arg-type]
-    return root, start(Relay(cfg, zmq.Context()))
+    return root, start(Relay(cfg))
 
 
 def start_learner(bus: Bus, root: Node, run_id: str = "run-r") -> Shard:
@@ -178,3 +181,54 @@ def test_a_relay_refuses_learners_and_the_root_refuses_a_relayed_id_held_by_a_di
         assert relayed.wait_welcome(WAIT_S) is not None  # the relay has no way to know; the root refuses it
         wait_for(lambda: root.status()["broker"]["relayed_refused"] >= 1, WAIT_S, "the root to refuse the claim")
         assert root.status()["members"]["actor-0"].get("relay") is None, "the direct actor keeps its id"
+
+
+def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(bus: Bus, tmp_path: Path) -> None:
+    """Keys everywhere: the relay joins with a relay key, checks the run's and each version's signature, and its
+    actors train through it; the relay's key cannot push for an actor joined directly to the root (forged_sender)
+    nor for one nobody reported (unknown_sender)."""
+    keys = tmp_path / "keys"
+    for role, name in [("broker", "b"), ("learner", "l"), ("actor", "a"), ("actor", "d"), ("relay", "r")]:
+        new_key(keys, role, name)
+    closed = {"keys": str(keys), **FAST}
+    with nodes() as start:
+        root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", **closed)))  # type: ignore[arg-type]
+        relay_cfg = BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root.connect, **closed)  # type: ignore[arg-type]
+        relay = start(Relay(relay_cfg, credentials=credentials(keys, "relay", "r")))
+        learner = credentials(keys, "learner", "l")
+        assert learner.signer is not None
+        hello = signed_hello(
+            P.Hello(role="learner", peer_id="learner-0", run_id="run-k", run=run_spec()), learner.signer
+        )
+        link = bus.link(root.connect, hello, credentials=learner)
+        assert link.wait_welcome(WAIT_S) is not None
+        data = bus.socket(zmq.DEALER, identity=link.data_identity, rcvhwm=0)
+        learner.apply(data)
+        data.connect(link.endpoint("learners"))
+        data.send_multipart(P.encode(signed_params(parameters("run-k", 0), learner.signer)))
+        data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=16)))
+
+        actor_keys = credentials(keys, "actor", "a")
+        actor = bus.link(relay.connect, P.Hello(role="actor", peer_id="actor-0", num_envs=1), credentials=actor_keys)
+        params = actor.wait_params(-1, WAIT_S)
+        assert params is not None and params.signer == "l", "a signed version, verified by the actor, via the relay"
+        push = bus.socket(zmq.PUSH)
+        actor_keys.apply(push)
+        push.connect(actor.endpoint("trajectories"))
+        push.send_multipart(P.encode(trajectory("run-k", "actor-0", 0)))
+        assert data.poll(int(WAIT_S * 1000)), "the relayed trajectory reached the learner"
+        got = P.decode(data.recv_multipart())
+        assert isinstance(got, P.Trajectory) and got.peer_id == "actor-0"
+
+        direct = bus.link(
+            root.connect, P.Hello(role="actor", peer_id="actor-d"), credentials=credentials(keys, "actor", "d")
+        )
+        assert direct.wait_welcome(WAIT_S) is not None
+        forger = bus.socket(zmq.PUSH)  # the relay's key, straight to the root, naming others
+        credentials(keys, "relay", "r").apply(forger)
+        forger.connect(f"tcp://127.0.0.1:{root.broker.ports['trajectories']}")
+        forger.send_multipart(P.encode(trajectory("run-k", "actor-d", 0)))
+        forger.send_multipart(P.encode(trajectory("run-k", "actor-nobody", 0)))
+        wait_for(lambda: root.status()["broker"]["received"] == 3, WAIT_S, "the root to read all three")
+        b = root.status()["broker"]
+        assert b["dropped"]["forged_sender"] == 1 and b["dropped"]["unknown_sender"] == 1 and b["forwarded"] == 1
