@@ -303,6 +303,7 @@ class Broker:
             self.run_seal = (msg.run_signer, msg.run_signature)
             self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
+        kept = self.subtrees.detach(old, msg, user)  # a relay's new session keeps its subtree
         if old is not None:
             self._forget(old)
             if (old.host, old.pid) != (msg.host, msg.pid):  # another process took the id: judge it afresh
@@ -320,6 +321,7 @@ class Broker:
             member.counters = old.counters
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
+        self.subtrees.attach(member, kept)
         if member.role == "learner":
             self.router.add_shard(member)
         elif member.role == "actor":

@@ -121,6 +121,25 @@ class Subtrees:
         if view is not None:
             view.actors.discard(peer_id)
 
+    def detach(self, old: Member | None, hello: P.Hello, user: str) -> RelayView | None:
+        """A relay's hello from the same process and key as its member ``old`` (a new session after its upstream
+        was silent): its subtree is taken out before ``old`` is forgotten, to be ``attach``ed to the new member, so
+        its actors do not leave and join the fleet again (learners would see them go)."""
+        if old is None or old.role != "relay" or hello.role != "relay" or old.user != user:
+            return None
+        return self.relays.pop(old.peer_id, None) if (old.host, old.pid) == (hello.host, hello.pid) else None
+
+    def attach(self, relay: Member, view: RelayView | None) -> None:
+        """Give ``relay`` (its new session) the subtree ``detach`` kept: its actors' credit goes to the new connection,
+        and what the old session's reads left to return is void (the relay starts its credit afresh with a welcome)."""
+        if view is None:
+            return
+        self.relays[relay.peer_id] = view
+        for peer_id in view.actors:
+            actor = self.b.members.get(peer_id)
+            if actor is not None and actor.relay == relay.peer_id:
+                actor.identity, actor.unacked = relay.identity, 0
+
     def forget(self, member: Member) -> None:
         """``member`` is leaving the broker's indexes: a relay takes its whole subtree with it."""
         if member.relay:
