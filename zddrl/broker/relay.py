@@ -38,6 +38,7 @@ from zddrl.broker.uplink import Uplink
 from zddrl.config import AlgoConfig, BrokerConfig
 from zddrl.transport import signatures as signing
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
+from zddrl.transport.link import BYE_LINGER_MS
 
 WINDOW_PER_ACTOR_WINDOWS = 2
 """The automatic upstream window is this many times the sum of the relay's actors' windows."""
@@ -106,8 +107,7 @@ class Relay(Broker):
         up = self.uplink
         if up is not None and up.control is not None:
             up.send(P.Bye(peer_id=up.hello.peer_id, reason="relay stopping"))
-            up.control.setsockopt(zmq.LINGER, 500)  # the bye gets half a second to leave
-            up.close(time.monotonic())
+            up.close(time.monotonic(), linger_ms=BYE_LINGER_MS)
         super().close()
 
     @property

@@ -120,12 +120,13 @@ class Uplink:
         except zmq.Again:
             return False
 
-    def close(self, now: float) -> float:
-        """End the session (silent upstream, or shutting down); returns the seconds to wait before the next."""
+    def close(self, now: float, linger_ms: int = 0) -> float:
+        """End the session (silent upstream, or shutting down: ``linger_ms`` lets a last bye leave); returns the
+        seconds to wait before the next."""
         served = self.welcome is not None
         self._close_data()
         if self.control is not None:
-            self.control.close(linger=0)
+            self.control.close(linger=linger_ms)
             self.control = None
         self._end_credit()
         self.welcome = None
