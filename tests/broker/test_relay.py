@@ -21,7 +21,7 @@ from broker_clients import WAIT_S, Pusher, Shard, collect, parameters, run_spec,
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
-from zddrl.broker.relay import Relay
+from zddrl.broker.relay import Relay, RelayRefused
 from zddrl.config import BrokerConfig
 from zddrl.keys import credentials, new_key
 from zddrl.ops.status import format_status
@@ -232,3 +232,34 @@ def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(b
         wait_for(lambda: root.status()["broker"]["received"] == 3, WAIT_S, "the root to read all three")
         b = root.status()["broker"]
         assert b["dropped"]["forged_sender"] == 1 and b["dropped"]["unknown_sender"] == 1 and b["forwarded"] == 1
+
+
+def test_a_relay_survives_a_hostile_upstream(bus: Bus) -> None:
+    """Garbage and a welcome naming no data ports, from a fake upstream: counted, and the relay serves on; a refusal
+    stops it with the reason (the CLI's one-line error)."""
+    upstream = bus.socket(zmq.ROUTER)
+    port = upstream.bind_to_random_port("tcp://127.0.0.1")
+    relay = Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}", **FAST))  # type: ignore
+    relay.bind()
+    try:
+        relay._serve_upstream({})  # opens the session: a hello goes up
+        assert upstream.poll(int(WAIT_S * 1000))
+        identity, *frames = upstream.recv_multipart()
+        assert isinstance(P.decode(frames), P.Hello) and P.decode(frames).role == "relay"  # type: ignore[attr-defined]
+        bad_welcome = P.Welcome(
+            peer_id="x", run_id="", run=None, ports={}, heartbeat_interval_s=0.1, heartbeat_liveness=3,
+            max_message_bytes=1 << 20,
+        )  # fmt: skip
+        for frames in ([b"garbage", b"more"], P.encode(bad_welcome)):
+            upstream.send_multipart([identity, *frames])
+        control = relay.uplink.control  # type: ignore[union-attr]
+        wait_for(lambda: control.poll(0), WAIT_S, "the messages to arrive")
+        time.sleep(0.05)  # both of them
+        relay._serve_upstream({control: zmq.POLLIN})
+        assert relay.counters["upstream_malformed"] == 1 and relay.counters["upstream_errors"] == 1
+        upstream.send_multipart([identity, *P.encode(P.Reject(reason=f"{P.REFUSED_PREFIX}no relays here"))])
+        wait_for(lambda: control.poll(0), WAIT_S, "the refusal")
+        with pytest.raises(RelayRefused, match="no relays here"):
+            relay._serve_upstream({control: zmq.POLLIN})
+    finally:
+        relay.close()

@@ -173,7 +173,16 @@ class Relay(Broker):
                 continue
             if sock is self.uplink.control:
                 self.uplink.beat_heard(now)
-            self._on_upstream(msg, frames, now)
+            try:
+                self._on_upstream(msg, frames, now)
+            except RelayRefused:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                # Whatever the upstream sends (a welcome without a port, say), the relay keeps serving its actors.
+                self.counters["upstream_errors"] += 1
+                self._ratelog.warning(
+                    "upstream_error", f"error handling a {msg.KIND} from upstream ({type(exc).__name__}: {exc})"
+                )
 
     def _on_upstream(self, msg: P.Message, frames: Sequence[Any], now: float) -> None:
         up = self.uplink
@@ -281,6 +290,7 @@ class Relay(Broker):
             "upstream_in_flight": up.in_flight if up is not None else 0,
             "upstream_lost": up.lost if up is not None else 0,
             "window": self.window,
+            "health_warnings": sum(self.health.counts().values()),
         }
 
     def upstream_status(self) -> dict[str, Any] | None:

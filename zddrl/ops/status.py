@@ -141,7 +141,8 @@ def tree_lines(b: dict[str, Any]) -> list[str]:
         lines.append(
             f"  relay {peer}: {r['actors']} actors; received {r['received']} = forwarded {r['forwarded']} + dropped "
             f"{dropped} + in flight {r['in_flight']}; forwarded = acked {r['upstream_acked']} + in flight "
-            f"{r['upstream_in_flight']} + lost {r['upstream_lost']}; read here {r['read_here']}"
+            f"{r['upstream_in_flight']} + lost {r['upstream_lost']}; read here {r['read_here']}; health warnings "
+            f"{r['counters'].get('health_warnings', 0)} (zddrl status at the relay lists them)"
             f"  [{'ok' if r['accounted'] else 'MISMATCH'}]"
         )
     if b.get("relays"):
