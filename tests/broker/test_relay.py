@@ -29,7 +29,9 @@ from zddrl.transport.signatures import signed_hello, signed_params
 
 pytestmark = pytest.mark.slow
 
-FAST = {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 3}
+FAST = {"heartbeat_interval_s": 0.1, "heartbeat_liveness": 10}
+"""Quick beats (reports every 0.1 s), but 1 s of silence before a session ends: two shared cores under load stall
+a loop for a few tenths of a second now and then."""
 
 
 @dataclass
@@ -159,7 +161,11 @@ def test_a_learner_that_stops_reading_stops_the_relayed_actors(bus: Bus) -> None
             assert sent < 200, "the actor was never stopped"
         r = relay.status()["broker"]
         print(f"\nsent {sent} before blocking; relay received {r['received']}, window {window}")
-        assert r["upstream"]["in_flight"] <= window and r["received"] <= 4 + window
+        # Each upstream session holds at most a window (a session lost to a stall starts a new one; what it held is
+        # counted as lost, not forgotten).
+        up = r["upstream"]
+        assert up["in_flight"] <= window and r["received"] <= 4 + window * up["sessions"]
+        assert r["forwarded"] == up["acked_total"] + up["in_flight"] + up["lost"]
         assert root.status()["broker"]["forwarded"] == 4
         collect([shard], sent, regrant=True, timeout_s=WAIT_S)  # credit again: all of it arrives, in order per actor
         assert [t.seq for t in shard.trajectories()] == list(range(sent))
