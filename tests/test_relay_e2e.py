@@ -25,6 +25,7 @@ HEARTBEAT = {"heartbeat_interval_s": 0.2, "heartbeat_liveness": 5}
 """Silence of 1 s and a client (or a relay) moves on (0.6 s let stalls of a loaded 2-core machine end sessions)."""
 START_S = 90
 """For the first updates: on a loaded machine the learner's torch import alone has taken over 40 s."""
+ACTORS = ("actor-0", "actor-1")
 MORE_UPDATES = 5
 """Updates the run must make after relay A was killed."""
 
@@ -59,6 +60,11 @@ def test_actors_train_through_two_relays_and_move_when_one_is_killed(procs: Proc
         procs.start("actor-1", "actor", "--connect", b.connect, "--actor-id", "1")
         wait_for(lambda: (run_dir / "metrics.csv").exists() and len(metrics(run_dir)) >= 3, START_S, "3 updates")
 
+        wait_for(
+            lambda: all(status(root.connect)["members"].get(a, {}).get("policy_version", -1) >= 0 for a in ACTORS),
+            10,
+            "the root to show the versions the relayed actors act with",
+        )
         body = status(root.connect)
         rows = body["members"]
         relay_a = rows["actor-0"]["relay"]

@@ -30,6 +30,15 @@ def test_relayed_actors_join_the_fleet_leave_by_report_and_leave_with_their_rela
         assert len(b.fleet) == 2 and b.members["actor-0"].identity == b"session-1"
         assert b.by_identity[b"session-1"].peer_id == "relay-1", "a relayed actor never takes its relay's index"
 
+        versions = {"actor-0": 3, "actor-1": 3}
+        b._on_control(
+            b"session-1", P.encode(P.Subtree(peer_id="relay-1", seq=2, full=True, actors={}, versions=versions)), ""
+        )
+        assert set(b.members) == {"relay-1"}, "a full report naming no actor: all of them left"
+        report(b, b"session-1", False, {"actor-0": entry(), "actor-1": entry(8)})
+        full = P.Subtree(peer_id="relay-1", seq=3, full=True, actors={"actor-0": entry()}, versions={"actor-0": 3})
+        b._on_control(b"session-1", P.encode(full), "")
+        assert b.members["actor-0"].policy_version == 3, "the version its relay heard"
         report(b, b"session-1", True, {"actor-0": entry()})  # a full report without actor-1: it left
         assert "actor-1" not in b.members and len(b.fleet) == 1
         report(b, b"session-1", False, {}, left=("actor-0",))

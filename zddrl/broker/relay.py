@@ -264,8 +264,11 @@ class Relay(Broker):
         up = self.uplink
         if up is None or up.welcome is None:
             return
+        versions: dict[str, int] = {}
         if full:
-            actors = {m.peer_id: _entry(m) for m in self.members.values() if m.role == "actor"}
+            joined = [m for m in self.members.values() if m.role == "actor"]
+            actors = {m.peer_id: _entry(m) for m in joined}
+            versions = {m.peer_id: m.policy_version for m in joined}
         self._subtree_seq += 1
         msg = P.Subtree(
             peer_id=up.hello.peer_id,
@@ -274,6 +277,7 @@ class Relay(Broker):
             actors=actors or {},
             left=list(left),
             counters=self.accounting(),
+            versions=versions,
         )
         up.send(msg)
 

@@ -79,6 +79,14 @@ class Subtrees:
                 old.last_seen = now
                 continue
             self._take(relay, view, peer_id, entry, old)
+        self._versions(relay, msg.versions)
+
+    def _versions(self, relay: Member, versions: dict[str, int]) -> None:
+        """Relayed actors' rows show the version they act with, as their relay last heard it."""
+        for peer_id, version in versions.items():
+            member = self.b.members.get(peer_id)
+            if member is not None and member.relay == relay.peer_id:
+                member.policy_version = version
 
     def _take(self, relay: Member, view: RelayView, peer_id: str, entry: dict, old: Member | None) -> None:
         """``peer_id`` joins as an actor of ``relay``, unless the same checks as a direct hello refuse it (or it is

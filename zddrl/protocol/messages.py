@@ -240,6 +240,8 @@ class Subtree(Message):
     actors: dict
     left: list = field(default_factory=list)
     counters: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    """Full reports: each actor's policy version as its last heartbeat to the relay said (for status upstream)."""
 
 
 @dataclass(frozen=True)

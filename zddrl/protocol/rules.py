@@ -94,6 +94,8 @@ def check_subtree(fields: dict[str, Any]) -> None:
         raise ProtocolError("subtree: left must be a list of peer ids")
     if not all(_is_int(v, 0) for v in fields["counters"].values()):
         raise ProtocolError("subtree: counters must be ints >= 0")
+    if not all(_is_int(v, -1) for v in fields["versions"].values()):
+        raise ProtocolError("subtree: versions must be ints >= -1")
 
 
 def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
