@@ -431,6 +431,14 @@ class BrokerConfig:
     insecure: bool = False
     """Allow a non-loopback bind without keys (a loud warning at each start): anyone who can reach the ports
     can join, inject, read and exhaust."""
+    upstream: str = ""
+    """Run as a relay: the control endpoint of the broker above (``tcp://ROOT:PORT``, or a fallback list
+    ``tcp://A:5555,tcp://B:5555``). The relay's actors' trajectories go there with credit end to end, parameters
+    come from there; its subtree is reported there (docs/architecture.md). Empty: a root broker."""
+    upstream_window: int = 0
+    """Relay: trajectories forwarded upstream and not yet acknowledged (credit returned) at most. 0 = twice the
+    sum of its actors' windows (2 x algo.max_in_flight x actors joined, at least 2 x max_in_flight), which keeps
+    the pipe full: the relay is then never the narrowest window, yet a stalled learner stops its actors."""
 
     def __post_init__(self) -> None:
         _require(
@@ -445,6 +453,9 @@ class BrokerConfig:
             self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
             "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1",
         )
+        if self.upstream:
+            split_endpoints(self.upstream)  # ConfigError naming the bad entry
+        _require(0 <= self.upstream_window <= 1 << 20, "broker.upstream_window must be in 0..2**20 (0 = automatic)")
 
 
 def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | None = None) -> BrokerConfig:

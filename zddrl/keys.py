@@ -13,6 +13,8 @@ directory (docs/security.md)::
     KEYS/learners/NAME.sign         its Ed25519 secret key (PEM): signs every parameter version and run spec
     KEYS/actors/NAME.key[_secret]   actor hosts: may push trajectories and receive parameters
     KEYS/monitors/NAME.key[_secret] `zddrl status`, dashboards: may read the status, nothing else
+    KEYS/relays/NAME.key[_secret]   relay brokers (`zddrl broker --upstream`): may join, push and subscribe
+                                    upstream on behalf of the actors they report
 
 A public file in a role's folder is that role's allow-list at the broker; a host holds the secret files of
 its own keys only.
@@ -31,9 +33,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-KEY_ROLES = ("broker", "learner", "actor", "monitor")
+KEY_ROLES = ("broker", "learner", "actor", "monitor", "relay")
 """The roles a key can be made for (``zddrl keys new ROLE NAME``)."""
-FOLDERS = {"broker": "broker", "learner": "learners", "actor": "actors", "monitor": "monitors"}
+FOLDERS = {"broker": "broker", "learner": "learners", "actor": "actors", "monitor": "monitors", "relay": "relays"}
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PUBLIC, SECRET = ".key", ".key_secret"
 SIGN_PUBLIC, SIGN_SECRET = ".sign.pub", ".sign"

@@ -189,6 +189,17 @@ EXAMPLES = [
             actors={"actor-0": {"num_envs": 2, "host": "node1"}, "actor-1": {"num_envs": 0, "host": "node2"}},
         ),
     ),
+    (
+        "subtree",
+        P.Subtree(
+            peer_id="relay-rack7-5555",
+            seq=12,
+            full=False,
+            actors={"actor-9": {"num_envs": 4, "host": "node9", "pid": 4242}},
+            left=["actor-3"],
+            counters={"received": 120, "forwarded": 118, "in_flight": 0, "dropped_stale": 2},
+        ),
+    ),
     ("bye", P.Bye(peer_id="actor-0", reason="actor stopping")),
 ]
 

@@ -84,6 +84,9 @@ EXAMPLES = [
     P.Bye(peer_id="actor-0"),
     P.Bye(peer_id="actor-0", reason="done"),
     P.Fleet(run_id="r-1", seq=1, actors={"actor-0": {"num_envs": 2, "host": "h"}}),
+    P.Subtree(
+        peer_id="relay-0", seq=3, full=False, actors={"actor-0": {"num_envs": 2, "host": "h", "pid": 7}}, left=["a-1"]
+    ),
 ]
 
 

@@ -4,10 +4,10 @@ pyzmq's ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) answers libz
 thread of its own; a client whose key is not allowed on a socket never gets a message to the broker's Python
 code. Each socket has a ZAP domain, and each domain admits the roles that have business there::
 
-    control       learner, actor, monitor   (hello, heartbeats, status; the hello's role must be the key's)
-    trajectories  actor
+    control       learner, actor, monitor, relay   (hello, heartbeats, status; the hello's role must be the key's)
+    trajectories  actor, relay   (a relay pushes for the actors it reported: broker/subtree.py)
     learners      learner
-    params        actor
+    params        actor, relay
 
 An admitted connection's messages carry the ZAP User-Id ``ROLE:NAME`` of its key (``user_of``); the broker
 binds a member's peer id to that user at hello and checks it on every message after (broker.py), so a
@@ -30,10 +30,10 @@ from zmq.utils.monitor import recv_monitor_message
 from zddrl.keys import KeysError, key_files, server_keys
 
 DOMAINS = {
-    "control": ("learner", "actor", "monitor"),
-    "trajectories": ("actor",),
+    "control": ("learner", "actor", "monitor", "relay"),
+    "trajectories": ("actor", "relay"),
     "learners": ("learner",),
-    "params": ("actor",),
+    "params": ("actor", "relay"),
 }
 """ZAP domain (one per broker socket, named after it) -> the key roles admitted there."""
 HANDSHAKE_EVENTS = (

@@ -48,6 +48,7 @@ from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
 from zddrl.broker.routing import FORWARD_BURST, Router, RunRoute
 from zddrl.broker.sockets import open_sockets
+from zddrl.broker.subtree import Subtrees
 from zddrl.config import BrokerConfig, split_endpoint
 from zddrl.keys import KeysError
 from zddrl.logs import RateLimitedLog
@@ -66,6 +67,8 @@ class Broker:
     """The closed bus's checks (made by ``bind``, where a bad key directory is a ConfigError)."""
     router: Router
     """The data path: trajectories to shards by credit, and its accounting (made by ``bind``)."""
+    ROUTER: type[Router] = Router
+    """The data path's class: a relay's sends upstream instead (relay.UpstreamRouter)."""
 
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None) -> None:
         self.config = config
@@ -103,6 +106,8 @@ class Broker:
         self.handshakes: HandshakeCounter | None = None
         self.limits = Limits()
         """Rates per connection and member caps on the public control port (membership.Limits)."""
+        self.subtrees = Subtrees(self)
+        """The relays below this broker and their actors (broker/subtree.py)."""
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
@@ -114,7 +119,7 @@ class Broker:
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
         self.ports = s.ports
         send_control = partial(self._send_frames, self.control)
-        self.router = Router(
+        self.router = self.ROUTER(
             self.trajectories,
             self.learners,
             self.members,
@@ -180,6 +185,7 @@ class Broker:
                 self._drain(self.control, self._on_control)
             if self.learners in events:
                 self._drain(self.learners, self._on_learner)
+            self._serve_upstream(events)
             if self.trajectories in events or (self.router.credit > 0 and not self._poll_traj):
                 # credit that just came: forward now, not after one more poll
                 self.router.forward(RunRoute(self.run_id, self.policy_version, self._staleness, self._credit_batch))
@@ -201,6 +207,9 @@ class Broker:
                     self.counters["zap_denied"] = self.guard.zap_denied()
                     self._refresh_keys()
                 self._next_beat = now + self.config.heartbeat_interval_s
+
+    def _serve_upstream(self, events: dict) -> None:
+        """A relay's link to its upstream broker (relay.Relay); a root broker has none."""
 
     def _update_trajectory_polling(self) -> None:
         want = self.router.credit > 0
@@ -267,6 +276,8 @@ class Broker:
                 self.publisher.on_heartbeat(member)
         elif isinstance(msg, P.ParamsRequest):
             self.publisher.on_request(member, msg.policy_version)
+        elif isinstance(msg, P.Subtree):
+            self.subtrees.report(member, msg)
         elif isinstance(msg, P.Stats):  # keyed by the sender's identity: msg.peer_id cannot speak for others
             truncated = member.take_stats(msg.stats)
             if truncated:
@@ -292,6 +303,7 @@ class Broker:
             self.run_seal = (msg.run_signer, msg.run_signature)
             self._start_run(msg.run_id, msg.run, staleness_of(msg.run), credit_batch_of(msg.run))
         old = self.members.get(msg.peer_id)
+        kept = self.subtrees.detach(old, msg, user)  # a relay's new session keeps its subtree
         if old is not None:
             self._forget(old)
             if (old.host, old.pid) != (msg.host, msg.pid):  # another process took the id: judge it afresh
@@ -309,16 +321,21 @@ class Broker:
             member.counters = old.counters
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
+        self.subtrees.attach(member, kept)
         if member.role == "learner":
             self.router.add_shard(member)
         elif member.role == "actor":
             self.fleet.joined(member.peer_id, member.num_envs, member.host)
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
+        self._joined(member)
         self._send(self.control, identity, self._welcome(msg.peer_id))
-        if msg.role == "actor":
+        if msg.role in ("actor", "relay"):
             self.publisher.on_join(member)
         elif msg.role == "learner" and member.run_id == self.run_id:
             self._send_fleet(member)  # the last announced one; a change pending follows within FLEET_COALESCE_S
+
+    def _joined(self, member: Member) -> None:
+        """``member`` joined, its welcome goes next (a relay reports its actor upstream first)."""
 
     def _hello_refused(self, identity: bytes, msg: P.Hello, user: str) -> bool:
         """Whether the hello is refused (answered with a reject that says why, counted by reason): over its
@@ -359,7 +376,7 @@ class Broker:
             if shard.run_id != run_id:
                 self.router.set_credit(shard, 0)
         for member in self.members.values():  # actors waiting without a run (or on an old one) get it now
-            if member.role == "actor":
+            if member.role in ("actor", "relay") and not member.relay:
                 self._send(self.control, member.identity, self._welcome(member.peer_id))
 
     def _welcome(self, peer_id: str) -> P.Welcome:
@@ -429,12 +446,13 @@ class Broker:
         beat = P.encode(P.Heartbeat(peer_id="broker", policy_version=self.policy_version))
         for member in list(self.members.values()):
             self.router.return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
-            self._send_frames(self.control, member.identity, beat)
+            if not member.relay:  # a relayed actor's relay gets the one beat
+                self._send_frames(self.control, member.identity, beat)
 
     def _purge_expired(self, now: float) -> None:
         limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
         for member in list(self.members.values()):
-            if now - member.last_seen > limit:
+            if now - member.last_seen > limit and not member.relay:  # relayed ones go with their relay
                 silent = f"silent for {now - member.last_seen:.1f} s"
                 self.log.warning(f"{member.role} {member.peer_id} expired: {silent}")
                 self._remove(member, f"expired: {silent}")
@@ -453,10 +471,12 @@ class Broker:
     def _forget(self, member: Member) -> None:
         """Drop every index of ``member``; a shard's outstanding credit leaves the total with it."""
         self.members.pop(member.peer_id, None)
-        self.by_identity.pop(member.identity, None)
+        if self.by_identity.get(member.identity) is member:  # a relayed actor's identity is its relay's
+            del self.by_identity[member.identity]
         self.router.remove_shard(member)
         if member.role == "actor":
             self.fleet.left(member.peer_id)
+        self.subtrees.forget(member)
 
     def _send(self, sock: zmq.Socket, identity: bytes, msg: P.Message) -> None:
         self._send_frames(sock, identity, P.encode(msg))
@@ -475,6 +495,10 @@ class Broker:
 
     def status(self, page: int = 1) -> dict[str, Any]:
         return broker_status(self, page)
+
+    def upstream_status(self) -> dict[str, Any] | None:
+        """A relay's upstream session (relay.Relay); None at a root broker."""
+        return None
 
     def _on_status(self, identity: bytes, page: int) -> None:
         """The status body, within the rates of membership.Limits; over them, a tiny reject: what a peer that never

@@ -77,6 +77,10 @@ class Member:
     stats: dict[str, Any] = field(default_factory=dict)
     stats_bytes: int = 5
     """Bound of the packed size of ``stats`` (checked_stats): what the member's status row costs, for paging."""
+    relay: str = ""
+    """Actors joined through a relay (broker/subtree.py): the relay's peer id. Such a member's ``identity`` and
+    ``user`` are its relay's (credit goes back to the relay, and only the relay's key may send for it); it gets no
+    heartbeats or snapshots of its own and expires with its relay or its relay's report. "" for direct members."""
 
     def take_stats(self, stats: dict) -> str:
         """Keep ``stats`` (checked_stats; ProtocolError if refused); returns what was dropped, for the log, or ""."""
@@ -106,6 +110,7 @@ class Member:
             "policy_version": self.policy_version,
             "last_seen_s": round(now - self.last_seen, 3),
             "credit": self.credit,
+            **({"relay": self.relay} if self.relay else {}),
             **self.counters,
             "stats": self.stats,
         }
@@ -131,7 +136,7 @@ HELLO_BURST = 5
 LIMITED_IDENTITIES = 16384
 """Connections whose rate-limit buckets are kept (least recently seen forgotten first): a peer that cycles
 through more connections than this starts each with a full bucket, which the totals above still bound."""
-MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64}
+MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64, "relay": 256}
 """Members of each role at most; a hello past the cap is refused (``hello_over_cap``). Every member costs a row
 in the status pages, fleet entries, heartbeats and health tracks."""
 MAX_ACTORS_PER_HOST = 1024

@@ -106,7 +106,8 @@ class Publisher:
     def on_heartbeat(self, actor: Member) -> None:
         """An actor whose heartbeat reports an older version than the cached one (it missed a PUB) gets the
         cached version directly, at most once per heartbeat interval."""
-        if actor.role != "actor" or not self.cache.messages or actor.policy_version >= self.cache.version:
+        cache = self.cache
+        if actor.role not in ("actor", "relay") or not cache.messages or actor.policy_version >= cache.version:
             return
         now = time.monotonic()
         if now - actor.last_snapshot < self.interval_s:
@@ -122,7 +123,7 @@ class Publisher:
         said: the snapshot goes out if the cached version is newer, unless this actor was sent that same
         version less than PARAMS_REQUEST_MIN_INTERVAL_S ago (counted as params_request_limited)."""
         self.counters["params_requests"] += 1
-        if actor.role != "actor" or not self.cache.messages or held >= self.cache.version:
+        if actor.role not in ("actor", "relay") or not self.cache.messages or held >= self.cache.version:
             return
         now = time.monotonic()
         if actor.snapshot_version == self.cache.version and now - actor.last_snapshot < PARAMS_REQUEST_MIN_INTERVAL_S:

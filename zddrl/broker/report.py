@@ -50,6 +50,7 @@ BROKER_COUNTERS = (
     "hello_limited",
     "hello_over_cap",
     "stats_truncated",
+    "relayed_refused",
 )
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
 PAGE_MEMBERS = 500
@@ -70,7 +71,7 @@ MAX_STATUS_BYTES = 768 << 10
 messages name at most three peer ids and a stats string), 20 departures (membership.DEPARTURES_KEPT, reasons
 of at most membership.DEPARTURE_REASON_CHARS: under 136 KiB) and one page (PAGE_ROW_BYTES): under 730 KiB, which
 leaves room under the protocol's MAX_HEADER_BYTES (1 MiB)."""
-ROLE_ORDER = {"learner": 0, "monitor": 1, "actor": 2}
+ROLE_ORDER = {"learner": 0, "relay": 1, "monitor": 1, "actor": 2}
 """Page order: learners first, so that page 1 carries the run's figures (the main learner's stats)."""
 RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
 """Trajectory messages and bytes per second in and out, over the last heartbeat interval."""
@@ -152,6 +153,8 @@ def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
             "accounted": c["received"] == c["forwarded"] + dropped + b.router.in_flight,
+            "accounted_subtree": c["received"] == c["forwarded"] + dropped + b.router.in_flight
+            and b.subtrees.accounted(),
             "credit": b.router.credit,
             "fleet_seq": b.fleet.seq,
             "fleet_actors": len(b.fleet.actors),
@@ -162,6 +165,8 @@ def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
             "health_by_check": health,
             "page": page,
             "pages": pages,
+            "relays": b.subtrees.status(),
+            "upstream": b.upstream_status(),
         },
         "members": {m.peer_id: {**m.row(now), "warnings": b.health.count_of(m.peer_id)} for m in rows},
         "health": b.health.rows(now, HEALTH_ROWS_LISTED),

@@ -172,15 +172,24 @@ class Router:
             return None
         # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
         # The staleness bound was read (and checked) once, from the run spec in the learner's hello.
+        if actor is not None and actor.relay:  # what this broker read of the relay, beside what the relay reports
+            relay = self.members.get(actor.relay)
+            if relay is not None:
+                relay.count(nbytes)
         reason, why = trajectory_refusal(msg, run.run_id, run.latest, run.staleness)
         if reason:
             self.drop(reason, actor, why)
             return actor
+        self._deliver(frames, nbytes, actor, msg["env_steps"])
+        return actor
+
+    def _deliver(self, frames: Sequence[Any], nbytes: int, actor: Member | None, env_steps: int) -> None:
+        """Send an admitted trajectory to the shard with the most credit, or drop it (``no_route``)."""
         while True:
             shard = max(self.shards.values(), key=_CREDIT, default=None)
             if shard is None or shard.credit <= 0:
                 self.drop("no_route", actor, "dropped a trajectory: no learner shard can take it")
-                return actor
+                return
             try:
                 send_frames(self.learners, frames, prefix=shard.data_id)
             except zmq.ZMQError as exc:  # the shard went away between credit and send
@@ -190,13 +199,17 @@ class Router:
                 self.set_credit(shard, 0)
                 continue
             self.set_credit(shard, shard.credit - 1)
-            self._decided += 1
             shard.count(nbytes)
-            self.counters["forwarded"] += 1
-            self.counters["bytes_out"] += nbytes
-            if actor is not None:
-                actor.count(nbytes, msg["env_steps"])
-            return actor
+            self.forwarded(nbytes, actor, env_steps)
+            return
+
+    def forwarded(self, nbytes: int, actor: Member | None, env_steps: int) -> None:
+        """Count one trajectory sent on (to a shard, or upstream by a relay)."""
+        self._decided += 1
+        self.counters["forwarded"] += 1
+        self.counters["bytes_out"] += nbytes
+        if actor is not None:
+            actor.count(nbytes, env_steps)
 
     def joined_actor(self, peer_id: str | None, user: str | None = None) -> Member | None:
         """The actor member ``peer_id`` (if ``user`` is given: only if it joined with that key)."""

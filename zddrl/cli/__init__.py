@@ -79,9 +79,26 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     help="Allow a non-loopback --bind without --keys: anyone who reaches the ports can join, inject, read and "
     "exhaust the bus (docs/security.md).",
 )
-def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file, keys_dir, insecure) -> None:
-    """Run the broker: routes trajectories to learners and parameters to actors."""
+@click.option(
+    "--upstream",
+    envvar="ZDDRL_UPSTREAM",
+    default=None,
+    help="Run as a relay under the broker at tcp://ROOT:PORT (or a fallback list A,B): its actors' trajectories go "
+    "there with credit end to end, parameters come from there (docs/architecture.md).  [default: profile's, else "
+    "none: a root broker]",
+)
+@click.option(
+    "--upstream-window",
+    type=int,
+    default=None,
+    help="Relay: trajectories pushed upstream and unacknowledged at most (0 = 2 x the actors' windows).",
+)
+def broker(
+    bind, profile, trajectory_port, learner_port, params_port, ready_file, keys_dir, insecure, upstream, upstream_window
+) -> None:
+    """Run the broker (or, with --upstream, a relay): routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
+    from zddrl.broker.relay import Relay, RelayRefused
     from zddrl.broker.sockets import BindError
 
     try:
@@ -94,12 +111,14 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
                 "params_port": params_port,
                 "keys": keys_dir,
                 "insecure": insecure,
+                "upstream": upstream,
+                "upstream_window": upstream_window,
             },
         )
+        b = Relay(config, credentials=relay_credentials(config)) if config.upstream else Broker(config)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()
-    b = Broker(config)
     try:
         try:
             ports = b.bind()
@@ -107,9 +126,17 @@ def broker(bind, profile, trajectory_port, learner_port, params_port, ready_file
             raise click.ClickException(str(exc)) from None
         if ready_file:
             Path(ready_file).write_text(json.dumps(ports))
-        b.run(stop)
+        try:
+            b.run(stop)
+        except RelayRefused as exc:
+            raise click.ClickException(str(exc)) from None
     finally:
         b.close()
+
+
+def relay_credentials(config):
+    """A relay's client keys towards its upstream (role ``relay`` in its --keys directory), None on an open bus."""
+    return _credentials(config.keys, "relay", None) if config.keys else None
 
 
 @main.command()

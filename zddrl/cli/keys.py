@@ -17,7 +17,7 @@ def keys() -> None:
 
 
 @keys.command("new")
-@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor"]))
+@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor", "relay"]))
 @click.argument("name")
 @click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
 def keys_new(role, name, keys_dir) -> None:

@@ -111,6 +111,7 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
         roles = ", ".join(f"{n} {role}" for role, n in b["members_by_role"].items() if n)
         page = f"  page {b['page']} of {b['pages']} (--page N)" if b["pages"] > 1 or b["page"] > 1 else ""
         lines.append(f"members {b['members_total']} ({roles or 'none'}) on {b['hosts_total']} hosts{page}")
+    lines += tree_lines(b)
     learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
     learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
     if learner:
@@ -127,6 +128,30 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
                 f"replay: {learner['replay_size']} transitions, fill {100 * learner.get('replay_fill', 0):.0f}%, "
                 f"{learner.get('replay_bytes', 0) / 1e6:.1f} MB, {learner.get('grad_steps_total', 0)} gradient steps"
             )
+    return lines
+
+
+def tree_lines(b: dict[str, Any]) -> list[str]:
+    """A tree of brokers: this broker's upstream (a relay), and the relays below it with their accounting."""
+    lines = []
+    up = b.get("upstream")
+    if up:
+        state = "welcomed" if up["welcomed"] else "NOT CONNECTED"
+        lines.append(
+            f"relay {up['peer_id']} -> upstream {up['connect']} ({state}): in flight {up['in_flight']} of window "
+            f"{up['window']}, acked {up['acked_total']}, lost {up['lost']}, sessions {up['sessions']}"
+        )
+    for peer, r in (b.get("relays") or {}).items():
+        dropped = sum(r["dropped"].values())
+        lines.append(
+            f"  relay {peer}: {r['actors']} actors; received {r['received']} = forwarded {r['forwarded']} + dropped "
+            f"{dropped} + in flight {r['in_flight']}; forwarded = acked {r['upstream_acked']} + in flight "
+            f"{r['upstream_in_flight']} + lost {r['upstream_lost']}; read here {r['read_here']}; health warnings "
+            f"{r['counters'].get('health_warnings', 0)} (zddrl status at the relay lists them)"
+            f"  [{'ok' if r['accounted'] else 'MISMATCH'}]"
+        )
+    if b.get("relays"):
+        lines.append(f"whole tree accounted: {'ok' if b.get('accounted_subtree') else 'MISMATCH'}")
     return lines
 
 
@@ -171,7 +196,7 @@ def member_rows(body: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 peer,
-                m["role"],
+                f"{m['role']} via {m['relay']}" if m.get("relay") else m["role"],
                 f"{m['host']}:{m['pid']}",
                 str(envs),
                 str(version),

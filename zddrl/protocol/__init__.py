@@ -68,6 +68,7 @@ from zddrl.protocol.messages import (  # noqa: F401  (part of this package's int
     Stats,
     Status,
     StatusRequest,
+    Subtree,
     Trajectory,
     Welcome,
 )
@@ -90,6 +91,7 @@ from zddrl.protocol.rules import (  # noqa: F401
     check_fleet,
     check_hello,
     check_params,
+    check_subtree,
     check_trajectory,
     check_trajectory_layout,
     check_welcome,
@@ -319,6 +321,7 @@ _CHECKS = {
     ParamChunk: check_chunk,
     Trajectory: check_trajectory,
     Fleet: check_fleet,
+    Subtree: check_subtree,
 }
 _LAYOUT_RULES: dict[type[Message], Callable[[Layout], None]] = {Trajectory: check_trajectory_layout}
 _FAST = {

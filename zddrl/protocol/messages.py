@@ -10,8 +10,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-ROLES = ("actor", "learner", "monitor")
-"""A hello's ``role``."""
+ROLES = ("actor", "learner", "monitor", "relay")
+"""A hello's ``role``. A relay is a broker that joins another (its upstream) on behalf of its own actors."""
 REFUSED_PREFIX = "hello refused: "
 """Start of a reject's reason when the broker will not take this client at all (no retry)."""
 CRASH_PREFIX = "crashed: "
@@ -36,7 +36,7 @@ class Hello(Message):
     """Client -> broker control socket: join. Learners also announce the run they own."""
 
     KIND: ClassVar[str] = "hello"
-    role: str  # "actor" | "learner" | "monitor"
+    role: str  # "actor" | "learner" | "monitor" | "relay"
     peer_id: str
     host: str = ""
     pid: int = 0
@@ -222,6 +222,29 @@ class Fleet(Message):
 
 
 @dataclass(frozen=True)
+class Subtree(Message):
+    """Relay -> its upstream broker, control: the actors joined to the relay and the relay's counters.
+
+    ``actors`` maps a peer id to ``{"num_envs": int, "host": str, "pid": int}`` (its hello's figures). With
+    ``full`` it is the relay's whole subtree (the upstream forgets the relay's actors it does not name);
+    without, it names actors that joined since the last report and ``left`` those that left. ``counters`` is
+    the relay's trajectory accounting (received, forwarded, in_flight, dropped_<reason>, ...), for status.
+    A relay sends a delta naming an actor before it welcomes that actor, and a full report after each welcome
+    from upstream and every heartbeat interval (docs/protocol.md section 5.8).
+    """
+
+    KIND: ClassVar[str] = "subtree"
+    peer_id: str
+    seq: int
+    full: bool
+    actors: dict
+    left: list = field(default_factory=list)
+    counters: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    """Full reports: each actor's policy version as its last heartbeat to the relay said (for status upstream)."""
+
+
+@dataclass(frozen=True)
 class Bye(Message):
     """Client -> broker control: I am leaving on purpose (no expiry needed)."""
 
@@ -246,6 +269,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         StatusRequest,
         Status,
         Fleet,
+        Subtree,
         Bye,
     )
 }

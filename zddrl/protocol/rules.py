@@ -71,6 +71,33 @@ def check_fleet(fields: dict[str, Any]) -> None:
             )
 
 
+MAX_PID = (1 << 31) - 1
+"""Largest pid a subtree entry may carry."""
+
+
+def check_subtree(fields: dict[str, Any]) -> None:
+    """``seq`` >= 0; every ``actors`` value is exactly ``{"num_envs", "host", "pid"}`` within the hello's bounds
+    (an id of 1..MAX_ID_BYTES, a host of MAX_HOST_BYTES); ``left`` holds peer ids; ``counters`` are ints >= 0."""
+    if fields["seq"] < 0:
+        raise ProtocolError(f"subtree: seq must be >= 0, got {fields['seq']}")
+    for peer_id, entry in fields["actors"].items():
+        if not 0 < len(peer_id.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES:
+            raise ProtocolError(f"subtree: peer id {peer_id[:40]!r} must be 1..{MAX_ID_BYTES} bytes of UTF-8")
+        if type(entry) is not dict or set(entry) != {"num_envs", "host", "pid"}:
+            raise ProtocolError(f"subtree: actor {peer_id!r} must map to {{num_envs, host, pid}}")
+        num_envs, host, pid = entry["num_envs"], entry["host"], entry["pid"]
+        if not (_is_int(num_envs, 0, MAX_NUM_ENVS) and _is_int(pid, 0, MAX_PID) and type(host) is str):
+            raise ProtocolError(f"subtree: actor {peer_id!r}: num_envs, pid must be ints in range, host a str")
+        if len(host.encode("utf-8", "surrogatepass")) > MAX_HOST_BYTES:
+            raise ProtocolError(f"subtree: actor {peer_id!r}: host must be at most {MAX_HOST_BYTES} bytes")
+    if not all(type(p) is str for p in fields["left"]):
+        raise ProtocolError("subtree: left must be a list of peer ids")
+    if not all(_is_int(v, 0) for v in fields["counters"].values()):
+        raise ProtocolError("subtree: counters must be ints >= 0")
+    if not all(_is_int(v, -1) for v in fields["versions"].values()):
+        raise ProtocolError("subtree: versions must be ints >= -1")
+
+
 def _is_int(value: Any, lo: int, hi: int | None = None) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
 
