@@ -389,17 +389,7 @@ class ActorHost:
                 if params is None or policy is None or (config.algo.mode == "sync" and refused > params.policy_version):
                     continue  # nothing usable yet; sync mode samples only with the newest version (wait for one)
                 T = rollout_len(params, config)
-                t0 = time.monotonic()
-                rollout = collect(vec, policy, rng, T, self.slowdown)
-                self.timers.step_s += time.monotonic() - t0
-                if rollout.nonfinite_episodes:
-                    self.timers.nonfinite_episodes += rollout.nonfinite_episodes
-                    self._ratelog.warning(
-                        "nonfinite_return",
-                        f"{config.env.id} ended an episode with a non-finite "
-                        "return (a NaN or infinite reward): the learner drops the rollouts that "
-                        "carry one",
-                    )
+                rollout = self._collect(vec, policy, rng, T, config.env.id)
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     self._report(link, run_id, params, num_envs, first_obs)
@@ -407,6 +397,20 @@ class ActorHost:
         finally:
             push.close(linger=0)
             vec.close()
+
+    def _collect(self, vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
+        """One rollout (``collect``), timed; an env's non-finite episode return is said once per interval."""
+        t0 = time.monotonic()
+        rollout = collect(vec, policy, rng, T, self.slowdown)
+        self.timers.step_s += time.monotonic() - t0
+        if rollout.nonfinite_episodes:
+            self.timers.nonfinite_episodes += rollout.nonfinite_episodes
+            self._ratelog.warning(
+                "nonfinite_return",
+                f"{env_id} ended an episode with a non-finite return (a NaN or infinite reward): the learner drops "
+                "the rollouts that carry one",
+            )
+        return rollout
 
     def _report(self, link: BrokerLink, run_id: str, params: P.Parameters, num_envs: int, first_obs: str) -> None:
         """Stats for `zddrl status` and the broker's health checks; repeated warnings held back so far go out too."""
