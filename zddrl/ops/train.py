@@ -138,6 +138,8 @@ def _start(
     slowdowns = config.train.slowdowns
     for i in range(config.train.actors):
         slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
+        if config.train.env_latency_ms > 0:
+            slow += ["--env-latency-ms", repr(config.train.env_latency_ms)]
         # The env id comes from the user's own config, so these actors may build it (a module:callable too).
         allow = ["--allow-env", config.env.id]
         procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys])
@@ -221,6 +223,11 @@ def run_training(
     summary["wall_s_command"] = round(time.time() - t0, 3)
     summary["run_dir"] = str(run_dir)
     summary["learner_restarts"] = budget.used
+    logger.info(
+        f"whole command {summary['wall_s_command']:.2f} s: first trajectory at {summary.get('wall_s_first_trajectory')} s, "
+        f"first update at {summary.get('wall_s_first_update')} s, target "
+        + (f"at {summary['wall_s_to_target']} s" if summary.get("reached") else "not reached")
+    )
     return summary
 
 
