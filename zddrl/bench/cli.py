@@ -16,7 +16,7 @@ from zddrl.bench.train import train
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: bus, codec, fleet, sample, scale, train, learner, replay. Each prints a table, or JSON with --json."""
+    """Benchmarks: bus, codec, fleet, sample, scale, train, learner, replay (a table, or JSON with --json)."""
 
 
 bench.add_command(bus)

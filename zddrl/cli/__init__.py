@@ -332,6 +332,7 @@ def train(
                 "learner.gpus": gpus,
             },
         ),
+        check_env=False,  # run_training probes the env once the learner has started (start-up: issue 16)
     )
     _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure)
