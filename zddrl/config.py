@@ -117,7 +117,8 @@ class AlgoConfig:
     total_steps: int = 100_000
     """Horizon of the linear schedules, in env steps trained on."""
     straggler_factor: float = 3.0
-    """Sync mode: a round closes without the actors that take longer than this times the median actor."""
+    """Sync mode: a round closes without the actors that take longer than this times the normal round (the median
+    time of recent rounds that every actor they waited for reported to in time)."""
     min_round_timeout_s: float = 0.05
     """Sync mode: never close a round on the straggler rule sooner than this."""
     max_staleness: int = 4
@@ -184,6 +185,10 @@ class TrainConfig:
     """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
+    actor_nice: int = 5
+    """Niceness `zddrl train` adds to its actor processes, so that on a host with fewer cores than processes the
+    learner, the critical path (its start-up, every update), is served first: with 16 actors on 2 cores the
+    learner's start-up took 41 s at equal shares (0: equal shares; no effect while cores are free)."""
     env_latency_ms: float = 0.0
     """Benchmark knob: every actor's env steps each sleep this long first (``zddrl actor --env-latency-ms``), as a
     remote or slow simulator would; the scaling curve (``zddrl bench scale``) is measured with it."""
@@ -196,6 +201,7 @@ class TrainConfig:
         _require(self.actors >= 1, "train.actors must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0 (0: a learner that dies ends the run)")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
+        _require(0 <= self.actor_nice <= 19, "train.actor_nice must be in 0..19 (a niceness added to the actors)")
         _require(self.env_latency_ms >= 0, "train.env_latency_ms must be >= 0 (0: envs run at their own speed)")
         _require(
             self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,

@@ -61,7 +61,7 @@ def test_train_command_sets_the_point() -> None:
         "train.actors=8",
         "env.num_envs=2",
         "train.env_latency_ms=3.0",
-        "train.max_seconds=20.0",
+        f"train.max_seconds={20.0 + S.START_UP_BACKSTOP_S}",
         "algo.lr=1e-4",
     ):
         assert part in text
@@ -88,7 +88,7 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     50 env steps/s), and the second actor adds throughput."""
     png = tmp_path / "scale.png"
     cmd = [sys.executable, "-m", "zddrl", "bench", "scale", "--json", "--modes", "impala", "--actors", "1,2"]
-    cmd += ["--env-latency-ms", "20", "--seconds", "10", "--plot", str(png), "--set", "env.rollout_len=16"]
+    cmd += ["--env-latency-ms", "20", "--seconds", "6", "--plot", str(png), "--set", "env.rollout_len=16"]
     cmd += ["--set", "algo.batch_size=32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +60,12 @@ class LocalProcesses:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], banner: str = "", own_group: bool = False) -> subprocess.Popen:
+    def start(
+        self, name: str, args: list[str], banner: str = "", own_group: bool = False, nice: int = 0
+    ) -> subprocess.Popen:
         """Start ``zddrl *args`` as ``name``; with a ``banner`` (a restart), its log goes on after that line;
-        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py)."""
+        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py); ``nice``:
+        added to its niceness (``train.actor_nice``)."""
         log = open(self.log_dir / f"{name}.log", "a" if banner else "w")
         if banner:
             log.write(f"\n---- {time.strftime('%H:%M:%S')} {banner} ----\n")
@@ -71,7 +76,7 @@ class LocalProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=own_group_dying_with_parent if own_group else die_with_parent,
+            preexec_fn=own_group_dying_with_parent if own_group else partial(_nice_dying_with_parent, nice),
         )
         log.close()
         self.procs[name] = proc
@@ -88,6 +93,12 @@ class LocalProcesses:
 
     def stop(self) -> None:
         stop_processes(self.procs, SHUTDOWN_GRACE_S)
+
+
+def _nice_dying_with_parent(nice: int) -> None:
+    die_with_parent()
+    if nice:
+        os.nice(nice)
 
 
 def _last_row(metrics: Path) -> dict[str, str] | None:
@@ -179,7 +190,8 @@ def _start(
             slow += ["--env-latency-ms", repr(config.train.env_latency_ms)]
         # The env id comes from the user's own config, so these actors may build it (a module:callable too).
         allow = ["--allow-env", config.env.id]
-        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys])
+        actor = ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys]
+        procs.start(f"actor-{i}", actor, nice=config.train.actor_nice)
     return learner
 
 
