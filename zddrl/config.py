@@ -117,8 +117,7 @@ class AlgoConfig:
     total_steps: int = 100_000
     """Horizon of the linear schedules, in env steps trained on."""
     straggler_factor: float = 3.0
-    """Sync mode: a round closes without the actors that take longer than this times the normal round (the median
-    time of recent rounds that every actor they waited for reported to in time)."""
+    """Sync mode: a round closes without the actors that take longer than this times the median actor."""
     min_round_timeout_s: float = 0.05
     """Sync mode: never close a round on the straggler rule sooner than this."""
     max_staleness: int = 4

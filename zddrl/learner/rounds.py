@@ -2,8 +2,7 @@
 
 Sync: a round collects trajectories of the current version v until the batch is full
 (``algo.batch_size`` env steps summed over actors), every expected actor has reported, or the round has
-taken more than ``straggler_factor`` times the normal round (the median time recent rounds took when every actor
-they waited for reported in time: the design's "> 3x the normal round time"); late data for a closed
+taken more than ``straggler_factor`` times the median time actors take to report; late data for a closed
 version is dropped and counted, never trained on. An actor whose rollout of version v the run cannot use
 has answered all the same (waiting for it would end the round by the straggler rule at best, and never if
 no rollout was usable).
@@ -35,7 +34,7 @@ from zddrl.learner.poll import Polled, ShardPoller
 FIRST_ROUNDS_TIMEOUT_S = 10.0
 """Straggler timeout until three rounds give a median to scale."""
 MEDIAN_WINDOW = 50
-"""Recent complete rounds the straggler timeout takes its median over."""
+"""Recent actor report times the straggler timeout takes its median over."""
 
 
 class CollectedBatch(NamedTuple):
@@ -78,18 +77,14 @@ class SyncRounds:
     ) -> None:
         self.poller, self.algo, self.log = poller, algo, log
         self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
-        self.round_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
-        """Seconds each recent round took that every actor it waited for reported to in time (main shard).
-
-        Not each actor's report time: with many actors on few cores the actors report one after another, the last
-        about twice as late as the median one, so a timeout scaled from the median actor closed rounds on the
-        ordinary last reports, dropped their data (env steps spent for nothing) and trained on part of a batch."""
+        self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
+        """Seconds from a round's start to each actor's in-time report, over recent rounds (main shard)."""
 
     def timeout_s(self) -> float:
-        """``straggler_factor`` x the normal round time (floored); generous until three rounds are known."""
-        if len(self.round_times) < 3:
+        """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
+        if len(self.report_times) < 3:
             return FIRST_ROUNDS_TIMEOUT_S
-        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.round_times))
+        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.report_times))
 
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
         started = time.monotonic()
@@ -121,6 +116,8 @@ class SyncRounds:
                 if r.used:
                     steps += r.env_steps
                     reported.add(r.peer_id)
+                    if fleet is not None:
+                        self.report_times.append(time.monotonic() - started)
                 elif self.ledger is not None:
                     if fleet is not None and version - r.policy_version <= 1:
                         fleet.back_in_quota(r.peer_id)  # missed the round by less than one update: wait for it again
@@ -143,8 +140,6 @@ class SyncRounds:
                     f"{version + 1} keeps the weights so that the actors sample again"
                 )
             fleet.round_closed(expected, reported | unusable, by_timeout)
-            if steps and not by_timeout and expected <= reported:
-                self.round_times.append(round_s)  # a normal round: everyone it waited for in time
         return CollectedBatch(batch, round_s, len(reported))
 
 
