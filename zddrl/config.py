@@ -186,8 +186,8 @@ class TrainConfig:
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
     actor_nice: int = 5
     """Niceness `zddrl train` adds to its actor processes, so that on a host with fewer cores than processes the
-    learner, the critical path (its start-up, every update), is served first: with 16 actors on 2 cores the
-    learner's start-up took 41 s at equal shares (0: equal shares; no effect while cores are free)."""
+    learner, the critical path (its start-up, every update), is served first (0: equal shares; no effect while cores
+    are free)."""
     env_latency_ms: float = 0.0
     """Benchmark knob: every actor's env steps each sleep this long first (``zddrl actor --env-latency-ms``), as a
     remote or slow simulator would; the scaling curve (``zddrl bench scale``) is measured with it."""
