@@ -80,11 +80,16 @@ def _first_update_seen(metrics: Path) -> bool:
         return False
 
 
+def _stderr_path(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + ".stderr")
+
+
 def _run_window(cmd: list[str], run_dir: Path, seconds: float) -> tuple[int | None, float]:
     """Run ``cmd`` until it ends by itself (target reached) or ``seconds`` after its first update, then stop it as
     Ctrl-C would (the learner still writes its summary); returns its exit code (None: killed) and wall seconds."""
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    with open(_stderr_path(run_dir), "wb") as err:  # a file, not a pipe nobody reads until the end (it could fill)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
     deadline = t0 + seconds + START_UP_BACKSTOP_S + RUN_GRACE_S
     first_at: float | None = None
     try:
@@ -109,7 +114,8 @@ def run_point(config: Path, mode: str, actors: int, args: dict[str, Any], run_di
     try:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
-        return {"mode": mode, "actors": actors, "error": f"no summary (exit code {code}); see {run_dir}/logs"}
+        tail = _stderr_path(run_dir).read_text(errors="replace")[-500:] if _stderr_path(run_dir).exists() else ""
+        return {"mode": mode, "actors": actors, "error": f"no summary (exit code {code}): {tail}"}
     return {
         "mode": mode,
         "actors": actors,
