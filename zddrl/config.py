@@ -274,6 +274,13 @@ class TrainConfig:
     """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
+    actor_nice: int = 5
+    """Niceness `zddrl train` adds to its actor processes, so that on a host with fewer cores than processes the
+    learner, the critical path (its start-up, every update), is served first (0: equal shares; no effect while cores
+    are free)."""
+    env_latency_ms: float = 0.0
+    """Benchmark knob: every actor's env steps each sleep this long first (``zddrl actor --env-latency-ms``), as a
+    remote or slow simulator would; the scaling curve (``zddrl bench scale``) is measured with it."""
     max_restarts: int = 3
     """`zddrl train` restarts a learner (or shard group) that dies unexpectedly at most this many times, with
     back-off, from the newest checkpoint (afresh if there is none yet); then the run fails (0: never restart)."""
@@ -283,6 +290,8 @@ class TrainConfig:
         _require(self.actors >= 1, "train.actors must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0 (0: a learner that dies ends the run)")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
+        _require(0 <= self.actor_nice <= 19, "train.actor_nice must be in 0..19 (a niceness added to the actors)")
+        _require(self.env_latency_ms >= 0, "train.env_latency_ms must be >= 0 (0: envs run at their own speed)")
         _require(
             self.checkpoint_every >= 0 and self.checkpoint_every_s > 0 and self.keep_checkpoints >= 1,
             "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1",

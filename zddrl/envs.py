@@ -12,6 +12,7 @@ import nothing that is not already installed and registered here.
 from __future__ import annotations
 
 import importlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,6 +136,27 @@ def _with_limit(env: gym.Env, max_episode_steps: int) -> gym.Env:
     if not isinstance(env, gym.Env):
         raise EnvError(f"env factory returned {type(env).__name__}, not a gymnasium.Env")
     return gym.wrappers.TimeLimit(env, max_episode_steps) if max_episode_steps else env
+
+
+class EnvLatency(gym.Wrapper):
+    """Benchmark knob (``train.env_latency_ms``): every ``step`` sleeps ``latency_ms`` first, as a remote or slow
+    simulator would take that long to answer. Sleeping, not spinning, so that on a small host the latency of many
+    actors overlaps as a remote simulator's would, and the CPU stays free for the rest of the system."""
+
+    def __init__(self, env: gym.Env, latency_ms: float) -> None:
+        super().__init__(env)
+        self.latency_s = latency_ms / 1000.0
+
+    def step(self, action: Any) -> Any:
+        time.sleep(self.latency_s)
+        return self.env.step(action)
+
+
+def with_latency(make: Callable[[], gym.Env], latency_ms: float) -> Callable[[], gym.Env]:
+    """``make`` with every env wrapped in ``EnvLatency`` (``make`` itself when ``latency_ms`` is 0)."""
+    if latency_ms <= 0:
+        return make
+    return lambda: EnvLatency(make(), latency_ms)
 
 
 def env_spec(env: gym.Env) -> EnvSpec:

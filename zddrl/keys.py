@@ -26,12 +26,14 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import zmq.auth
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+if TYPE_CHECKING:
+    # ``cryptography`` is imported where a key is made, read or checked (~50-115 ms per process): every actor,
+    # broker and learner imports this module, and only those of a closed bus use it (start-up, issue 16).
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 KEY_ROLES = ("broker", "learner", "actor", "monitor", "relay")
 """The roles a key can be made for (``zddrl keys new ROLE NAME``)."""
@@ -144,6 +146,9 @@ def new_key(root: Path | str, role: str, name: str) -> list[Path]:
 
 
 def _new_signing_pair(where: Path, name: str) -> list[Path]:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private = Ed25519PrivateKey.generate()
     secret_path, public_path = where / f"{name}{SIGN_SECRET}", where / f"{name}{SIGN_PUBLIC}"
     pem = private.private_bytes(
@@ -244,6 +249,9 @@ def server_keys(root: Path | str) -> ServerKeys:
 
 def signing_key(root: Path | str, name: str | None = None) -> tuple[str, Ed25519PrivateKey]:
     """A learner's Ed25519 secret key (name, key): it signs parameter versions and run specs."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     path = _only(root, "learner", name, SIGN_SECRET)
     try:
         key = serialization.load_pem_private_key(path.read_bytes(), password=None)
@@ -256,6 +264,9 @@ def signing_key(root: Path | str, name: str | None = None) -> tuple[str, Ed25519
 
 def pinned_learners(root: Path | str) -> dict[str, Ed25519PublicKey]:
     """The learners' Ed25519 public keys by name: the only signers whose parameters and runs are accepted."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     out = {}
     for path in sorted(folder(root, "learner").glob(f"*{SIGN_PUBLIC}")):
         try:
@@ -274,6 +285,8 @@ def sign(key: Ed25519PrivateKey, payload: bytes) -> bytes:
 
 def verified(pins: dict[str, Ed25519PublicKey], signer: str, payload: bytes, signature: bytes) -> bool:
     """Whether ``signature`` over ``payload`` is ``signer``'s, and ``signer`` is pinned here."""
+    from cryptography.exceptions import InvalidSignature
+
     key = pins.get(signer)
     if key is None:
         return False

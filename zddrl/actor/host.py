@@ -28,7 +28,7 @@ from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import Policy, actor_critic_policy
 from zddrl.actor.trust import joinable
 from zddrl.config import Config
-from zddrl.envs import EnvSpec, VecEnv, make_factory
+from zddrl.envs import EnvSpec, VecEnv, make_factory, with_latency
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -272,6 +272,7 @@ class ActorHost:
         *,
         peer_id: str | None = None,
         slowdown: float = 1.0,
+        env_latency_ms: float = 0.0,
         max_steps: int | None = None,
         context: zmq.Context | None = None,
         allow_envs: frozenset[str] = frozenset(),
@@ -287,6 +288,8 @@ class ActorHost:
         self.num_envs = num_envs
         self.peer_id = peer_id or f"actor-{actor_id}"
         self.slowdown = slowdown
+        self.env_latency_ms = env_latency_ms
+        """Benchmark knob: each env step sleeps this long first (envs.EnvLatency)."""
         self.max_steps = max_steps
         self.ctx = context or zmq.Context.instance()
         self.log = logger.bind(role="actor", peer=self.peer_id)
@@ -348,7 +351,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = VecEnv(make_factory(config.env, self.allow_envs), seeds)
+        vec = VecEnv(with_latency(make_factory(config.env, self.allow_envs), self.env_latency_ms), seeds)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(

@@ -11,12 +11,13 @@ from zddrl.bench.fleet import fleet
 from zddrl.bench.learner import learner
 from zddrl.bench.replay import replay
 from zddrl.bench.sample import sample
+from zddrl.bench.scale import scale
 from zddrl.bench.train import train
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: actor, bus, codec, fleet, sample, train, learner, replay; each prints a table (or --json)."""
+    """Benchmarks: actor, bus, codec, fleet, sample, scale, train, learner, replay (a table, or JSON with --json)."""
 
 
 bench.add_command(actor)
@@ -26,4 +27,5 @@ bench.add_command(fleet)
 bench.add_command(learner)
 bench.add_command(replay)
 bench.add_command(sample)
+bench.add_command(scale)
 bench.add_command(train)

@@ -23,16 +23,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
 from zddrl.transport.params import FrameCache, Verify
+
+if TYPE_CHECKING:  # cryptography is imported only where a key is used (zddrl.keys)
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 PARAMS_REQUEST_MIN_INTERVAL_S = 0.25
 """A params_request is not answered with a version the broker sent the same actor less than this long ago

@@ -150,6 +150,13 @@ def relay_credentials(config):
     show_default=True,
     help="Testing knob: make this host FACTOR times slower per env step.",
 )
+@click.option(
+    "--env-latency-ms",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="Benchmark knob: every env step sleeps this long first, as a remote or slow simulator would.",
+)
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
 @click.option(
     "--allow-env",
@@ -162,7 +169,7 @@ def relay_credentials(config):
 )
 @keys_option
 @key_option
-def actor(connect, envs, actor_id, slowdown, max_steps, allow_env, keys_dir, key_name) -> None:
+def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_env, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
 
@@ -172,7 +179,14 @@ def actor(connect, envs, actor_id, slowdown, max_steps, allow_env, keys_dir, key
     creds = _credentials(keys_dir, "actor", key_name)
     try:
         ActorHost(
-            connect, actor_id, envs, slowdown=slowdown, max_steps=max_steps, allow_envs=allowed, credentials=creds
+            connect,
+            actor_id,
+            envs,
+            slowdown=slowdown,
+            env_latency_ms=env_latency_ms,
+            max_steps=max_steps,
+            allow_envs=allowed,
+            credentials=creds,
         ).run(stop_on_signals())
     except Refused as exc:
         raise click.ClickException(str(exc)) from None
@@ -345,6 +359,7 @@ def train(
                 "learner.gpus": gpus,
             },
         ),
+        check_env=False,  # run_training probes the env once the learner has started (start-up: issue 16)
     )
     _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure)

@@ -59,6 +59,8 @@ class Ledger:
         self.shard_trajectories = [0] * world_size
         """Trajectories each shard received: how the broker spread the stream."""
         self.last_row: dict[str, Any] = {}
+        self.first_s: dict[str, float] = {}
+        """Seconds from ``t0`` (the command's start) to this incarnation's first trajectory and first update."""
         self.episodes = Episodes()
         self._ratelog = RateLimitedLog()
 
@@ -73,6 +75,7 @@ class Ledger:
 
     def account(self, r: Record, version: int) -> None:
         """A trajectory received by any shard: its steps, episodes and lag; its parameter hash checked."""
+        self.first_s.setdefault("wall_s_first_trajectory", round(time.time() - self.t0, 3))
         self.lag.pop(r.peer_id, None)  # re-inserted last: the dict's order is least recently heard-from first
         self.lag[r.peer_id] = version - r.policy_version  # 0..version: admit.refusal bounds the version
         while len(self.lag) > LAG_KEPT:
@@ -149,6 +152,7 @@ class Ledger:
         """The metrics row of an update (``columns``: version, actors, rollout length, timings, skipped steps);
         records the target the first time the return reaches it."""
         self._ratelog.flush()
+        self.first_s.setdefault("wall_s_first_update", round(time.time() - self.t0, 3))
         wall, steps, ret, p = self.wall_s(), self.env_steps(), self.return_mean(), self.progress
         row = {
             "wall_s": wall,
@@ -216,5 +220,7 @@ class Ledger:
             "dropped_invalid": dict(p.dropped_invalid),
             "lag": dict(self.lag),
             "shard_trajectories": list(self.shard_trajectories),
+            "wall_s_first_trajectory": self.first_s.get("wall_s_first_trajectory"),
+            "wall_s_first_update": self.first_s.get("wall_s_first_update"),
             **run,
         }

@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import click
 from loguru import logger
 
-from zddrl.config import Config, to_toml
+from zddrl.config import REPLAY_MODES, Config, TrainConfig, to_toml
 from zddrl.keys import new_key
 from zddrl.ops.restart import (
     RestartBudget,
@@ -58,9 +60,12 @@ class LocalProcesses:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], banner: str = "", own_group: bool = False) -> subprocess.Popen:
+    def start(
+        self, name: str, args: list[str], banner: str = "", own_group: bool = False, nice: int = 0
+    ) -> subprocess.Popen:
         """Start ``zddrl *args`` as ``name``; with a ``banner`` (a restart), its log goes on after that line;
-        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py)."""
+        ``own_group``: in a process group of its own (the learner's, with its shards: ops/restart.py); ``nice``:
+        added to its niceness (``train.actor_nice``)."""
         log = open(self.log_dir / f"{name}.log", "a" if banner else "w")
         if banner:
             log.write(f"\n---- {time.strftime('%H:%M:%S')} {banner} ----\n")
@@ -71,17 +76,29 @@ class LocalProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=own_group_dying_with_parent if own_group else die_with_parent,
+            preexec_fn=own_group_dying_with_parent if own_group else partial(_nice_dying_with_parent, nice),
         )
         log.close()
         self.procs[name] = proc
         return proc
+
+    def wind_down(self, keep: str) -> None:
+        """SIGTERM every process but ``keep`` (``stop()`` later waits for them)."""
+        for name, p in self.procs.items():
+            if name != keep and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
 
     def dead(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None and p.returncode != 0]
 
     def stop(self) -> None:
         stop_processes(self.procs, SHUTDOWN_GRACE_S)
+
+
+def _nice_dying_with_parent(nice: int) -> None:
+    die_with_parent()
+    if nice:
+        os.nice(nice)
 
 
 def _last_row(metrics: Path) -> dict[str, str] | None:
@@ -111,6 +128,37 @@ def _progress(metrics: Path, t0: float) -> str | None:
     )
 
 
+class FinishWatch:
+    """Tells, from summary.json, when the learner has finished the run (limit or target reached) while it still writes
+    its final checkpoint and exits: the broker and the actors are stopped then, in parallel with the learner's
+    last writes, instead of after them (their shutdown was ~1-2 s of the command's wall time on 2 cores). A summary
+    that was there before (``--resume``) or that a crashing learner wrote does not count: a crash is restarted."""
+
+    def __init__(self, path: Path, train: TrainConfig) -> None:
+        self.path, self.train = path, train
+        self.seen = self._mtime()
+
+    def _mtime(self) -> int | None:
+        try:
+            return self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    def finished(self) -> bool:
+        mtime = self._mtime()
+        if mtime == self.seen:
+            return False
+        self.seen = mtime
+        try:
+            s = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return False
+        t = self.train
+        return (
+            bool(s.get("reached")) or s.get("total_env_steps", 0) >= t.max_steps or s.get("wall_s", 0) >= t.max_seconds
+        )
+
+
 def throwaway_keys() -> Path:
     """A fresh key directory for one secured local run (``zddrl train --secure``): a broker, a learner, an actor
     and a monitor key, made with ``keys.new_key``; the caller removes it when the run ends."""
@@ -138,9 +186,12 @@ def _start(
     slowdowns = config.train.slowdowns
     for i in range(config.train.actors):
         slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
+        if config.train.env_latency_ms > 0:
+            slow += ["--env-latency-ms", repr(config.train.env_latency_ms)]
         # The env id comes from the user's own config, so these actors may build it (a module:callable too).
         allow = ["--allow-env", config.env.id]
-        procs.start(f"actor-{i}", ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys])
+        actor = ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys]
+        procs.start(f"actor-{i}", actor, nice=config.train.actor_nice)
     return learner
 
 
@@ -173,14 +224,19 @@ def run_training(
     learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir), *keys]
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
+        if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
+            _check_env(config)
         learner = _start(procs, config, connect, (traj, learn, params), [*learner_args, "--t0", repr(t0)], resume, keys)
+        if config.algo.mode not in REPLAY_MODES:
+            _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
         bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
         logger.info(
             f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
             f"(logs in {log_dir})"
         )
         next_line = 0.0
-        stopping = False
+        stopping = wound_down = False
+        finish = FinishWatch(run_dir / "summary.json", config.train)
         while True:
             code = learner.poll()
             if code is not None:
@@ -188,8 +244,11 @@ def run_training(
                     break
                 learner, learner_t0 = _restart_learner(procs, budget, learner_args, run_dir, t0, learner)
                 continue
+            if not wound_down and finish.finished():
+                procs.wind_down(keep="learner")  # the run is over: the learner only writes its last files
+                stopping = wound_down = True
             dead = [name for name in procs.dead() if name != "learner"]
-            if dead:
+            if dead and not wound_down:
                 raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
             if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
                 logger.info(
@@ -221,7 +280,32 @@ def run_training(
     summary["wall_s_command"] = round(time.time() - t0, 3)
     summary["run_dir"] = str(run_dir)
     summary["learner_restarts"] = budget.used
+    target = f"at {summary['wall_s_to_target']} s" if summary.get("reached") else "not reached"
+    logger.info(
+        f"whole command {summary['wall_s_command']:.2f} s: first trajectory at "
+        f"{summary.get('wall_s_first_trajectory')} s, first update at {summary.get('wall_s_first_update')} s, "
+        f"target {target}"
+    )
     return summary
+
+
+def _check_env(config: Config) -> None:
+    """A usage error (the ``finally`` stops the processes) if the run's env cannot be built, zddrl cannot handle
+    its spaces, the mode cannot learn in it or its replay buffer cannot fit (``algos.checks``): one clear line here
+    instead of a learner that fails in its log."""
+    from zddrl.algos.checks import replay_refusal, spec_refusal
+    from zddrl.envs import EnvError, probe_spec
+
+    try:
+        spec = probe_spec(config.env)
+    except EnvError as exc:
+        raise click.UsageError(str(exc)) from None
+    why = spec_refusal(config, spec)
+    if why:
+        raise click.UsageError(f"{config.env.id}: {why}")
+    why = replay_refusal(config, spec)
+    if why:
+        raise click.UsageError(why)
 
 
 def _restart_learner(

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.protocol.signing import params_payload, run_payload
 
-Signer = tuple[str, Ed25519PrivateKey]
+if TYPE_CHECKING:  # cryptography itself is imported only where a key is used (zddrl.keys)
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+Signer = tuple[str, "Ed25519PrivateKey"]
 """(key name, Ed25519PrivateKey): ``keys.Credentials.signer``."""
 
 

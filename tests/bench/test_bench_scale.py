@@ -1,0 +1,102 @@
+"""`zddrl bench scale` and its env-latency knob: the wrapper, the pieces of the report, and one tiny real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import pytest
+
+from zddrl.bench import scale as S
+from zddrl.config import ConfigError, TrainConfig
+from zddrl.envs import EnvLatency, VecEnv, env_factory, with_latency
+
+
+def test_env_latency_sleeps_per_env_step() -> None:
+    make = with_latency(env_factory("CartPole-v1"), 20.0)
+    vec = VecEnv(make, [1, 2])
+    assert isinstance(vec.envs[0], EnvLatency)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        vec.step(vec.obs[:, 0] * 0)  # action 0 for both envs
+    elapsed = time.perf_counter() - t0
+    assert elapsed >= 3 * 2 * 0.020, f"3 steps of 2 envs at 20 ms took only {elapsed * 1000:.0f} ms"
+    vec.close()
+
+
+def test_zero_latency_leaves_the_env_alone() -> None:
+    make = env_factory("CartPole-v1")
+    assert with_latency(make, 0.0) is make
+    assert not isinstance(with_latency(make, 0.0)(), EnvLatency)
+    assert isinstance(gym.make("CartPole-v1"), gym.Env)
+
+
+def test_env_latency_config_is_checked() -> None:
+    assert TrainConfig(env_latency_ms=2.5).env_latency_ms == 2.5
+    with pytest.raises(ConfigError, match="env_latency_ms"):
+        TrainConfig(env_latency_ms=-1.0)
+
+
+def test_steady_sps_leaves_out_start_up(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("wall_s,env_steps\n5.0,256\n6.0,1256\n7.0,2256\n")
+    assert S.steady_sps(metrics) == pytest.approx(1000.0)
+    metrics.write_text("wall_s,env_steps\n5.0,256\n")
+    assert S.steady_sps(metrics) is None
+    assert S.steady_sps(tmp_path / "missing.csv") is None
+
+
+def test_train_command_sets_the_point() -> None:
+    args = {"envs": 2, "latency_ms": 3.0, "seconds": 20.0, "seed": 4, "sets": ["algo.lr=1e-4"]}
+    cmd = S.train_command(Path("c.toml"), "impala", 8, args, Path("/tmp/r"))
+    text = " ".join(cmd)
+    for part in (
+        "train c.toml",
+        "--mode impala",
+        "--seed 4",
+        "train.actors=8",
+        "env.num_envs=2",
+        "train.env_latency_ms=3.0",
+        f"train.max_seconds={20.0 + S.START_UP_BACKSTOP_S}",
+        "algo.lr=1e-4",
+    ):
+        assert part in text
+
+
+def test_table_shows_failed_and_missing_figures() -> None:
+    ok = {
+        "mode": "sync",
+        "actors": 2,
+        "sps": 1234.0,
+        "sps_steady": None,
+        "wall_s_to_target": None,
+        "env_steps_to_target": None,
+        "dropped": 0,
+    }
+    table = S.format_table([ok, {"mode": "async", "actors": 4, "error": "boom"}])
+    assert "1,234" in table and "failed: boom" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_scale_smoke(tmp_path: Path) -> None:
+    """Two real impala runs of 1 and 2 actors at 20 ms per env step: the latency bounds each actor's rate (at most
+    50 env steps/s), and the second actor adds throughput."""
+    png = tmp_path / "scale.png"
+    cmd = [sys.executable, "-m", "zddrl", "bench", "scale", "--json", "--modes", "impala", "--actors", "1,2"]
+    cmd += ["--env-latency-ms", "20", "--seconds", "6", "--plot", str(png), "--set", "env.rollout_len=16"]
+    cmd += ["--set", "algo.batch_size=32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["bench"] == "scale" and report["settings"]["actors"] == [1, 2]
+    one, two = report["points"]
+    assert "error" not in one and "error" not in two, report["points"]
+    assert one["sps_steady"] is not None and two["sps_steady"] is not None
+    assert one["sps_steady"] <= 55, f"1 actor at 20 ms per step made {one['sps_steady']} env steps/s"
+    assert two["sps_steady"] > 1.3 * one["sps_steady"], report["points"]
+    assert png.stat().st_size > 10_000
