@@ -169,9 +169,6 @@ class LearnerCore:
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         self.group = group or ShardGroup()
         torch.set_num_threads(config.algo.torch_threads)
-        # Adam's second moments of rarely-moving weights decay into subnormal floats, which x86 computes ~100x
-        # slower: a third of an Ape-X gradient step went to two foreach kernels before this (profiled).
-        torch.set_flush_denormal(True)
         self.config = config
         self.spec = spec
         self.algo = config.algo

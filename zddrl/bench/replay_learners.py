@@ -76,7 +76,9 @@ def bench_learner(mode: str, threads: int, seconds: float) -> dict[str, Any]:
 
 
 def bench_learners(threads: list[int], seconds: float) -> list[dict[str, Any]]:
+    """Each example's core with 1..n threads, in this process set up as a learner process is (subnormals flushed)."""
     before = torch.get_num_threads()
+    torch.set_flush_denormal(True)
     try:
         return [bench_learner(mode, n, seconds) for mode in LEARNER_EXAMPLES for n in threads]
     finally:

@@ -59,8 +59,15 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
 
 def _run_shard(config, plan, connect, run_dir, t0, resume, creds) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
+    import torch
+
     from zddrl.dist.shards import ShardError, ShardGroup
     from zddrl.learner.node import LearnerNode
+
+    # Adam's second moments of rarely-moving weights decay into subnormal floats, which x86 computes many times
+    # slower: a third of an Ape-X gradient step went to two foreach kernels (profiled). Flushing them is a setting
+    # of the whole process (numpy's arithmetic too), so the learner process makes it, not the library.
+    torch.set_flush_denormal(True)
 
     try:
         group = ShardGroup.from_env(plan, config.learner.collective_timeout_s)
