@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,7 @@ import click
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from zddrl.bench.common import timed_json_run
 from zddrl.config import Config, EnvConfig, ModelConfig
 from zddrl.envs import EnvSpec
 
@@ -124,17 +124,8 @@ def startup(config: Config) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "flat.npz"
         np.savez(path, flat=flat)
-        t0 = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-c", _STARTUP, json.dumps(config.to_dict()), str(path), json.dumps(layout)],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        wall = time.monotonic() - t0
-    if done.returncode != 0:
-        raise click.ClickException(f"the start-up probe failed: {done.stderr[-2000:]}")
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+        cmd = [sys.executable, "-c", _STARTUP, json.dumps(config.to_dict()), str(path), json.dumps(layout)]
+        wall, result = timed_json_run(cmd, "the start-up probe", timeout=300)
     return {**result, "process_s": round(wall, 3), "startup_s": round(result["startup_s"], 3)}
 
 

@@ -9,15 +9,18 @@ far less than a message per trajectory, and the cost is the same on every path m
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import click
 import numpy as np
 import zmq
 from loguru import logger
@@ -458,3 +461,14 @@ def shared_slots(n: int) -> Any:
 
 def shared_mode() -> Any:
     return _spawn.RawValue("i", 0)
+
+
+def timed_json_run(cmd: Sequence[str], what: str, timeout: float = 1800) -> tuple[float, dict[str, Any]]:
+    """Run ``cmd`` (a benchmark's subprocess: an SB3 anchor, a start-up probe); its wall seconds and the JSON object
+    on its last stdout line. A failure is one CLI error naming ``what``, with the end of its stderr."""
+    t0 = time.perf_counter()
+    done = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise click.ClickException(f"{what} failed: {done.stderr[-2000:]}")
+    return wall, json.loads(done.stdout.strip().splitlines()[-1])

@@ -22,6 +22,8 @@ from typing import Any
 
 import click
 
+from zddrl.bench.common import timed_json_run
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_CONFIGS = {
     "sync": EXAMPLES / "cartpole_ppo.toml",
@@ -168,17 +170,8 @@ def run_sb3_with(python: str, script: str, seed: int) -> dict[str, Any]:
     """The SB3 anchor for one seed. Its own clock starts at learn(); ``from_start_s_to_target`` adds
     what came before (interpreter, imports, set-up), measured from outside, to compare like for like
     with zddrl's ``wall_s_to_target``."""
-    t0 = time.perf_counter()
-    done = subprocess.run(
-        [python, script, "--config", "zoo", "--threads", "1", "--seed", str(seed)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise click.ClickException(f"SB3 anchor failed (seed {seed}): {done.stderr[-2000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    cmd = [python, script, "--config", "zoo", "--threads", "1", "--seed", str(seed)]
+    wall, out = timed_json_run(cmd, f"SB3 anchor (seed {seed})")
     before_learn = wall - out["train_s"] - out["eval_s"]  # interpreter + imports + set-up (+ exit)
     hit = out["hit_s"]
     return {
@@ -199,17 +192,8 @@ def run_sb3_with(python: str, script: str, seed: int) -> dict[str, Any]:
 def run_sb3_offpolicy(python: str, script: str, algo: str, seed: int) -> dict[str, Any]:
     """The SB3 off-policy anchor for one seed, stopped at its target: the command's wall time is its time to solve
     (``wall_s_to_target``), like the whole `zddrl train` command's."""
-    t0 = time.perf_counter()
-    done = subprocess.run(
-        [python, script, "--algo", algo, "--seed", str(seed), "--stop-at-target"],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    wall = time.perf_counter() - t0
-    if done.returncode != 0:
-        raise click.ClickException(f"SB3 {algo} anchor failed (seed {seed}): {done.stderr[-2000:]}")
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    cmd = [python, script, "--algo", algo, "--seed", str(seed), "--stop-at-target"]
+    wall, out = timed_json_run(cmd, f"SB3 {algo} anchor (seed {seed})")
     reached = out["hit_s"] is not None
     return {
         "impl": "sb3",
