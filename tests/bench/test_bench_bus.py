@@ -142,3 +142,19 @@ def test_bench_bus_secure_runs_the_closed_bus_side_by_side() -> None:
     counters = report["broker_counters"]  # the open and the closed broker, each accounted for
     assert counters["brokers"] == 2 and counters["accounted"] is True and sum(counters["dropped"].values()) == 0
     assert report["targets"]["secure_vs_broker"]["ratio"] is None  # judged at 1 MiB only
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_bench_relay_smoke() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "relay", "--json", "--windows", "2", "--seconds", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert len(report["ratios"]) == 2 and report["relay_over_direct_median"] > 0
+    assert report["accounting"] and all(a["accounted"] for a in report["accounting"].values())

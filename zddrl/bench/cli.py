@@ -9,6 +9,7 @@ from zddrl.bench.bus import bus
 from zddrl.bench.codec import codec
 from zddrl.bench.fleet import fleet
 from zddrl.bench.learner import learner
+from zddrl.bench.relay import relay
 from zddrl.bench.replay import replay
 from zddrl.bench.sample import sample
 from zddrl.bench.scale import scale
@@ -17,7 +18,7 @@ from zddrl.bench.train import train
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: actor, bus, codec, fleet, sample, scale, train, learner, replay (a table, or JSON with --json)."""
+    """Benchmarks: actor, bus, codec, fleet, learner, relay, replay, sample, scale, train (a table, or JSON: --json)."""
 
 
 bench.add_command(actor)
@@ -25,6 +26,7 @@ bench.add_command(bus)
 bench.add_command(codec)
 bench.add_command(fleet)
 bench.add_command(learner)
+bench.add_command(relay)
 bench.add_command(replay)
 bench.add_command(sample)
 bench.add_command(scale)

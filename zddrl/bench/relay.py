@@ -1,4 +1,4 @@
-"""Trajectory throughput through a relay vs straight to the root: ``python tests/broker/relay_bench.py``.
+"""`zddrl bench relay`: trajectory throughput through a relay vs straight to the root.
 
 `zddrl bench bus`'s workers (zddrl/bench/common.py: a sender that joins as an actor and pushes as fast as its
 HWM lets it, a receiver that is a learner shard's DataChannel with its credit policy) on real processes:
@@ -9,12 +9,11 @@ HWM lets it, a receiver that is a learner shard's DataChannel with its credit po
 Both paths run side by side on their own processes; only one sender is on at a time, in short windows whose order
 alternates, so machine noise hits both alike; the figure is the median of the per-window-pair relay/direct ratios of
 messages/s, and each broker's CPU time per message (which hardly moves when other work loads the machine).
-Not collected by pytest (a measurement, not a test); docs/benchmarks.md quotes it.
+docs/benchmarks.md quotes it.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import statistics
@@ -23,6 +22,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+import click
 
 from zddrl.bench import common as C
 from zddrl.ops.status import request_status
@@ -105,7 +106,11 @@ def measure(workers: C.Workers, lane: Lane, seconds: float) -> dict[str, Any]:
         lane.mode.value = 0
     time.sleep(DRAIN_S)  # what the sender left queued arrives before the other lane's window
     n = max(n1 - n0, 1)
-    cpu = {f"{k}_cpu_us": round((cpu1[k] - cpu0[k]) / n * 1e6, 1) for k in lane.pids if cpu0[k] is not None}
+    cpu = {
+        f"{k}_cpu_us": round((after - before) / n * 1e6, 1)
+        for k in lane.pids
+        if (before := cpu0[k]) is not None and (after := cpu1[k]) is not None
+    }
     return {"msgs_per_s": (n1 - n0) / max(t1 - t0, 1e-9), **cpu}
 
 
@@ -120,38 +125,40 @@ def _accounting(control: str) -> dict:
     return {k: b.get(k) for k in ("received", "forwarded", "accounted", "accounted_subtree")}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--payload", type=int, default=65536, help="trajectory payload bytes")
-    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per measuring window")
-    parser.add_argument("--windows", type=int, default=6, help="windows per path, alternating between the paths")
-    args = parser.parse_args()
+@click.command("relay")
+@click.option(
+    "--payload", type=click.IntRange(1024), default=65536, show_default=True, help="Trajectory payload bytes."
+)
+@click.option("--seconds", type=click.FloatRange(0.05), default=1.0, show_default=True, help="Seconds per window.")
+@click.option("--windows", type=click.IntRange(1), default=6, show_default=True, help="Windows per path, alternating.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def relay(payload: int, seconds: float, windows: int, as_json: bool) -> None:
+    """Messages/s through a relay over straight to the root, side by side, and each broker's CPU per message."""
     with C.Workers() as workers:
-        lanes = [start_lane(workers, path, args.payload) for path in ("direct", "relay")]
+        lanes = [start_lane(workers, path, payload) for path in ("direct", "relay")]
         ratios, rows = [], []
-        for w in range(args.windows):
+        for w in range(windows):
             order = lanes if w % 2 == 0 else lanes[::-1]
-            got = {lane.path: measure(workers, lane, args.seconds) for lane in order}
+            got = {lane.path: measure(workers, lane, seconds) for lane in order}
             ratios.append(got["relay"]["msgs_per_s"] / got["direct"]["msgs_per_s"])
             rows.append({"window": w, **got, "ratio": round(ratios[-1], 3)})
-            print(json.dumps(rows[-1]))
         accounting = {f"{lane.path}/{k}": _accounting(c) for lane in lanes for k, c in lane.controls.items()}
-    print(json.dumps({"accounting": accounting}))
-    median = {f"{p}/{k}": statistics.median(r[p][k] for r in rows) for p, k in _CPU_KEYS}
-    print(
-        json.dumps(
-            {
-                "payload": args.payload,
-                "relay_over_direct_median": round(statistics.median(ratios), 3),
-                "ratios": [round(r, 3) for r in ratios],
-                "cpu_us_per_msg_median": median,
-            }
-        )
-    )
+    report = {
+        "payload": payload,
+        "relay_over_direct_median": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "cpu_us_per_msg_median": {f"{p}/{k}": statistics.median(r[p][k] for r in rows) for p, k in _CPU_KEYS},
+        "windows": rows,
+        "accounting": accounting,
+    }
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    click.echo(f"relay / direct, messages/s at {payload} B: median {report['relay_over_direct_median']}x")
+    click.echo(f"  per window: {report['ratios']}")
+    for key, value in report["cpu_us_per_msg_median"].items():
+        click.echo(f"  {key}: {value:.0f} us of CPU per message")
+    click.echo(f"  accounted: {all(a.get('accounted') for a in accounting.values())}")
 
 
 _CPU_KEYS = (("direct", "root_cpu_us"), ("relay", "root_cpu_us"), ("relay", "relay_cpu_us"))
-
-
-if __name__ == "__main__":
-    main()
