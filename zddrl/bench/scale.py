@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from zddrl.bench.train import DEFAULT_CONFIGS
+from zddrl.bench.train import DEFAULT_CONFIGS, config_paths
 
 DEFAULT_ACTORS = "1,2,4,8,16,32"
 DEFAULT_MODES = "sync,async,impala"
@@ -235,12 +235,7 @@ def _modes(text: str) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def scale(actors, modes, env_latency_ms, seconds, envs, seed, configs, sets, plot_path, as_json) -> None:
     """Env steps/s and time to the target against actors, per mode: one `zddrl train` run per point."""
-    paths = dict(DEFAULT_CONFIGS)
-    for item in configs:
-        mode, sep, path = item.partition("=")
-        if not sep or mode not in paths:
-            raise click.UsageError(f"--config takes MODE=PATH with MODE one of {sorted(paths)}, got {item!r}")
-        paths[mode] = Path(path)
+    paths = config_paths(configs)
     counts, mode_list = _ints(actors), _modes(modes)
     args = {"envs": envs, "latency_ms": env_latency_ms, "seconds": seconds, "seed": seed, "sets": list(sets)}
     points: list[dict[str, Any]] = []

@@ -37,6 +37,17 @@ SB3_OFFPOLICY_ALGO = {"apex": "dqn", "sac": "sac"}
 """The SB3 algorithm the off-policy anchor runs next to each replay mode (same env, same target)."""
 
 
+def config_paths(items: tuple[str, ...]) -> dict[str, Path]:
+    """Each mode's example config, with ``--config MODE=PATH`` items in its place; a bad item is a usage error."""
+    paths = dict(DEFAULT_CONFIGS)
+    for item in items:
+        mode, sep, path = item.partition("=")
+        if not sep or mode not in paths:
+            raise click.UsageError(f"--config takes MODE=PATH with MODE one of {sorted(paths)}, got {item!r}")
+        paths[mode] = Path(path)
+    return paths
+
+
 def _median(values: list[Any]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -125,12 +136,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def train(configs, seeds, modes, sb3_script, sb3_offpolicy, sb3_python, sets, as_json) -> None:
     """Time-to-target and env-steps-to-target of `zddrl train`, per mode, medians over seeds."""
-    paths = dict(DEFAULT_CONFIGS)
-    for item in configs:
-        mode, sep, path = item.partition("=")
-        if not sep or mode not in paths:
-            raise click.UsageError(f"--config takes MODE=PATH with MODE one of {sorted(paths)}, got {item!r}")
-        paths[mode] = Path(path)
+    paths = config_paths(configs)
     rows: list[dict[str, Any]] = []
     extra = [arg for s in sets for arg in ("--set", s)]
     with tempfile.TemporaryDirectory(prefix="zddrl-bench-train-") as tmp:
