@@ -37,7 +37,7 @@ MODES = ("sync", "async", "impala", "apex", "sac")
 REPLAY_MODES = ("apex", "sac")
 """Modes that learn off-policy from a replay buffer ([replay])."""
 TARGET_KINDS = ("train", "eval")
-PLACEMENTS = ("learner",)
+PLACEMENTS = ("learner", "service")
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn")
@@ -232,7 +232,8 @@ class ReplayConfig:
     memory_fraction: float = 0.8
     """Share of the memory available at start the buffer may take."""
     placement: str = "learner"
-    """Where the buffer lives: ``learner`` (a ring inside each learner shard)."""
+    """Where the buffer lives: ``learner`` (a ring inside each learner shard) or ``service`` (``zddrl replay``
+    processes on the bus take the run's trajectories and serve sampled batches; `zddrl train` starts one)."""
 
     def __post_init__(self) -> None:
         _require(self.capacity >= 1 and self.batch_size >= 1, "replay.capacity and replay.batch_size must be >= 1")

@@ -15,6 +15,8 @@ directory (docs/security.md)::
     KEYS/monitors/NAME.key[_secret] `zddrl status`, dashboards: may read the status, nothing else
     KEYS/relays/NAME.key[_secret]   relay brokers (`zddrl broker --upstream`): may join, push and subscribe
                                     upstream on behalf of the actors they report
+    KEYS/replays/NAME.key[_secret]  replay services (`zddrl replay`): join the broker, take trajectories; the same
+                                    pair serves their own socket, where only learner keys are admitted
 
 A public file in a role's folder is that role's allow-list at the broker; a host holds the secret files of
 its own keys only.
@@ -35,9 +37,16 @@ if TYPE_CHECKING:
     # broker and learner imports this module, and only those of a closed bus use it (start-up, issue 16).
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-KEY_ROLES = ("broker", "learner", "actor", "monitor", "relay")
+KEY_ROLES = ("broker", "learner", "actor", "monitor", "relay", "replay")
 """The roles a key can be made for (``zddrl keys new ROLE NAME``)."""
-FOLDERS = {"broker": "broker", "learner": "learners", "actor": "actors", "monitor": "monitors", "relay": "relays"}
+FOLDERS = {
+    "broker": "broker",
+    "learner": "learners",
+    "actor": "actors",
+    "monitor": "monitors",
+    "relay": "relays",
+    "replay": "replays",
+}
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PUBLIC, SECRET = ".key", ".key_secret"
 SIGN_PUBLIC, SIGN_SECRET = ".sign.pub", ".sign"
@@ -218,6 +227,13 @@ def key_files(root: Path | str) -> tuple[tuple[str, int, float], ...]:
                 continue
             out.append((str(path), st.st_size, st.st_mtime))
     return tuple(out)
+
+
+def public_key(root: Path | str, role: str, name: str | None = None) -> bytes:
+    """The CURVE public key (Z85) of ``role`` ``name`` (or the only one of that role): a server a client connects
+    to that is not the broker (a learner to its replay services)."""
+    public, _ = _load(_only(root, role, name, PUBLIC))
+    return public
 
 
 def client_keys(root: Path | str, role: str, name: str | None = None) -> ClientKeys:

@@ -17,7 +17,7 @@ import pytest
 
 from broker_clients import WAIT_S, Shard, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
-from zddrl.actor.trust import joinable
+from zddrl.transport.trust import joinable
 from zddrl.config import Config
 from zddrl.envs import EnvError, env_factory, env_refusal
 from zddrl.protocol import Welcome

@@ -79,7 +79,7 @@ def test_10000_members_page_through_bodies_under_the_bound() -> None:
         summary = pages[0]["broker"]
         assert list(pages[0]["members"])[:2] == ["learner-09999", "monitor-09998"], "learners first, then monitors"
         assert summary["members_total"] == 10_000 and summary["hosts_total"] == 64
-        assert summary["members_by_role"] == {"actor": 9_998, "learner": 1, "monitor": 1, "relay": 0}
+        assert summary["members_by_role"] == {"actor": 9_998, "learner": 1, "monitor": 1, "relay": 0, "replay": 0}
         assert summary["envs_total"] == 80_000 and len(summary["members_by_host"]) == HOSTS_LISTED
         assert broker.status(len(pages) + 1)["members"] == {}, "a page past the last is empty, not an error"
         with pytest.raises(P.ProtocolError):

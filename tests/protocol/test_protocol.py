@@ -87,6 +87,40 @@ EXAMPLES = [
     P.Subtree(
         peer_id="relay-0", seq=3, full=False, actors={"actor-0": {"num_envs": 2, "host": "h", "pid": 7}}, left=["a-1"]
     ),
+    P.ReplaySample(
+        run_id="r-1",
+        peer_id="learner-0",
+        request=1,
+        batch=4,
+        allow_steps=10,
+        policy_version=0,
+        rollout_len=8,
+        arrays={"ids": np.arange(3, dtype=np.int64), "td_errors": np.ones(3, np.float32)},
+    ),
+    P.ReplayBatch(
+        run_id="r-1",
+        peer_id="replay-0",
+        request=1,
+        held=3,
+        total=2.5,
+        min_priority=0.5,
+        max_priority=1.0,
+        inserted=8,
+        newest_version=0,
+        capacity=16,
+        nbytes=1024,
+        ep_returns=[1.0],
+        arrays={
+            "ids": np.arange(2, dtype=np.int64),
+            "priorities": np.ones(2),
+            "obs": np.zeros((2, 4), np.float32),
+            "next_obs": np.zeros((2, 4), np.float32),
+            "actions": np.zeros(2, np.int64),
+            "returns": np.ones(2, np.float32),
+            "discounts": np.full(2, 0.99, np.float32),
+            "versions": np.zeros(2, np.int32),
+        },
+    ),
 ]
 
 

@@ -26,12 +26,12 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import Policy, actor_critic_policy
-from zddrl.actor.trust import joinable
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, VecEnv, make_factory, with_latency
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
+from zddrl.transport.trust import joinable
 
 WELCOME_TIMEOUT_S = 3600.0
 """An actor may be started long before any learner; it waits (heartbeating) for a run."""

@@ -36,11 +36,7 @@ class ApexLearner(ReplayLearner):
 
     def initial_td(self, arrays: Any) -> np.ndarray | None:
         td = arrays.get("td_errors")
-        if td is None:
-            return None
-        if self.config.replay.alpha == 0:
-            return np.abs(td)
-        return np.minimum(np.abs(td), self.td_cap())
+        return None if td is None or self.replay is None else self.replay.capped_td(td)
 
     def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:
         if batch is None:

@@ -69,6 +69,7 @@ next insert) and plain scalars, lists, strings and dicts; turned into tensors wi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -303,6 +304,15 @@ class PrioritizedReplay:
             self._set_priorities(slots[keep], priorities)
         return int(keep.sum())
 
+    def td_cap(self) -> float:
+        """The TD error whose priority is the largest seen so far: the most a transition may be given."""
+        return max(self.max_priority ** (1.0 / self.alpha) - self.eps, 0.0) if self.alpha else math.inf
+
+    def capped_td(self, td_errors: np.ndarray) -> np.ndarray:
+        """Actor-side TD errors as initial priorities: a number off the wire buys no more replay than the largest
+        priority seen (Ape-X's actors compute them with their copy of the network)."""
+        return np.minimum(np.abs(td_errors), self.td_cap())
+
     def drop_older_than(self, version: int) -> int:
         """Retire every transition of a policy version below ``version`` and keep retiring them; return how many."""
         self.version_floor = max(self.version_floor, int(version))
@@ -318,7 +328,7 @@ class PrioritizedReplay:
     def state_dict(self) -> dict[str, Any]:
         """The buffer as numpy arrays and plain values (module docstring, "Checkpoints")."""
         used = min(self.written, self.capacity)
-        state: dict[str, Any] = {"layout": self._layout()}
+        state: dict[str, Any] = {"layout": self.layout()}
         state.update({k: getattr(self, k) for k in _SCALARS})
         state["rng"] = self.rng.bit_generator.state
         state.update({k: getattr(self, k)[:used] for k in ("obs", *_DATA)})
@@ -327,8 +337,8 @@ class PrioritizedReplay:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take back what ``state_dict`` gave (numpy arrays or CPU tensors); a buffer of another layout is refused."""
-        if dict(state["layout"]) != self._layout():
-            raise ValueError(f"the checkpoint's replay buffer is {dict(state['layout'])}, this one {self._layout()}")
+        if dict(state["layout"]) != self.layout():
+            raise ValueError(f"the checkpoint's replay buffer is {dict(state['layout'])}, this one {self.layout()}")
         written = int(state["written"])
         used = min(written, self.capacity)
         arrays = {k: np.asarray(state[k]) for k in ("obs", *_DATA, "priorities")}
@@ -347,7 +357,7 @@ class PrioritizedReplay:
 
     # ------------------------------------------------------------------ internals
 
-    def _layout(self) -> dict[str, Any]:
+    def layout(self) -> dict[str, Any]:
         """What the stored data depends on: a checkpoint loads only into a buffer that agrees on all of it."""
         return {
             "capacity": self.capacity,

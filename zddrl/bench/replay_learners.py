@@ -54,7 +54,7 @@ def bench_learner(mode: str, threads: int, seconds: float) -> dict[str, Any]:
     T, N = config.env.rollout_len, config.env.num_envs
     rng = np.random.default_rng(0)
     version = 0
-    while len(core.replay) < config.replay.learning_starts:
+    while len(core.source) < config.replay.learning_starts:
         core.update([_rollout(spec, T, N, version, rng)])
         version += 1
     t0, steps0 = time.perf_counter(), core.grad_steps

@@ -4,9 +4,9 @@ pyzmq's ZAP authenticator (``zmq.auth.thread.ThreadAuthenticator``) answers libz
 thread of its own; a client whose key is not allowed on a socket never gets a message to the broker's Python
 code. Each socket has a ZAP domain, and each domain admits the roles that have business there::
 
-    control       learner, actor, monitor, relay   (hello, heartbeats, status; the hello's role must be the key's)
+    control       learner, actor, monitor, relay, replay   (hello, heartbeats, status; the hello's role is the key's)
     trajectories  actor, relay   (a relay pushes for the actors it reported: broker/subtree.py)
-    learners      learner
+    learners      learner, replay   (a replay takes trajectories by credit; only a learner publishes)
     params        actor, relay
 
 An admitted connection's messages carry the ZAP User-Id ``ROLE:NAME`` of its key (``user_of``); the broker
@@ -30,9 +30,9 @@ from zmq.utils.monitor import recv_monitor_message
 from zddrl.keys import KeysError, key_files, server_keys
 
 DOMAINS = {
-    "control": ("learner", "actor", "monitor", "relay"),
+    "control": ("learner", "actor", "monitor", "relay", "replay"),
     "trajectories": ("actor", "relay"),
-    "learners": ("learner",),
+    "learners": ("learner", "replay"),
     "params": ("actor", "relay"),
 }
 """ZAP domain (one per broker socket, named after it) -> the key roles admitted there."""

@@ -46,7 +46,7 @@ from zddrl.broker.membership import (
 )
 from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
-from zddrl.broker.routing import FORWARD_BURST, Router, RunRoute
+from zddrl.broker.routing import DATA_ROLES, FORWARD_BURST, Router, RunRoute
 from zddrl.broker.sockets import open_sockets
 from zddrl.broker.subtree import Subtrees
 from zddrl.config import BrokerConfig, split_endpoint
@@ -311,7 +311,9 @@ class Broker:
                 self.health.forget(msg.peer_id)
         member = member_of(msg, identity)
         member.user = user
-        if member.role == "learner":  # on a closed bus a secret, kept across re-hellos of the same key
+        if member.role == "replay":  # a replay service serves whatever run is current (re-welcomed at each new one)
+            member.run_id = self.run_id
+        if member.role in DATA_ROLES:  # on a closed bus a secret, kept across re-hellos of the same key
             member.data_id = self.guard.data_id(member, old)
         if old is not None:
             # A learner's credit starts again from zero with every hello: a shard re-grants its window
@@ -322,7 +324,7 @@ class Broker:
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member
         self.subtrees.attach(member, kept)
-        if member.role == "learner":
+        if member.role in DATA_ROLES:
             self.router.add_shard(member)
         elif member.role == "actor":
             self.fleet.joined(member.peer_id, member.num_envs, member.host)
@@ -373,10 +375,13 @@ class Broker:
         self._staleness, self._credit_batch = staleness, credit_batch
         self.health.start_run(staleness, run_id)
         for shard in self.router.shards.values():  # an old run's learner must never be fed the new run's data
-            if shard.run_id != run_id:
+            if shard.role == "replay":  # it follows the run, from zero credit (it grants again once re-welcomed)
+                shard.run_id = run_id
                 self.router.set_credit(shard, 0)
-        for member in self.members.values():  # actors waiting without a run (or on an old one) get it now
-            if member.role in ("actor", "relay") and not member.relay:
+            elif shard.run_id != run_id:
+                self.router.set_credit(shard, 0)
+        for member in self.members.values():  # actors and replays waiting without a run (or on an old one) get it
+            if member.role in ("actor", "relay", "replay") and not member.relay:
                 self._send(self.control, member.identity, self._welcome(member.peer_id))
 
     def _welcome(self, peer_id: str) -> P.Welcome:
@@ -403,7 +408,7 @@ class Broker:
         if member is not None and member.user != user:  # the identity of a learner, taken by another key
             self.counters["auth_refused"] += 1
             member = None
-        if member is None or member.role != "learner":
+        if member is None or member.role not in DATA_ROLES:
             self._send(self.learners, identity, P.Reject(reason="unknown learner: send hello first", rehello=True))
             return
         member.last_seen = time.monotonic()
@@ -414,6 +419,8 @@ class Broker:
                 self.router.set_credit(member, member.credit + msg.credit)
             else:
                 self.counters["credit_other_run"] += 1
+        elif isinstance(msg, (P.Parameters, P.ParamChunk)) and member.role == "replay":
+            raise P.ProtocolError(f"a replay service publishes no parameters ({member.peer_id} sent {msg.KIND})")
         elif isinstance(msg, (P.Parameters, P.ParamChunk)):
             why = self.guard.params_refusal(msg, user, self.run_seal[0]) if isinstance(msg, P.Parameters) else ""
             if why:  # its chunks find no head to join: counted as orphans by the publisher

@@ -136,7 +136,7 @@ HELLO_BURST = 5
 LIMITED_IDENTITIES = 16384
 """Connections whose rate-limit buckets are kept (least recently seen forgotten first): a peer that cycles
 through more connections than this starts each with a full bucket, which the totals above still bound."""
-MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64, "relay": 256}
+MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64, "relay": 256, "replay": 256}
 """Members of each role at most; a hello past the cap is refused (``hello_over_cap``). Every member costs a row
 in the status pages, fleet entries, heartbeats and health tracks."""
 MAX_ACTORS_PER_HOST = 1024
@@ -205,7 +205,9 @@ class Limits:
         """Why ``msg`` would take its role (or its host's actors) past a cap, or "". ``old``: the member it
         replaces (which does not count); ``members``, ``learners``: how many are joined; actors are the fleet's."""
         actors = len(fleet)
-        joined = {"actor": actors, "learner": learners, "monitor": members - actors - learners}.get(msg.role, 0)
+        # ``learners`` counts every member on the learners socket: shards and replays share one cap
+        by_role = {"actor": actors, "learner": learners, "replay": learners, "monitor": members - actors - learners}
+        joined = by_role.get(msg.role, 0)
         if old is not None and old.role == msg.role:
             joined -= 1
         cap = MAX_MEMBERS_PER_ROLE.get(msg.role, 0)

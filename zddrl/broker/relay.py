@@ -42,7 +42,7 @@ from zddrl.transport.link import BYE_LINGER_MS
 
 WINDOW_PER_ACTOR_WINDOWS = 2
 """The automatic upstream window is this many times the sum of the relay's actors' windows."""
-REFUSED_LEARNER = "a relay takes no learners: connect learners to the root broker"
+REFUSED_LEARNER = "a relay takes no learners or replays: connect them to the root broker"
 
 
 class RelayRefused(RuntimeError):
@@ -149,7 +149,7 @@ class Relay(Broker):
             self._report(full=False, left=[member.peer_id])
 
     def _hello_refused(self, identity: bytes, msg: P.Hello, user: str) -> bool:
-        if msg.role == "learner":
+        if msg.role in ("learner", "replay"):  # the data's end belongs at the root
             self.counters["learner_refused"] += 1
             self._ratelog.warning("learner_refused", f"refused learner {msg.peer_id}: {REFUSED_LEARNER}")
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{REFUSED_LEARNER}"))

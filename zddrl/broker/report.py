@@ -71,7 +71,7 @@ MAX_STATUS_BYTES = 768 << 10
 messages name at most three peer ids and a stats string), 20 departures (membership.DEPARTURES_KEPT, reasons
 of at most membership.DEPARTURE_REASON_CHARS: under 136 KiB) and one page (PAGE_ROW_BYTES): under 730 KiB, which
 leaves room under the protocol's MAX_HEADER_BYTES (1 MiB)."""
-ROLE_ORDER = {"learner": 0, "relay": 1, "monitor": 1, "actor": 2}
+ROLE_ORDER = {"learner": 0, "replay": 1, "relay": 1, "monitor": 1, "actor": 2}
 """Page order: learners first, so that page 1 carries the run's figures (the main learner's stats)."""
 RATES = ("in_msgs_per_s", "out_msgs_per_s", "in_bytes_per_s", "out_bytes_per_s")
 """Trajectory messages and bytes per second in and out, over the last heartbeat interval."""

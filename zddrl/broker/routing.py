@@ -25,6 +25,9 @@ from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 
 DROP_REASONS = ("malformed", "unknown_sender", "forged_sender", "unknown_run", "stale", "unknown_version", "no_route")
+DATA_ROLES = ("learner", "replay")
+"""The roles that take trajectories on the learners socket by credit: learner shards, and replay services (which
+take a replay run's data in place of its learner, docs/protocol.md section 5.9)."""
 FORWARD_BURST = 256
 """Trajectories forwarded per poll wake-up at most (keeps control traffic responsive)."""
 _CREDIT = attrgetter("credit")

@@ -23,6 +23,7 @@ from zddrl.cli.common import (
     stop_on_signals,
 )
 from zddrl.cli.keys import keys
+from zddrl.cli.replay import replay
 from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
 from zddrl.config import MODES, ConfigError, load_broker_config
 from zddrl.logs import configure
@@ -253,6 +254,19 @@ GPUS_HELP = (
     "(afresh if none yet), at most N times, with back-off. This process then supervises the "
     "learner as a child process; it restarts nothing if it is killed itself.",
 )
+@click.option(
+    "--replay",
+    "replays",
+    default="",
+    envvar="ZDDRL_REPLAY",
+    help="replay.placement = 'service': the replay services to sample from, tcp://HOST:PORT[,tcp://HOST2:PORT].",
+)
+@click.option(
+    "--replay-key",
+    default=None,
+    envvar="ZDDRL_REPLAY_KEY",
+    help="Closed bus: which key in --keys/replays/ the replay services serve with (needed when it holds several).",
+)
 @keys_option
 @key_option
 @set_option
@@ -271,6 +285,8 @@ def learner(
     t0,
     resume,
     restart,
+    replays,
+    replay_key,
     keys_dir,
     key_name,
     sets,
@@ -313,7 +329,28 @@ def learner(
         if len(plan.devices) > 1 or nnodes > 1:
             _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir)
             return
-    _run_shard(config, plan, connect, run_dir, t0, resume, creds)
+    replay = _replay_link(config, replays, keys_dir, replay_key)
+    _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay)
+
+
+def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | None) -> tuple[tuple[str, ...], bytes]:
+    """The replay endpoints and (closed bus) their public key for a service-placement run; usage errors else."""
+    from zddrl.config import REPLAY_MODES
+
+    endpoints = tuple(e.strip() for e in replays.split(",") if e.strip())
+    service = config.replay.placement == "service" and config.algo.mode in REPLAY_MODES
+    if service and not endpoints:
+        raise click.UsageError("replay.placement = 'service' needs --replay tcp://HOST:PORT (a `zddrl replay`)")
+    if endpoints and not service:
+        raise click.UsageError("--replay is for apex/sac runs with replay.placement = 'service'")
+    if not endpoints or keys_dir is None:
+        return endpoints, b""
+    from zddrl.keys import KeysError, public_key
+
+    try:
+        return endpoints, public_key(keys_dir, "replay", replay_key)
+    except KeysError as exc:
+        raise click.UsageError(f"--keys: {exc}") from None
 
 
 @main.command()
@@ -428,3 +465,4 @@ def plot(run_dirs, output) -> None:
 
 
 main.add_command(keys)
+main.add_command(replay)

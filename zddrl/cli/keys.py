@@ -11,13 +11,13 @@ import click
 def keys() -> None:
     """Keys of a closed bus: a CURVE keypair per broker and client, an Ed25519 signing key per learner.
 
-    One directory holds them (docs/security.md): broker/, learners/, actors/, monitors/. The broker needs
-    its own secret and every client's public key; a client needs its own secret and the broker's public key;
-    actors also need the learners' NAME.sign.pub to pin."""
+    One directory holds them (docs/security.md): broker/, learners/, actors/, monitors/, relays/, replays/.
+    The broker needs its own secret and every client's public key; a client needs its own secret and the
+    broker's public key; actors also need the learners' NAME.sign.pub to pin."""
 
 
 @keys.command("new")
-@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor", "relay"]))
+@click.argument("role", type=click.Choice(["broker", "learner", "actor", "monitor", "relay", "replay"]))
 @click.argument("name")
 @click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
 def keys_new(role, name, keys_dir) -> None:

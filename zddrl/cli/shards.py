@@ -57,7 +57,7 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _run_shard(config, plan, connect, run_dir, t0, resume, creds) -> None:
+def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"")) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
     import torch
 
@@ -74,7 +74,18 @@ def _run_shard(config, plan, connect, run_dir, t0, resume, creds) -> None:
     except ShardError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        node = LearnerNode(connect, config, run_dir, t0=t0, resume=resume, group=group, credentials=creds)
+        replays, replay_public = replay
+        node = LearnerNode(
+            connect,
+            config,
+            run_dir,
+            t0=t0,
+            resume=resume,
+            group=group,
+            credentials=creds,
+            replays=replays,
+            replay_public=replay_public,
+        )
         summary = node.run(stop_on_signals())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None

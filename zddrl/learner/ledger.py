@@ -92,6 +92,16 @@ class Ledger:
         episodes = self.episodes.add(r.peer_id, r.incarnation, r.seq, r.segments)
         self.progress.add_episodes([ret for ret, _ in episodes])
 
+    def intake(self, env_steps: int, returns: list[float], invalid: int) -> None:
+        """What replay services took in (``replay.placement = "service"``): they count steps, episodes and refusals
+        as a shard does (``replay_store.py``) and report the sums; their refusals count under ``replay``."""
+        if env_steps:
+            self.first_s.setdefault("wall_s_first_trajectory", round(time.time() - self.t0, 3))
+        self.progress.count_steps(env_steps)
+        self.progress.add_episodes(returns)
+        if invalid:
+            self.progress.dropped_invalid["replay"] += invalid
+
     def drop_stale(self, r: Record, version: int) -> None:
         n = _tally(self.progress.dropped_stale, r.peer_id)
         if n:

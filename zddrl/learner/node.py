@@ -30,10 +30,10 @@ from zddrl.algos.apex import ApexLearner
 from zddrl.algos.core import LearnerCore
 from zddrl.algos.impala import ImpalaLearner
 from zddrl.algos.ppo import PPOLearner
-from zddrl.algos.replay_learner import REPLAY_FIGURES
+from zddrl.algos.replay_learner import REPLAY_FIGURES, ReplayLearner
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac import SACLearner
-from zddrl.config import Config, ConfigError
+from zddrl.config import REPLAY_MODES, Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
 from zddrl.learner.admit import AskedLengths, envs_of, refusal
@@ -43,6 +43,7 @@ from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import Progress
+from zddrl.learner.replay_client import RemoteReplay, ServiceFeed
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.proc import rss_mb
@@ -118,8 +119,12 @@ class LearnerNode:
         resume: bool = False,
         group: ShardGroup | None = None,
         credentials: keys.Credentials | None = None,
+        replays: tuple[str, ...] = (),
+        replay_public: bytes = b"",
     ) -> None:
         self.connect = connect
+        self.replays, self.replay_public = replays, replay_public
+        """``replay.placement = "service"``: the replay services' endpoints, and their CURVE public key (closed bus)."""
         self.credentials = credentials
         """With keys: ``credentials.signer`` signs the run spec and every version this learner publishes."""
         self.config = config
@@ -158,6 +163,8 @@ class LearnerNode:
                 ),
                 Evaluator(config),
             )
+        self.remote: RemoteReplay | None = None
+        """The replay services' link (``replay.placement = "service"``), once joined."""
         self.updates = progress.updates if progress is not None else 0
         self.max_chunk_bytes = 1 << 30
         self.next_stats = 0.0
@@ -198,14 +205,15 @@ class LearnerNode:
             link.close(reason="learner finished")
         return summary
 
-    def _join(self, link: BrokerLink) -> SyncRounds | AsyncStream:
+    def _join(self, link: BrokerLink) -> SyncRounds | AsyncStream | ServiceFeed:
         """Once welcomed: open the data channel, publish the current version, record the run; the collector."""
         welcome = link.wait_welcome(WELCOME_TIMEOUT_S)
         if welcome is None or link.refused:
             if link.refused:
                 raise Refused(link.refused)
             raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
-        window, limit = self._window(), welcome.max_message_bytes
+        service = self.config.replay.placement == "service" and self.algo.mode in REPLAY_MODES
+        window, limit = (0 if service else self._window()), welcome.max_message_bytes  # service: the replays' data
         self.poller = ShardPoller(
             link,
             lambda: DataChannel(link, self.peer_id, limit, window),
@@ -237,10 +245,33 @@ class LearnerNode:
                 f"steps, {self.group.world_size} shard(s), version {self.policy_version} published"
             )
         ledger = own.ledger if own is not None else None
+        if service:
+            return self._service_feed(ledger)
         if self.algo.mode != "sync":
             return AsyncStream(self.poller, self.algo, ledger)
         fleet = own.fleet if own is not None else None
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
+
+    def _service_feed(self, ledger: Ledger | None) -> ServiceFeed:
+        """The service placement: sample from the replays (``replay_client.py``) instead of a buffer here."""
+        remote = RemoteReplay(
+            list(self.replays),
+            self.config,
+            self.spec,
+            self.run_id,
+            self.peer_id,
+            context=self.ctx,
+            credentials=self.credentials,
+            replay_public=self.replay_public,
+            report=self.main,
+            log=self.log,
+        )
+        remote.rollout_len = self.rollout_len
+        self.remote = remote
+        assert isinstance(self.core, ReplayLearner)
+        self.core.attach(remote)
+        self.log.info(f"replay placement 'service': sampling from {', '.join(self.replays)}")
+        return ServiceFeed(self.poller, remote, self.algo, ledger, self.group)
 
     def _step(self, got: CollectedBatch) -> bool:
         """One update on a collected batch, then publish and log; False when the run is over."""
@@ -292,6 +323,8 @@ class LearnerNode:
             own.runlog.close()
         if hasattr(self, "poller"):
             self.poller.close()
+        if self.remote is not None:
+            self.remote.close()
         return summary
 
     def _window(self) -> int:

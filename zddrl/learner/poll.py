@@ -140,6 +140,11 @@ class ShardPoller:
             return None
         return msg
 
+    def keep_link(self) -> None:
+        """After a new welcome, credit and parameters again (what ``poll`` does first; for a caller that does not
+        poll this socket: the service placement, whose data goes to the replays)."""
+        self._reconnect_if_needed()
+
     def _reconnect_if_needed(self) -> None:
         """After a new welcome: re-grant credit (the broker restarted at zero) and re-publish the current
         parameters (a restarted broker has none). The data socket is kept while the learners port is the

@@ -8,7 +8,8 @@ a ``finally`` (SIGTERM, then SIGKILL after a grace period): no orphans, also on 
 A learner (or shard group) that dies is restarted from the run's newest checkpoint, at most
 ``train.max_restarts`` times with back-off (ops/restart.py); broker and actors stay up meanwhile and
 follow the restarted learner's run. Its log goes on in the same ``logs/learner.log``, after a line
-that says which restart it is and why.
+that says which restart it is and why. With ``replay.placement = "service"`` a replay service (`zddrl replay`)
+runs too and keeps the buffer across such restarts (its state under ``RUN_DIR/replay``).
 """
 
 from __future__ import annotations
@@ -160,10 +161,10 @@ class FinishWatch:
 
 
 def throwaway_keys() -> Path:
-    """A fresh key directory for one secured local run (``zddrl train --secure``): a broker, a learner, an actor
-    and a monitor key, made with ``keys.new_key``; the caller removes it when the run ends."""
+    """A fresh key directory for one secured local run (``zddrl train --secure``): a broker, a learner, an actor,
+    a monitor and a replay key, made with ``keys.new_key``; the caller removes it when the run ends."""
     root = Path(tempfile.mkdtemp(prefix="zddrl-keys-"))
-    for role in ("broker", "learner", "actor", "monitor"):
+    for role in ("broker", "learner", "actor", "monitor", "replay"):
         new_key(root, role, role)
     return root
 
@@ -176,12 +177,20 @@ def _start(
     learner_args: list[str],
     resume: bool,
     keys: list[str],
+    replay_port: int = 0,
+    run_dir: Path = Path("."),
 ) -> subprocess.Popen:
-    """The broker (on ``connect`` and the trajectories, learners and params ports), the learner (in a process group
-    of its own, with its shards) and the actors, all with the ``keys`` options; returns the learner."""
+    """The broker (on ``connect`` and the trajectories, learners and params ports), a replay service (on
+    ``replay_port``, if not 0; its state in ``run_dir/replay``), the learner (in a process group of its own, with its
+    shards) and the actors, all with the ``keys`` options; returns the learner."""
     traj, learn, params = (str(p) for p in data_ports)
     broker = ["broker", "--bind", connect, "--trajectory-port", traj, "--learner-port", learn, "--params-port", params]
     procs.start("broker", [*broker, *keys])
+    if replay_port:  # before the learner, which samples from it (ZeroMQ waits for the bind either way)
+        allow = ["--allow-env", config.env.id]  # the user's own env id (see the actors below)
+        bind = f"tcp://127.0.0.1:{replay_port}"
+        state = ["--state-dir", str(run_dir / "replay")]
+        procs.start("replay", ["replay", "--connect", connect, "--bind", bind, *state, *allow, *keys])
     learner = procs.start("learner", [*learner_args, *(["--resume"] if resume else [])], own_group=True)
     slowdowns = config.train.slowdowns
     for i in range(config.train.actors):
@@ -214,19 +223,33 @@ def run_training(
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
     config_path.write_text(to_toml(config.to_dict()))
-    control, traj, learn, params = free_ports(4)
+    control, traj, learn, params, replay_port = free_ports(5)
     connect = f"tcp://127.0.0.1:{control}"
+    if config.algo.mode not in REPLAY_MODES or config.replay.placement != "service":
+        replay_port = 0
     procs = LocalProcesses(log_dir)
     tty = show_progress and sys.stderr.isatty()
     budget = RestartBudget(config.train.max_restarts)
     key_dir = throwaway_keys() if secure else None
     keys = ["--keys", str(key_dir)] if key_dir is not None else []
     learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir), *keys]
+    if replay_port:
+        learner_args += ["--replay", f"tcp://127.0.0.1:{replay_port}"]
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
     try:
         if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
             _check_env(config)
-        learner = _start(procs, config, connect, (traj, learn, params), [*learner_args, "--t0", repr(t0)], resume, keys)
+        learner = _start(
+            procs,
+            config,
+            connect,
+            (traj, learn, params),
+            [*learner_args, "--t0", repr(t0)],
+            resume,
+            keys,
+            replay_port,
+            run_dir,
+        )
         if config.algo.mode not in REPLAY_MODES:
             _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
         bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"

@@ -65,6 +65,8 @@ from zddrl.protocol.messages import (  # noqa: F401  (part of this package's int
     Parameters,
     ParamsRequest,
     Reject,
+    ReplayBatch,
+    ReplaySample,
     Stats,
     Status,
     StatusRequest,
@@ -82,8 +84,11 @@ from zddrl.protocol.rules import (  # noqa: F401
     MAX_ID_BYTES,
     MAX_NUM_ENVS,
     MAX_PARAM_CHUNKS,
+    MAX_REPLAY_BATCH,
+    MAX_REPLAY_RETURNS,
     MAX_SIGNER_BYTES,
     PARAM_DTYPES,
+    REPLAY_BATCH_ARRAYS,
     SIGNATURE_BYTES,
     TRAJECTORY_ARRAYS,
     TRUNCATION_ARRAYS,
@@ -91,6 +96,8 @@ from zddrl.protocol.rules import (  # noqa: F401
     check_fleet,
     check_hello,
     check_params,
+    check_replay_batch,
+    check_replay_sample,
     check_subtree,
     check_trajectory,
     check_trajectory_layout,
@@ -322,6 +329,8 @@ _CHECKS = {
     Trajectory: check_trajectory,
     Fleet: check_fleet,
     Subtree: check_subtree,
+    ReplaySample: check_replay_sample,
+    ReplayBatch: check_replay_batch,
 }
 _LAYOUT_RULES: dict[type[Message], Callable[[Layout], None]] = {Trajectory: check_trajectory_layout}
 _FAST = {

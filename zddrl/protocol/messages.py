@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-ROLES = ("actor", "learner", "monitor", "relay")
-"""A hello's ``role``. A relay is a broker that joins another (its upstream) on behalf of its own actors."""
+ROLES = ("actor", "learner", "monitor", "relay", "replay")
+"""A hello's ``role``. A relay is a broker that joins another (its upstream) on behalf of its own actors; a replay
+is a replay service (``zddrl replay``) that takes a replay run's trajectories in place of the learner shards."""
 REFUSED_PREFIX = "hello refused: "
 """Start of a reject's reason when the broker will not take this client at all (no retry)."""
 CRASH_PREFIX = "crashed: "
@@ -36,7 +37,7 @@ class Hello(Message):
     """Client -> broker control socket: join. Learners also announce the run they own."""
 
     KIND: ClassVar[str] = "hello"
-    role: str  # "actor" | "learner" | "monitor" | "relay"
+    role: str  # "actor" | "learner" | "monitor" | "relay" | "replay"
     peer_id: str
     host: str = ""
     pid: int = 0
@@ -245,6 +246,68 @@ class Subtree(Message):
 
 
 @dataclass(frozen=True)
+class ReplaySample(Message):
+    """Learner shard -> replay service (its own ROUTER, not the broker): sample ``batch`` transitions.
+
+    Also carries what the replay needs of the learner: ``allow_steps`` (the replay takes in trajectories while the
+    env steps it has inserted, a count since it started, are below this), the learner's ``policy_version`` and the
+    longest per-env ``rollout_len`` it asked for (what bounds an admitted rollout), ``drop_before`` (retire data
+    acted by older versions; -1: none), ``report`` (the main shard: hand over the intake figures), and
+    ``arrays["ids"]`` (int64 ``[M]``) with ``arrays["td_errors"]`` (float32 ``[M]``): new priorities of transitions
+    this replay gave out earlier (both absent when ``M`` = 0). docs/protocol.md section 5.9.
+    """
+
+    KIND: ClassVar[str] = "replay_sample"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    peer_id: str
+    request: int
+    batch: int
+    allow_steps: int
+    policy_version: int
+    rollout_len: int
+    drop_before: int = -1
+    report: bool = False
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReplayBatch(Message):
+    """Replay service -> learner shard: the answer to ``replay_sample`` ``request``.
+
+    ``arrays``: the ``batch`` transitions drawn (``ids`` int64, ``priorities`` float64, ``obs`` and ``next_obs`` of
+    the env's dtype, ``actions``, n-step ``returns`` and ``discounts`` float32, ``versions`` int32; none when
+    ``batch`` was 0 or nothing is held). The buffer's figures: ``held`` (transitions that can be drawn),
+    ``total`` (their priority mass), ``min_priority``, ``max_priority`` (the largest seen), ``inserted`` (env steps
+    taken in since the replay started), ``newest_version`` (the newest policy version taken in; -1: none),
+    ``capacity``, ``nbytes``, ``stale_updates``, ``dropped_by_version``. For a request with ``report`` set, the
+    intake since the last report: ``ep_returns`` of the episodes that ended, ``env_steps``, ``trajectories`` and
+    ``invalid`` (trajectories refused). docs/protocol.md section 5.9.
+    """
+
+    KIND: ClassVar[str] = "replay_batch"
+    HAS_ARRAYS: ClassVar[bool] = True
+    run_id: str
+    peer_id: str
+    request: int
+    held: int
+    total: float
+    min_priority: float
+    max_priority: float
+    inserted: int
+    newest_version: int
+    capacity: int
+    nbytes: int
+    stale_updates: int = 0
+    dropped_by_version: int = 0
+    env_steps: int = 0
+    trajectories: int = 0
+    invalid: int = 0
+    ep_returns: list[float] = field(default_factory=list)
+    arrays: Mapping[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Bye(Message):
     """Client -> broker control: I am leaving on purpose (no expiry needed)."""
 
@@ -270,6 +333,8 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Status,
         Fleet,
         Subtree,
+        ReplaySample,
+        ReplayBatch,
         Bye,
     )
 }

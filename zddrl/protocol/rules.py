@@ -313,3 +313,71 @@ def check_trajectory(fields: dict[str, Any]) -> None:
         )
     if lengths and min(lengths) < 1:
         raise ProtocolError("trajectory: episode lengths must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# The replay service's own socket (docs/protocol.md section 5.9)
+# --------------------------------------------------------------------------------------------
+
+MAX_REPLAY_BATCH = 1 << 16
+"""Most transitions one replay_sample may ask for (and one replay_batch carry)."""
+MAX_REPLAY_RETURNS = 4096
+"""Most episode returns one replay_batch carries (a replay keeps the rest for its next report)."""
+REPLAY_SAMPLE_ARRAYS = {"ids": _I64, "td_errors": _F32}
+REPLAY_BATCH_COUNTS: tuple[str, ...] = ("request", "held", "inserted", "capacity", "nbytes", "stale_updates")
+REPLAY_BATCH_COUNTS += ("dropped_by_version", "env_steps", "trajectories", "invalid")
+REPLAY_BATCH_ARRAYS = ("ids", "priorities", "obs", "next_obs", "actions", "returns", "discounts", "versions")
+
+
+def check_replay_sample(fields: dict[str, Any]) -> None:
+    """Counts in range; the priority updates are both arrays or neither, 1-d, of one length, finite."""
+    if not (_is_int(fields["request"], 0) and _is_int(fields["batch"], 0, MAX_REPLAY_BATCH)):
+        raise ProtocolError(f"replay_sample: request must be >= 0 and batch in 0..{MAX_REPLAY_BATCH}")
+    if not (_is_int(fields["allow_steps"], 0) and _is_int(fields["policy_version"], 0)):
+        raise ProtocolError("replay_sample: allow_steps and policy_version must be >= 0")
+    if not (_is_int(fields["rollout_len"], 1) and _is_int(fields["drop_before"], -1)):
+        raise ProtocolError("replay_sample: rollout_len must be >= 1 and drop_before >= -1")
+    arrays = fields["arrays"]
+    if not arrays:
+        return
+    if set(arrays) != set(REPLAY_SAMPLE_ARRAYS) or any(
+        arrays[k].dtype != dt or arrays[k].ndim != 1 for k, dt in REPLAY_SAMPLE_ARRAYS.items()
+    ):
+        raise ProtocolError("replay_sample: priority updates are 'ids' int64 [M] and 'td_errors' float32 [M]")
+    if arrays["ids"].shape != arrays["td_errors"].shape or not np.isfinite(arrays["td_errors"]).all():
+        raise ProtocolError("replay_sample: 'ids' and 'td_errors' must have one length, the TD errors be finite")
+
+
+def check_replay_batch(fields: dict[str, Any]) -> None:
+    """Counts >= 0, a priority mass and minimum >= 0, at most MAX_REPLAY_RETURNS returns; the arrays are all of
+    REPLAY_BATCH_ARRAYS or none, with one batch size B (the learner checks the observations against its env)."""
+    counts = REPLAY_BATCH_COUNTS
+    if not all(_is_int(fields[k], 0) for k in counts):
+        raise ProtocolError(f"replay_batch: {', '.join(counts)} must be ints >= 0")
+    if fields["total"] < 0 or fields["min_priority"] < 0 or fields["max_priority"] < 0:
+        raise ProtocolError("replay_batch: total, min_priority and max_priority must be >= 0")
+    if not _is_int(fields["newest_version"], -1):
+        raise ProtocolError("replay_batch: newest_version must be >= -1")
+    if len(fields["ep_returns"]) > MAX_REPLAY_RETURNS:
+        raise ProtocolError(f"replay_batch: at most {MAX_REPLAY_RETURNS} episode returns")
+    arrays = fields["arrays"]
+    if not arrays:
+        return
+    if set(arrays) != set(REPLAY_BATCH_ARRAYS):
+        raise ProtocolError(f"replay_batch: arrays must be all of {list(REPLAY_BATCH_ARRAYS)} or none")
+    B = arrays["ids"].shape[0] if arrays["ids"].ndim == 1 else -1
+    if not 1 <= B <= MAX_REPLAY_BATCH or any(a.ndim < 1 or a.shape[0] != B for a in arrays.values()):
+        raise ProtocolError(f"replay_batch: every array must have one first dimension B in 1..{MAX_REPLAY_BATCH}")
+    want = {"ids": _I64, "priorities": DTYPES["float64"], "returns": _F32, "discounts": _F32}
+    want["versions"] = DTYPES["int32"]
+    for name, dtype in want.items():
+        if arrays[name].dtype != dtype or arrays[name].ndim != 1:
+            raise ProtocolError(f"replay_batch: {name!r} must be {DTYPE_NAMES[dtype]} [B]")
+    if arrays["obs"].dtype not in OBS_DTYPES or arrays["next_obs"].dtype != arrays["obs"].dtype:
+        raise ProtocolError("replay_batch: 'obs' and 'next_obs' must share one dtype, float32 or uint8")
+    if arrays["next_obs"].shape != arrays["obs"].shape:
+        raise ProtocolError("replay_batch: 'obs' and 'next_obs' must have one shape")
+    if arrays["actions"].dtype not in (_I64, _F32):
+        raise ProtocolError("replay_batch: 'actions' must be int64 or float32")
+    if not (np.isfinite(arrays["priorities"]).all() and (arrays["priorities"] > 0).all()):
+        raise ProtocolError("replay_batch: priorities must be finite and > 0")

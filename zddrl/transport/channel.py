@@ -48,7 +48,8 @@ class DataChannel:
         self.outstanding = 0
         """Credit the broker holds for us: granted, not yet used by a trajectory we consumed."""
         self.last_bytes = 0
-        self.grant(window)
+        if window:  # 0: a channel that only publishes (a service-placement learner: the replays take the data)
+            self.grant(window)
 
     def grant(self, n: int) -> None:
         self.outstanding += n
@@ -58,7 +59,8 @@ class DataChannel:
         """After a new welcome on the same learners port: the broker's credit for us restarted at zero."""
         self.generation = generation
         self.outstanding = 0
-        self.grant(self.window)
+        if self.window:
+            self.grant(self.window)
 
     def ack(self) -> None:
         """One received trajectory consumed: credit goes back once half the window is used (one

@@ -1,4 +1,4 @@
-"""What an actor host takes from the network before it acts on it: a run it may join.
+"""What an actor host or a replay service takes from the network before it acts on it: a run it may join.
 
 The run spec comes from the broker's welcome. Two things are judged before any of it is used:
 

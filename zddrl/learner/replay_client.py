@@ -1,0 +1,349 @@
+"""A learner shard's side of the replay services (``replay.placement = "service"``; the services:
+``replay_service.py``).
+
+``RemoteReplay`` is the ``ReplaySource`` the replay modes' gradient steps sample from (``algos.replay_learner``).
+It holds one DEALER per replay endpoint (``zddrl learner --replay tcp://H:P,...``) and speaks ``replay_sample`` /
+``replay_batch`` with each (docs/protocol.md section 5.9):
+
+* **One batch from several replays, weighted exactly.** A batch of ``B`` is split over the replays in proportion
+  to their priority mass (largest remainders), each draws its part from its own sum-tree, and the importance
+  weights are computed here over all of them: ``w_i = (p_i / p_min)^-beta`` with ``p_min`` the smallest priority
+  any replay holds, ``beta`` annealed by this learner's own sample count (Schaul et al. 2016). The split uses
+  each replay's mass as of its last answer, so it is exact up to one step's drift.
+* **Priority updates** of a batch go back with the next request to the replay that served each row.
+* **Intake and the replay ratio.** Every answer carries the replay's ``inserted`` counter; ``intake()`` is the sum
+  of their increases since the last call. Every request carries ``allow_steps``: the replay may take in
+  ``room / K`` more env steps (``room``: what the batch being collected still lacks; 0 while the learner takes
+  its gradient steps), so intake stops while the learner trains, as it does with the local buffer.
+* **A replay that does not answer** within ``REPLY_TIMEOUT_S`` is left out of batches (its pending priority
+  updates dropped and counted) and asked again at every ``refresh``; a batch is drawn from the replays that
+  answer. Answers to an earlier request are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+import zmq
+
+from zddrl import keys
+from zddrl import protocol as P
+from zddrl.algos.replay import ReplayBatch
+from zddrl.config import AlgoConfig, Config
+from zddrl.dist.shards import ShardGroup
+from zddrl.envs import EnvSpec
+from zddrl.learner.ledger import Ledger
+from zddrl.learner.poll import ShardPoller
+from zddrl.learner.rounds import CollectedBatch
+
+REPLY_TIMEOUT_S = 5.0
+"""How long a sample waits for a replay's answer before it draws its batch without that replay."""
+SERVICE_POLL_S = 0.01
+"""Between figures-only requests while a service batch is being collected."""
+REFRESH_TIMEOUT_S = 0.5
+"""How long a figures-only request waits (a replay that is not there must not hold up collecting for long)."""
+
+
+class Report(NamedTuple):
+    """What the replays took in since the last report (the main shard's ledger counts it)."""
+
+    env_steps: int
+    trajectories: int
+    invalid: int
+    returns: list[float]
+
+
+class _Peer:
+    """One replay: its socket, its last answer, the priority updates it is owed."""
+
+    def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
+        self.sock, self.endpoint = sock, endpoint
+        self.last: P.ReplayBatch | None = None
+        self.seen_inserted: int | None = None
+        self.ids: list[np.ndarray] = []
+        self.td: list[np.ndarray] = []
+        self.alive = True
+
+    def updates(self) -> dict[str, np.ndarray]:
+        if not self.ids:
+            return {}
+        arrays = {"ids": np.concatenate(self.ids), "td_errors": np.concatenate(self.td).astype(np.float32)}
+        self.ids, self.td = [], []
+        return arrays
+
+
+class RemoteReplay:
+    """``refresh()`` asks every replay for its figures; ``sample(B)`` draws a batch; the rest is ``ReplaySource``."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        config: Config,
+        spec: EnvSpec,
+        run_id: str,
+        peer_id: str,
+        *,
+        context: zmq.Context | None = None,
+        credentials: keys.Credentials | None = None,
+        replay_public: bytes = b"",
+        report: bool = True,
+        log: Any = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("replay.placement = 'service' needs at least one replay endpoint (--replay)")
+        self.config, self.spec, self.run_id, self.peer_id, self.report = config, spec, run_id, peer_id, report
+        self.log = log
+        ctx = context or zmq.Context.instance()
+        self.peers = [_Peer(self._socket(ctx, e, credentials, replay_public), e) for e in endpoints]
+        self.request = 0
+        self.policy_version = 0
+        self.rollout_len = config.env.rollout_len
+        self.room = config.replay.learning_starts + config.algo.batch_size
+        """Env steps the learner wants the replays to take in now (split over them in ``allow_steps``)."""
+        self.drop_before = -1
+        self.samples = 0
+        self.newest_version = -1
+        self._reports: list[Report] = []
+        self._intake = 0
+        self.taken = 0
+        """Env steps the replays took in since this learner started (what a service batch is collected by)."""
+        self._pending_rows: list[tuple[_Peer, int]] = []
+        """The last batch's rows per replay, in order: where its priority updates go."""
+        self.counters = {"timeouts": 0, "updates_dropped": 0, "bad_answers": 0}
+
+    @staticmethod
+    def _socket(ctx: zmq.Context, endpoint: str, credentials: keys.Credentials | None, server: bytes) -> zmq.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a replay that is not there: a send fails instead
+        sock.setsockopt(zmq.SNDHWM, 4)
+        if credentials is not None:
+            sock.curve_secretkey = credentials.client.secret
+            sock.curve_publickey = credentials.client.public
+            sock.curve_serverkey = server
+        sock.connect(endpoint)
+        return sock
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.sock.close(linger=0)
+
+    # ---------------------------------------------------------------- the conversation
+    def _ask(self, batches: dict[_Peer, int], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:
+        """Send one request to each replay of ``batches`` and wait (up to ``timeout_s``) for their answers."""
+        self.request += 1
+        live = [p for p in self.peers if p.alive] or self.peers
+        share = math.ceil(max(0, self.room) / max(1, len(live)))
+        sent: list[_Peer] = []
+        for peer, batch in batches.items():
+            inserted = peer.last.inserted if peer.last is not None else 0
+            msg = P.ReplaySample(
+                run_id=self.run_id,
+                peer_id=self.peer_id,
+                request=self.request,
+                batch=batch,
+                allow_steps=inserted + share,
+                policy_version=self.policy_version,
+                rollout_len=self.rollout_len,
+                drop_before=self.drop_before,
+                report=self.report,
+                arrays=peer.updates(),
+            )
+            try:
+                peer.sock.send_multipart(P.encode(msg), zmq.NOBLOCK, copy=False)
+                sent.append(peer)
+            except zmq.Again:  # not connected (IMMEDIATE): the updates it was owed are lost with its answer
+                self._lost(peer, len(msg.arrays.get("ids", ())))
+        return self._answers(sent, timeout_s)
+
+    def _answers(self, sent: list[_Peer], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:
+        got: dict[_Peer, P.ReplayBatch] = {}
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        for peer in sent:
+            poller.register(peer.sock, zmq.POLLIN)
+        while len(got) < len(sent):
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                break
+            for sock, _ in poller.poll(int(left_ms) + 1):
+                peer = next(p for p in sent if p.sock is sock)
+                answer = self._read(peer)
+                if answer is not None and answer.request == self.request:
+                    got[peer] = answer
+        for peer in sent:
+            peer.alive = peer in got
+            if peer not in got:
+                self.counters["timeouts"] += 1
+        return got
+
+    def _read(self, peer: _Peer) -> P.ReplayBatch | None:
+        """The answer waiting on ``peer``'s socket, its intake taken into account; None if it is unusable."""
+        try:
+            msg = P.decode(peer.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            if not isinstance(msg, P.ReplayBatch):
+                raise P.ProtocolError(f"a replay answers with replay_batch, not {msg.KIND}")
+            if msg.arrays and msg.arrays["obs"].shape[1:] != self.spec.obs_shape:
+                raise P.ProtocolError(f"observations of shape {list(msg.arrays['obs'].shape[1:])}")
+        except (zmq.Again, P.ProtocolError) as exc:
+            self.counters["bad_answers"] += int(not isinstance(exc, zmq.Again))
+            return None
+        # Counted whatever request it answers: its report and counters are the replay's since its last answer.
+        if peer.seen_inserted is None or msg.inserted < peer.seen_inserted:
+            peer.seen_inserted = msg.inserted  # first answer, or a replay restarted: nothing new counted
+        self._intake += msg.inserted - peer.seen_inserted
+        self.taken += msg.inserted - peer.seen_inserted
+        peer.seen_inserted = msg.inserted
+        self.newest_version = max(self.newest_version, msg.newest_version)
+        if self.report:
+            self._reports.append(Report(msg.env_steps, msg.trajectories, msg.invalid, list(msg.ep_returns)))
+        peer.last = msg
+        return msg if msg.request == self.request else None
+
+    def _lost(self, peer: _Peer, n: int) -> None:
+        peer.alive = False
+        self.counters["updates_dropped"] += n
+        peer.ids, peer.td = [], []
+
+    def refresh(self, timeout_s: float = REFRESH_TIMEOUT_S) -> None:
+        """Ask every replay for its figures (and the intake report), no batch."""
+        self._ask({peer: 0 for peer in self.peers}, timeout_s)
+
+    def take_reports(self) -> Report:
+        reports, self._reports = self._reports, []
+        return Report(
+            sum(r.env_steps for r in reports),
+            sum(r.trajectories for r in reports),
+            sum(r.invalid for r in reports),
+            [x for r in reports for x in r.returns],
+        )
+
+    # ---------------------------------------------------------------- ReplaySource
+    def intake(self) -> tuple[int, int]:
+        steps, self._intake = self._intake, 0
+        return steps, self.newest_version
+
+    def sample(self, batch: int) -> ReplayBatch:
+        """``batch`` transitions over the replays that answer (fewer if one does not), weighted over all of them."""
+        parts = self._split(batch)
+        got = self._ask(parts, REPLY_TIMEOUT_S)
+        rows = [(peer, got[peer]) for peer in parts if peer in got and got[peer].arrays]
+        if not rows:
+            raise ValueError("no replay answered with transitions")
+        self.samples += 1
+        self._pending_rows = [(peer, len(ans.arrays["ids"])) for peer, ans in rows]
+        cat = {k: np.concatenate([ans.arrays[k] for _, ans in rows]) for k in P.REPLAY_BATCH_ARRAYS}
+        p_min = min(ans.min_priority for _, ans in rows if ans.min_priority > 0)
+        weights = (cat["priorities"] / p_min) ** -self.beta
+        return ReplayBatch(
+            ids=cat["ids"],
+            weights=weights.astype(np.float32),
+            obs=cat["obs"],
+            actions=cat["actions"],
+            returns=cat["returns"],
+            discounts=cat["discounts"],
+            next_obs=cat["next_obs"],
+            versions=cat["versions"],
+        )
+
+    def _split(self, batch: int) -> dict[_Peer, int]:
+        """``batch`` over the live replays that hold data, in proportion to their priority mass."""
+        peers = [p for p in self.peers if p.alive and p.last is not None and p.last.held > 0 and p.last.total > 0]
+        if not peers:
+            return {p: batch for p in self.peers[:1]}
+        mass = np.array([p.last.total for p in peers if p.last is not None])
+        exact = batch * mass / mass.sum()
+        parts = np.floor(exact).astype(int)
+        for i in np.argsort(-(exact - parts))[: batch - int(parts.sum())]:
+            parts[i] += 1
+        return {p: int(n) for p, n in zip(peers, parts) if n > 0}
+
+    def update_priorities(self, ids: np.ndarray, td_errors: np.ndarray) -> int:
+        """Queue the last batch's new priorities for the replays that served its rows (sent with the next request)."""
+        start = 0
+        for peer, n in self._pending_rows:
+            peer.ids.append(np.asarray(ids[start : start + n], dtype=np.int64))
+            peer.td.append(np.asarray(td_errors[start : start + n], dtype=np.float32))
+            start += n
+        self._pending_rows = []
+        return start
+
+    def drop_older_than(self, version: int) -> int:
+        self.drop_before = max(self.drop_before, int(version))
+        return 0
+
+    def td_cap(self) -> float:
+        rc = self.config.replay
+        top = max((p.last.max_priority for p in self.peers if p.last is not None), default=1.0)
+        return max(top ** (1.0 / rc.alpha) - 1e-6, 0.0) if rc.alpha else math.inf
+
+    def __len__(self) -> int:
+        return sum(p.last.held for p in self.peers if p.alive and p.last is not None)
+
+    @property
+    def beta(self) -> float:
+        rc = self.config.replay
+        return rc.beta + (1.0 - rc.beta) * min(1.0, self.samples / rc.beta_steps)
+
+    @property
+    def fill(self) -> float:
+        lasts = [p.last for p in self.peers if p.last is not None]
+        return sum(min(a.held, a.capacity) for a in lasts) / max(1, sum(a.capacity for a in lasts))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.last.nbytes for p in self.peers if p.last is not None)
+
+    @property
+    def stale_updates(self) -> int:
+        return sum(p.last.stale_updates for p in self.peers if p.last is not None)
+
+    @property
+    def dropped_by_version(self) -> int:
+        return sum(p.last.dropped_by_version for p in self.peers if p.last is not None)
+
+    @property
+    def max_priority(self) -> float:
+        return max((p.last.max_priority for p in self.peers if p.last is not None), default=1.0)
+
+
+class ServiceFeed:
+    """The service placement's collector: ``collect(stop, version)`` returns once the replays took in
+    ``algo.batch_size`` more env steps (an update's worth, as the local placement reads them), counting their
+    reports in the main shard's ledger. The batch it returns is empty: the update samples from the replays. Shards
+    end a collect together (the main shard decides, in the group's exchange)."""
+
+    def __init__(
+        self, poller: ShardPoller, remote: RemoteReplay, algo: AlgoConfig, ledger: Ledger | None, group: ShardGroup
+    ) -> None:
+        self.poller, self.remote, self.algo, self.ledger, self.group = poller, remote, algo, ledger, group
+
+    def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
+        started, start = time.monotonic(), self.remote.taken
+        remote = self.remote
+        remote.policy_version = version
+        while True:
+            self.poller.keep_link()
+            remote.room = max(0, self.algo.batch_size - (remote.taken - start))
+            remote.refresh()
+            ledger = self.ledger
+            if ledger is not None:
+                report = remote.take_reports()
+                ledger.intake(report.env_steps, report.returns, report.invalid)
+            control = {
+                "stop": stop.is_set() or (ledger is not None and ledger.finished()),
+                "done": remote.taken - start >= self.algo.batch_size,
+            }
+            if self.group.sharded:
+                parts = self.group.exchange(control if self.group.is_main else None)
+                control = {**parts[0], "stop": parts[0]["stop"] or stop.is_set()}
+            if control["stop"]:
+                return CollectedBatch([], time.monotonic() - started, 0, stopped=True)
+            if control["done"]:
+                remote.room = 0  # no intake while the update takes its gradient steps
+                return CollectedBatch([], time.monotonic() - started, 0)
+            stop.wait(SERVICE_POLL_S)
