@@ -17,10 +17,10 @@ import pytest
 
 from broker_clients import WAIT_S, Shard, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
-from zddrl.transport.trust import joinable
 from zddrl.config import Config
 from zddrl.envs import EnvError, env_factory, env_refusal
 from zddrl.protocol import Welcome
+from zddrl.transport.trust import joinable
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_ID = "tests.actor.test_allow_env:recording_env"

@@ -119,8 +119,7 @@ class RemoteReplay:
     def _socket(ctx: zmq.Context, endpoint: str, credentials: keys.Credentials | None, server: bytes) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queue for a replay that is not there: a send fails instead
-        sock.setsockopt(zmq.SNDHWM, 4)
+        sock.setsockopt(zmq.SNDHWM, 4)  # a replay that is gone holds at most 4 requests; then a send fails at once
         if credentials is not None:
             sock.curve_secretkey = credentials.client.secret
             sock.curve_publickey = credentials.client.public
@@ -156,7 +155,7 @@ class RemoteReplay:
             try:
                 peer.sock.send_multipart(P.encode(msg), zmq.NOBLOCK, copy=False)
                 sent.append(peer)
-            except zmq.Again:  # not connected (IMMEDIATE): the updates it was owed are lost with its answer
+            except zmq.Again:  # its queue is full (it is gone): the updates it was owed are lost
                 self._lost(peer, len(msg.arrays.get("ids", ())))
         return self._answers(sent, timeout_s)
 
