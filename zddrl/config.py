@@ -211,7 +211,8 @@ class ReplayConfig:
     """The replay buffer of the apex and sac modes (zddrl/algos/replay.py), one per learner shard."""
 
     capacity: int = 100_000
-    """Transitions held (per learner shard); a capacity that would not fit in memory is an error at start."""
+    """Transitions held (per learner shard, or per replay service); a capacity that would not fit in memory is an
+    error at start."""
     batch_size: int = 256
     """Transitions per gradient step."""
     learning_starts: int = 1000
