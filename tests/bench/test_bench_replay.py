@@ -46,3 +46,26 @@ def test_capacity_shrinks_to_what_fits_and_says_so() -> None:
     capacity, note = fitting_capacity(10**6, (4, 84, 84), "uint8", 7 * 2**30)
     assert 200_000 <= capacity < 7 * 2**30 / 28_224 and capacity % 10_000 == 0
     assert "capacity 1,000,000 would need 26.3 GiB" in note and f"{capacity:,}" in note
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_replay_service_smoke() -> None:
+    """The service rows: a real broker and `zddrl replay`, rollouts pushed through them and batches sampled back."""
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "zddrl", "bench", "replay", "--json", "--workloads", "cartpole"),
+            *("--capacity", "5000", "--seconds", "0.05", "--learner-threads", ""),
+            *("--service", "--service-capacity", "5000"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout)["service"]
+    assert row["workload"] == "cartpole" and row["placement"] == "service" and row["timeouts"] == 0
+    assert row["rollouts_timed"] == 5000 // 256
+    assert min(row["insert_per_s"], row["sample_per_s"], row["sample_update_per_s"]) > 0
+    assert row["insert_per_s_vs_local"] > 0

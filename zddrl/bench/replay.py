@@ -1,4 +1,5 @@
-"""`zddrl bench replay`: insert and sample throughput of the learner-local prioritized replay buffer.
+"""`zddrl bench replay`: insert and sample throughput of the learner-local prioritized replay buffer (and, with
+``--service``, of a replay service on the bus: bench/replay_service.py).
 
 For each workload (CartPole-sized 4 x float32 observations; Atari's 4x84x84 uint8 frames) one
 ``algos.replay.PrioritizedReplay`` is built at ``--capacity`` (10^6), or at the largest round
@@ -191,11 +192,30 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     show_default=True,
     help="Torch threads to time the apex and sac learner cores with ('' skips them).",
 )
+@click.option(
+    "--service",
+    is_flag=True,
+    help="Also time a `zddrl replay` service (real broker and replay processes; bench/replay_service.py).",
+)
+@click.option(
+    "--service-capacity",
+    type=click.IntRange(1000),
+    default=100_000,
+    show_default=True,
+    help="The service's buffer (its throughput hardly depends on it; 10^5 Atari frames are 2.8 GB).",
+)
 def replay(
-    as_json: bool, capacity: int, workloads: str, seconds: float, memory_fraction: float, learner_threads: str
+    as_json: bool,
+    capacity: int,
+    workloads: str,
+    seconds: float,
+    memory_fraction: float,
+    learner_threads: str,
+    service: bool,
+    service_capacity: int,
 ) -> None:
-    """Insert and sample throughput of the local prioritized replay buffer, its bytes per transition, and the
-    gradient steps/s of the apex and sac learner cores on their examples' settings."""
+    """Insert and sample throughput of the local prioritized replay buffer (and, with --service, of a replay
+    service on the bus), its bytes per transition, and the gradient steps/s of the apex and sac learner cores."""
     names = [w.strip() for w in workloads.split(",") if w.strip()]
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -203,12 +223,27 @@ def replay(
     rows = []
     for name in names:  # one buffer at a time: each is freed before the next is built
         rows.append(bench_workload(name, capacity, seconds, memory_fraction * available_memory()))
+    services = []
+    if service:
+        from zddrl.bench.replay_service import bench_service
+
+        for name in names:
+            services.append(bench_service(name, service_capacity, seconds))
+            local = next(r for r in rows if r["workload"] == name)
+            for key in ("insert_per_s", "sample_per_s", "sample_update_per_s"):
+                services[-1][f"{key}_vs_local"] = round(services[-1][key] / max(local[key], 1), 3)
     threads = [int(t) for t in learner_threads.split(",") if t.strip()]
     learners = bench_learners(threads, seconds) if threads else []
     if as_json:
         report = {"bench": "replay", "batch": BATCH, "rollout": {"T": T_STEPS, "N": N_ENVS}, "results": rows}
-        click.echo(json.dumps({**report, "learners": learners}))
+        click.echo(json.dumps({**report, "service": services, "learners": learners}))
         return
     click.echo(format_rows(rows))
+    for s in services:
+        click.echo(
+            f"service {s['workload']}: insert {s['insert_per_s']:,}/s ({s['insert_per_s_vs_local']}x local), sample "
+            f"{s['sample_per_s']:,}/s ({s['sample_per_s_vs_local']}x), sample+update {s['sample_update_per_s']:,}/s "
+            f"({s['sample_update_per_s_vs_local']}x)"
+        )
     if learners:
         click.echo("\n" + format_learner_rows(learners))
