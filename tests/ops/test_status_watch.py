@@ -365,3 +365,14 @@ def test_format_status_shows_a_replay_learners_buffer() -> None:
     }
     text = format_status(body(members={"learner-0": learner}))
     assert "replay: 12345 transitions, fill 12%, 6.5 MB, 900 gradient steps" in text
+
+
+def test_format_status_shows_each_replay_service_with_its_accounting() -> None:
+    actor = body()["members"]["actor-0"]
+    stats = {"received": 10, "inserted_trajectories": 9, "invalid": 1, "replay_size": 2304, "replay_fill": 0.5}
+    stats.update(replay_bytes=2_000_000, requests=40, served=10240)
+    replay = {**actor, "role": "replay", "stats": stats}
+    broken = {**actor, "role": "replay", "stats": {**stats, "invalid": 0}}
+    text = format_status(body(members={"replay-0": replay, "replay-1": broken}))
+    assert "replay replay-0: 2304 transitions, fill 50%, 2.0 MB; received 10 = inserted 9 + refused 1  [ok]" in text
+    assert "replay replay-1:" in text and "[MISMATCH]" in text

@@ -128,6 +128,24 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
                 f"replay: {learner['replay_size']} transitions, fill {100 * learner.get('replay_fill', 0):.0f}%, "
                 f"{learner.get('replay_bytes', 0) / 1e6:.1f} MB, {learner.get('grad_steps_total', 0)} gradient steps"
             )
+    lines += replay_lines(body)
+    return lines
+
+
+def replay_lines(body: dict[str, Any]) -> list[str]:
+    """One line per replay service (docs/protocol.md section 5.9): its buffer and its intake's accounting."""
+    lines = []
+    for peer, m in body["members"].items():
+        s = m.get("stats") or {}
+        if m["role"] != "replay" or "received" not in s:
+            continue
+        ok = s["received"] == s.get("inserted_trajectories", 0) + s.get("invalid", 0)
+        lines.append(
+            f"replay {peer}: {s.get('replay_size', 0)} transitions, fill {100 * s.get('replay_fill', 0):.0f}%, "
+            f"{s.get('replay_bytes', 0) / 1e6:.1f} MB; received {s['received']} = inserted "
+            f"{s.get('inserted_trajectories', 0)} + refused {s.get('invalid', 0)}  [{'ok' if ok else 'MISMATCH'}]; "
+            f"{s.get('requests', 0)} requests, {s.get('served', 0)} transitions served"
+        )
     return lines
 
 
