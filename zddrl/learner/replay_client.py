@@ -344,5 +344,6 @@ class ServiceFeed:
                 return CollectedBatch([], time.monotonic() - started, 0, stopped=True)
             if control["done"]:
                 remote.room = 0  # no intake while the update takes its gradient steps
-                return CollectedBatch([], time.monotonic() - started, 0)
+                fleet = self.poller.link.fleet()
+                return CollectedBatch([], time.monotonic() - started, len(fleet[1]) if fleet else 0)
             stop.wait(SERVICE_POLL_S)
