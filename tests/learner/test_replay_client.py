@@ -5,6 +5,7 @@ reference, priority updates back to the replay that served each row, intake and 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -30,12 +31,16 @@ class FakeReplay:
     """A ROUTER answering replay_sample with a ReplayStore, on its own thread (what replay_service.py does,
     without the broker)."""
 
-    def __init__(self, ctx: zmq.Context, name: str) -> None:
+    def __init__(self, ctx: zmq.Context, name: str, port: int = 0) -> None:
         self.store = ReplayStore(name, None, logger)
         self.store.adopt(CONFIG, SPEC)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        if port:
+            self.sock.bind(f"tcp://127.0.0.1:{port}")
+            self.port = port
+        else:
+            self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
         self.stop = threading.Event()
         self.requests: list[P.ReplaySample] = []
@@ -142,7 +147,7 @@ def test_a_replay_that_does_not_answer_is_left_out(replays, monkeypatch) -> None
     ctx, (a, b) = replays
     fill(a, 1)
     fill(b, 1)
-    r = remote(ctx, [a, b])
+    r = remote(ctx, [a, b], prefetch=False)
     r.refresh()
     batch = r.sample(8)
     r.update_priorities(batch.ids, np.ones(8, np.float32))
@@ -153,3 +158,51 @@ def test_a_replay_that_does_not_answer_is_left_out(replays, monkeypatch) -> None
     again = r.sample(8)
     assert len(again.ids) == 8 and r._pending_rows[0][0].endpoint == a.endpoint
     assert len(r) == 16  # what the live replays hold
+
+
+def test_with_no_replay_answering_a_step_is_skipped_and_the_replay_found_again(monkeypatch) -> None:
+    """A replay killed mid-run (its answer lost) costs the learner skipped gradient steps, counted, not its run; a
+    replay that comes back on the same endpoint is sampled again after the next refresh."""
+    monkeypatch.setattr(replay_client, "REPLY_TIMEOUT_S", 0.3)
+    ctx = zmq.Context()
+    a = FakeReplay(ctx, "replay-a")
+    try:
+        fill(a, 1)
+        r = remote(ctx, [a], prefetch=False)
+        r.refresh()
+        assert r.sample(8) is not None
+        a.close()
+        assert r.sample(8) is None and r.counters["missed_batches"] == 1 and r.counters["timeouts"] == 1
+        assert len(r) == 0 and r.sample(8) is None  # nobody is asked while none is known alive
+        assert r.counters["timeouts"] == 1 and r.counters["missed_batches"] == 2
+        back = FakeReplay(ctx, "replay-a", port=a.port)  # restarted on the same port, holding data again
+        try:
+            fill(back, 1)
+            deadline = time.monotonic() + 10
+            while not r.peers[0].alive and time.monotonic() < deadline:
+                r.refresh(0.3)
+            batch = r.sample(8)
+            assert batch is not None and len(batch.ids) == 8
+        finally:
+            back.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_next_batch_is_asked_for_ahead_and_its_updates_go_one_request_later(replays) -> None:
+    ctx, (a, b) = replays
+    fill(a, 2)
+    r = remote(ctx, [a])
+    r.refresh()
+    first = r.sample(8)
+    assert first is not None
+    deadline = time.monotonic() + 5
+    while len(a.requests) < 3 and time.monotonic() < deadline:  # refresh, the batch, the batch asked ahead
+        time.sleep(0.01)
+    assert [m.batch for m in a.requests] == [0, 8, 8]
+    r.update_priorities(first.ids, np.full(8, 2.0, np.float32))
+    r.refresh()  # its answer comes while the batch asked ahead is pending: that one is kept, not lost
+    second = r.sample(8)
+    assert second is not None and len(second.ids) == 8
+    assert [m.batch for m in a.requests[:4]] == [0, 8, 8, 0]  # no new request for the second batch
+    assert len(a.requests[3].arrays["ids"]) == 8  # the first batch's updates went with the refresh after it

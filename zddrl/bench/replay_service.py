@@ -179,6 +179,8 @@ def bench_service(name: str, capacity: int, seconds: float, rollouts: int = 200)
                 done, t0 = 0, time.perf_counter()
                 while done < 3 * BATCH or time.perf_counter() - t0 < seconds:
                     batch = rig.remote.sample(BATCH)
+                    if batch is None:
+                        raise RuntimeError("the replay service did not answer a sample request")
                     if update:
                         rig.remote.update_priorities(batch.ids, td)
                     done += len(batch.ids)

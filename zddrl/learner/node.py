@@ -264,7 +264,6 @@ class LearnerNode:
             credentials=self.credentials,
             replay_public=self.replay_public,
             report=self.main,
-            log=self.log,
         )
         remote.rollout_len = self.rollout_len
         self.remote = remote
@@ -441,6 +440,8 @@ class LearnerNode:
             "run_id": self.run_id,
             "shards": self.group.world_size,
         }
+        if self.remote is not None:  # the service placement: how this shard's conversation with the replays went
+            run["replay_service"] = dict(self.remote.counters)
         return self.own.ledger.summary(**run) if self.own is not None else {"updates": self.updates, **run}
 
     # ---------------------------------------------------------------- checkpoints

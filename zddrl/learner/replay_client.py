@@ -17,7 +17,8 @@ It holds one DEALER per replay endpoint (``zddrl learner --replay tcp://H:P,...`
   its gradient steps), so intake stops while the learner trains, as it does with the local buffer.
 * **A replay that does not answer** within ``REPLY_TIMEOUT_S`` is left out of batches (its pending priority
   updates dropped and counted) and asked again at every ``refresh``; a batch is drawn from the replays that
-  answer. Answers to an earlier request are ignored.
+  answer, and when none does the gradient step is skipped and counted (``missed_batches``): a replay restart costs
+  the learner a few seconds, not its run. Answers to an earlier request are ignored.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import zmq
@@ -39,10 +40,11 @@ from zddrl.envs import EnvSpec
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import CollectedBatch
+from zddrl.logs import RateLimitedLog
 
 REPLY_TIMEOUT_S = 5.0
 """How long a sample waits for a replay's answer before it draws its batch without that replay."""
-SERVICE_POLL_S = 0.01
+SERVICE_POLL_S = 0.002
 """Between figures-only requests while a service batch is being collected."""
 REFRESH_TIMEOUT_S = 0.5
 """How long a figures-only request waits (a replay that is not there must not hold up collecting for long)."""
@@ -91,12 +93,12 @@ class RemoteReplay:
         credentials: keys.Credentials | None = None,
         replay_public: bytes = b"",
         report: bool = True,
-        log: Any = None,
+        prefetch: bool = True,
     ) -> None:
         if not endpoints:
             raise ValueError("replay.placement = 'service' needs at least one replay endpoint (--replay)")
         self.config, self.spec, self.run_id, self.peer_id, self.report = config, spec, run_id, peer_id, report
-        self.log = log
+        self._ratelog = RateLimitedLog()
         ctx = context or zmq.Context.instance()
         self.peers = [_Peer(self._socket(ctx, e, credentials, replay_public), e) for e in endpoints]
         self.request = 0
@@ -113,7 +115,12 @@ class RemoteReplay:
         """Env steps the replays took in since this learner started (what a service batch is collected by)."""
         self._pending_rows: list[tuple[_Peer, int]] = []
         """The last batch's rows per replay, in order: where its priority updates go."""
-        self.counters = {"timeouts": 0, "updates_dropped": 0, "bad_answers": 0}
+        self.counters = {"timeouts": 0, "updates_dropped": 0, "bad_answers": 0, "missed_batches": 0}
+        self.prefetch = prefetch
+        self._ahead: tuple[int, list[_Peer], int] | None = None
+        """The batch asked for ahead: its request id, the replays it reached and its size."""
+        self._early: dict[_Peer, P.ReplayBatch] = {}
+        """Answers to the batch asked ahead that came while another answer was awaited."""
 
     @staticmethod
     def _socket(ctx: zmq.Context, endpoint: str, credentials: keys.Credentials | None, server: bytes) -> zmq.Socket:
@@ -132,8 +139,9 @@ class RemoteReplay:
             peer.sock.close(linger=0)
 
     # ---------------------------------------------------------------- the conversation
-    def _ask(self, batches: dict[_Peer, int], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:
-        """Send one request to each replay of ``batches`` and wait (up to ``timeout_s``) for their answers."""
+    def _send(self, batches: dict[_Peer, int]) -> tuple[int, list[_Peer]]:
+        """One request to each replay of ``batches`` (with the priority updates it is owed): its id and whom it
+        reached."""
         self.request += 1
         live = [p for p in self.peers if p.alive] or self.peers
         share = math.ceil(max(0, self.room) / max(1, len(live)))
@@ -157,10 +165,12 @@ class RemoteReplay:
                 sent.append(peer)
             except zmq.Again:  # its queue is full (it is gone): the updates it was owed are lost
                 self._lost(peer, len(msg.arrays.get("ids", ())))
-        return self._answers(sent, timeout_s)
+        return self.request, sent
 
-    def _answers(self, sent: list[_Peer], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:
-        got: dict[_Peer, P.ReplayBatch] = {}
+    def _answers(self, request: int, sent: list[_Peer], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:
+        """The answers to ``request`` (up to ``timeout_s``); an answer to the batch asked ahead is kept for it."""
+        got = {peer: msg for peer, msg in self._early.items() if msg.request == request}
+        self._early = {peer: msg for peer, msg in self._early.items() if msg.request != request}
         deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         for peer in sent:
@@ -172,12 +182,19 @@ class RemoteReplay:
             for sock, _ in poller.poll(int(left_ms) + 1):
                 peer = next(p for p in sent if p.sock is sock)
                 answer = self._read(peer)
-                if answer is not None and answer.request == self.request:
+                if answer is not None and answer.request == request:
                     got[peer] = answer
+                elif answer is not None and self._ahead is not None and answer.request == self._ahead[0]:
+                    self._early[peer] = answer
         for peer in sent:
             peer.alive = peer in got
             if peer not in got:
                 self.counters["timeouts"] += 1
+                self._ratelog.warning(
+                    f"timeout {peer.endpoint}",
+                    f"replay {peer.endpoint} did not answer within {timeout_s:g} s: left out of batches until it does"
+                    f" ({self.counters['timeouts']} timeouts)",
+                )
         return got
 
     def _read(self, peer: _Peer) -> P.ReplayBatch | None:
@@ -201,7 +218,7 @@ class RemoteReplay:
         if self.report:
             self._reports.append(Report(msg.env_steps, msg.trajectories, msg.invalid, list(msg.ep_returns)))
         peer.last = msg
-        return msg if msg.request == self.request else None
+        return msg
 
     def _lost(self, peer: _Peer, n: int) -> None:
         peer.alive = False
@@ -210,7 +227,7 @@ class RemoteReplay:
 
     def refresh(self, timeout_s: float = REFRESH_TIMEOUT_S) -> None:
         """Ask every replay for its figures (and the intake report), no batch."""
-        self._ask({peer: 0 for peer in self.peers}, timeout_s)
+        self._answers(*self._send({peer: 0 for peer in self.peers}), timeout_s)
 
     def take_reports(self) -> Report:
         reports, self._reports = self._reports, []
@@ -226,13 +243,29 @@ class RemoteReplay:
         steps, self._intake = self._intake, 0
         return steps, self.newest_version
 
-    def sample(self, batch: int) -> ReplayBatch:
-        """``batch`` transitions over the replays that answer (fewer if one does not), weighted over all of them."""
-        parts = self._split(batch)
-        got = self._ask(parts, REPLY_TIMEOUT_S)
+    def sample(self, batch: int) -> ReplayBatch | None:
+        """``batch`` transitions over the replays that answer (fewer if one does not), weighted over all of them;
+        None when none answers with transitions (counted: that gradient step is skipped, not the run ended).
+
+        The next batch is asked for before this one is returned (``prefetch``), so that the replays draw it while
+        the learner takes its gradient step; its priority updates then go one request later."""
+        if self._ahead is not None and self._ahead[2] == batch:
+            request, sent, _ = self._ahead
+            parts = dict.fromkeys(sent, 0)
+        else:
+            parts = self._split(batch)
+            request, sent = self._send(parts) if parts else (0, [])
+        got = self._answers(request, sent, REPLY_TIMEOUT_S) if sent else {}
+        self._ahead = None
+        self._early.clear()
+        if self.prefetch and (ahead := self._split(batch)):
+            self._ahead = (*self._send(ahead), batch)
         rows = [(peer, got[peer]) for peer in parts if peer in got and got[peer].arrays]
         if not rows:
-            raise ValueError("no replay answered with transitions")
+            self.counters["missed_batches"] += 1
+            missed = self.counters["missed_batches"]
+            self._ratelog.warning("missed", f"no replay answered with transitions: gradient step skipped ({missed})")
+            return None
         self.samples += 1
         self._pending_rows = [(peer, len(ans.arrays["ids"])) for peer, ans in rows]
         cat = {k: np.concatenate([ans.arrays[k] for _, ans in rows]) for k in P.REPLAY_BATCH_ARRAYS}
@@ -252,8 +285,8 @@ class RemoteReplay:
     def _split(self, batch: int) -> dict[_Peer, int]:
         """``batch`` over the live replays that hold data, in proportion to their priority mass."""
         peers = [p for p in self.peers if p.alive and p.last is not None and p.last.held > 0 and p.last.total > 0]
-        if not peers:
-            return {p: batch for p in self.peers[:1]}
+        if not peers:  # none known to hold data: ask the first one that may (refresh() finds the others again)
+            return {p: batch for p in [p for p in self.peers if p.alive][:1]}
         mass = np.array([p.last.total for p in peers if p.last is not None])
         exact = batch * mass / mass.sum()
         parts = np.floor(exact).astype(int)

@@ -8,8 +8,9 @@ One process, one thread, three sockets:
 * a **data channel** on the broker's learners socket (``DataChannel``): credit out, the run's trajectories in. The
   learner of a service run grants no credit, so the broker routes all of the run's data to the replays, by credit
   like shards. The replay reads it only while the env steps it inserted stay below the ``allow_steps`` of the last
-  request (before any: ``learning_starts + algo.batch_size`` past what it held): the replay ratio is enforced
-  where the data enters, and the actors wait on credit meanwhile;
+  request, and not before a learner of the run has asked (its request also tells the newest policy version, which
+  bounds the versions a trajectory may carry): the replay ratio is enforced where the data enters, and the actors
+  wait on credit meanwhile;
 * its **own ROUTER** (``--bind``), where learner shards send ``replay_sample`` and get ``replay_batch`` back
   (docs/protocol.md section 5.9). On a closed bus it is a CURVE server with the replay's key pair and admits
   learner keys only (ZAP against ``KEYS/learners/``).
@@ -100,7 +101,7 @@ class ReplayService:
                     raise RuntimeError(f"the broker refused this replay: {link.refused}")
                 self._follow(link)
                 self._wait(server)
-                self._answer(server)
+                self._answer(server, link)
                 self._take_in(link)
                 now = time.monotonic()
                 if now >= next_stats:
@@ -182,8 +183,7 @@ class ReplayService:
             return
         self.config = config
         self.log.info(f"run {welcome.run_id}: {self.store.adopt(config, spec)}")
-        self.allow = self.store.inserted + max(0, config.replay.learning_starts - len(self.store.buffer or ()))
-        self.allow += config.algo.batch_size
+        self.allow = self.store.inserted  # closed until a learner of the run asks (and says its policy version)
 
     # ---------------------------------------------------------------- sockets
     def _intake_open(self) -> bool:
@@ -197,7 +197,7 @@ class ReplayService:
             poller.register(self.channel.sock, zmq.POLLIN)
         poller.poll(POLL_MS)
 
-    def _answer(self, server: zmq.Socket) -> None:
+    def _answer(self, server: zmq.Socket, link: BrokerLink) -> None:
         """Every request waiting on the ROUTER, in order."""
         while True:
             try:
@@ -213,6 +213,8 @@ class ReplayService:
                 self.counters["malformed"] += 1
                 self._ratelog.warning("malformed", f"dropped a malformed request: {exc} ({self.counters['malformed']})")
                 continue
+            if msg.run_id != self.run_id:
+                self._follow(link)  # a learner's first request may come before the welcome of its run is read
             if self.config is None or msg.run_id != self.run_id:
                 self.counters["other_run"] += 1
                 self._ratelog.warning("other_run", f"ignored a request of run {msg.run_id!r} (serving {self.run_id!r})")
