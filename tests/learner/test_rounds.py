@@ -62,7 +62,7 @@ def test_a_round_closes_once_every_actor_reported_and_late_data_is_dropped(rig) 
 
 def test_a_silent_actor_becomes_a_straggler_then_returns_to_the_quota(rig) -> None:
     r = rig({"a": 1, "b": 1}, min_round_timeout_s=0.05)
-    r.rounds.report_times.extend([0.001] * 3)  # a known median: the straggler timeout is its floor, 50 ms
+    r.rounds.report_times["a"].extend([0.001] * 3)  # a known typical time: the straggler timeout is its floor, 50 ms
     got = r.round(3, rollout_of("a", 0, 3))
     assert [t.peer_id for t in got.batch] == ["a"]
     assert r.fleet.stragglers == {"b"} and r.fleet.expected() == {"a"}
@@ -104,3 +104,29 @@ def test_a_joining_actor_is_waited_for_in_the_round_it_joins(rig) -> None:
     r.link.set_actors({"a": 1, "b": 1})
     got = r.round(0, rollout_of("a", 0, 0), None, rollout_of("b", 0, 0))
     assert sorted(t.peer_id for t in got.batch) == ["a", "b"]
+
+
+def test_the_round_times_out_at_the_factor_times_the_normal_round_of_the_actors_it_waits_for(rig) -> None:
+    r = rig({f"a{i}": 1 for i in range(8)}, straggler_factor=3.0, min_round_timeout_s=0.001)
+    everyone = {f"a{i}" for i in range(8)}
+    assert r.rounds.timeout_s(everyone) == 10.0  # nobody has reported yet: generous
+    for i in range(8):  # 8 actors on 2 cores report one after another, 0.1 s to 0.8 s into a round
+        r.rounds.report_times[f"a{i}"].extend([0.1 * (i + 1)] * 5)
+    # The normal round ends with the last of them: 3 x 0.8 s, not 3 x the median actor's 0.4 s (which a
+    # scheduler hiccup of the last one would pass).
+    assert r.rounds.timeout_s(everyone) == pytest.approx(2.4)
+    assert r.rounds.timeout_s(everyone - {"a7"}) == pytest.approx(2.1)  # a7 not waited for: a6 ends the round
+
+
+def test_a_consistently_slow_actor_never_sets_the_normal_round(rig) -> None:
+    r = rig({"a": 1, "b": 1, "slow": 1}, straggler_factor=3.0, min_round_timeout_s=0.001)
+    for peer, t in {"a": 0.1, "b": 0.12, "slow": 5.0}.items():  # slow made it in time once (a generous round)
+        r.rounds.report_times[peer].append(t)
+    assert r.rounds.timeout_s({"a", "b", "slow"}) == pytest.approx(0.36)  # 5 s > 3 x the median 0.12 s: left out
+    two = rig({"a": 1, "slow": 1}, straggler_factor=3.0, min_round_timeout_s=0.001)
+    two.rounds.report_times["a"].append(0.1)
+    two.rounds.report_times["slow"].append(0.4)
+    assert two.rounds.timeout_s({"a", "slow"}) == pytest.approx(0.3)  # of two, the faster is the yardstick
+    r.link.set_actors({"a": 1, "b": 1})  # slow leaves: its times are forgotten at the next round's start
+    r.round(7, rollout_of("a", 0, 7), rollout_of("b", 0, 7))
+    assert set(r.rounds.report_times) == {"a", "b"}

@@ -1,11 +1,16 @@
 """How a learner collects a batch: a sync round (distributed PPO) or a batch of the async stream.
 
-Sync: a round collects trajectories of the current version v until the batch is full
-(``algo.batch_size`` env steps summed over actors), every expected actor has reported, or the round has
-taken more than ``straggler_factor`` times the median time actors take to report; late data for a closed
-version is dropped and counted, never trained on. An actor whose rollout of version v the run cannot use
-has answered all the same (waiting for it would end the round by the straggler rule at best, and never if
-no rollout was usable).
+Sync: a round collects trajectories of the current version v until the batch is full (``algo.batch_size`` env
+steps summed over actors), every expected actor has reported, or the round has taken more than
+``straggler_factor`` times the normal round; late data for a closed version is dropped and counted, never
+trained on. Each actor is judged by its own typical report time (the median of its recent in-time reports, from
+the round's start): the **normal round** is the latest typical time among the actors the round waits for, leaving
+out any whose typical time is more than ``straggler_factor`` times the fleet's median one (the lower median: of
+two actors, the faster). So a round of many actors on few cores, where the last report normally comes well after
+the median one, is not cut short by a scheduler hiccup (its data would be dropped), and an actor that is
+consistently several times slower than the others never sets the normal round itself (it would be waited for
+forever). An actor whose rollout of version v the run cannot use has answered all the same (waiting for it would
+end the round by the straggler rule at best, and never if no rollout was usable).
 
 Async and IMPALA: take data as it arrives, drop what is more than ``max_staleness`` versions old, until a
 batch is full. Actors never wait.
@@ -19,8 +24,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,9 +37,9 @@ from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import Polled, ShardPoller
 
 FIRST_ROUNDS_TIMEOUT_S = 10.0
-"""Straggler timeout until three rounds give a median to scale."""
-MEDIAN_WINDOW = 50
-"""Recent actor report times the straggler timeout takes its median over."""
+"""Straggler timeout until an actor has reported in time once."""
+ACTOR_WINDOW = 20
+"""Recent in-time report times of an actor that its typical time is the median of."""
 
 
 class CollectedBatch(NamedTuple):
@@ -77,14 +82,18 @@ class SyncRounds:
     ) -> None:
         self.poller, self.algo, self.log = poller, algo, log
         self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
-        self.report_times: deque[float] = deque(maxlen=MEDIAN_WINDOW)
-        """Seconds from a round's start to each actor's in-time report, over recent rounds (main shard)."""
+        self.report_times: defaultdict[str, deque[float]] = defaultdict(lambda: deque(maxlen=ACTOR_WINDOW))
+        """Per actor: seconds from a round's start to its in-time reports, over recent rounds (main shard)."""
 
-    def timeout_s(self) -> float:
-        """``straggler_factor`` x the median time actors take to report (floored); generous until known."""
-        if len(self.report_times) < 3:
+    def timeout_s(self, expected: set[str]) -> float:
+        """``straggler_factor`` x the normal round of the actors in ``expected`` (floored); generous until known."""
+        typical = {peer: statistics.median(times) for peer, times in self.report_times.items() if times}
+        if not typical:
             return FIRST_ROUNDS_TIMEOUT_S
-        return max(self.algo.min_round_timeout_s, self.algo.straggler_factor * statistics.median(self.report_times))
+        factor = self.algo.straggler_factor
+        bar = factor * statistics.median_low(typical.values())
+        normal = max((t for peer, t in typical.items() if peer in expected and t <= bar), default=bar / factor)
+        return max(self.algo.min_round_timeout_s, factor * normal)
 
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
         started = time.monotonic()
@@ -94,7 +103,7 @@ class SyncRounds:
         unusable: set[str] = set()
         expected: set[str] = set()
         announced: set[str] | None = None
-        timeout = self.timeout_s()
+        timeout = FIRST_ROUNDS_TIMEOUT_S
         fleet = self.fleet
         by_timeout = False
         while True:
@@ -102,6 +111,8 @@ class SyncRounds:
             if fleet is not None and self.ledger is not None:
                 if self.refresh_fleet() or announced is None:  # the round's start, or an actor joined or left
                     expected = fleet.expected()
+                    self._forget(fleet.actors.keys())
+                    timeout = self.timeout_s(expected)
                 control = {"stop": self.ledger.finished(), "late": time.monotonic() - started > timeout}
                 if expected != announced:
                     control["expected"] = sorted(expected)
@@ -117,7 +128,7 @@ class SyncRounds:
                     steps += r.env_steps
                     reported.add(r.peer_id)
                     if fleet is not None:
-                        self.report_times.append(time.monotonic() - started)
+                        self.report_times[r.peer_id].append(time.monotonic() - started)
                 elif self.ledger is not None:
                     if fleet is not None and version - r.policy_version <= 1:
                         fleet.back_in_quota(r.peer_id)  # missed the round by less than one update: wait for it again
@@ -141,6 +152,11 @@ class SyncRounds:
                 )
             fleet.round_closed(expected, reported | unusable, by_timeout)
         return CollectedBatch(batch, round_s, len(reported))
+
+    def _forget(self, actors: Iterable[str]) -> None:
+        """Drop the report times of actors that left."""
+        for peer in self.report_times.keys() - set(actors):
+            del self.report_times[peer]
 
 
 class AsyncStream:
