@@ -44,7 +44,7 @@ from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import Progress
 from zddrl.learner.replay_client import RemoteReplay, ServiceFeed
-from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds
+from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds, stream_window
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.proc import rss_mb
 from zddrl.transport import signatures as signing
@@ -327,12 +327,8 @@ class LearnerNode:
         return summary
 
     def _window(self) -> int:
-        """Credit window. Async modes keep the group's near one batch: every message queued ahead of the
-        learner is a version older by the time it is trained on."""
-        if self.algo.mode == "sync":
-            return CREDIT_WINDOW
-        per_batch = math.ceil(self.algo.batch_size / (self.config.env.rollout_len * self.config.env.num_envs))
-        return math.ceil(per_batch / self.group.world_size) + 1
+        """Credit window: sync rounds keep a deep one; async modes keep the group's near one batch."""
+        return CREDIT_WINDOW if self.algo.mode == "sync" else stream_window(self.config, self.group.world_size)
 
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""

@@ -37,9 +37,10 @@ from zddrl import protocol as P
 from zddrl.config import REPLAY_MODES, Config
 from zddrl.envs import EnvError, probe_spec
 from zddrl.learner.replay_store import ReplayStore
+from zddrl.learner.rounds import stream_window
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
-from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
+from zddrl.transport.channel import DataChannel
 from zddrl.transport.io import NOBLOCK, recv_frames
 from zddrl.transport.link import BrokerLink, hello_fields
 from zddrl.transport.trust import joinable
@@ -155,13 +156,15 @@ class ReplayService:
             self._adopt(welcome)
         if self.config is None:
             return
+        window = stream_window(self.config)  # about a batch: data queued here is older when it is taken in
         if self.channel is None:
-            self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, CREDIT_WINDOW)
+            self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, window)
         elif link.endpoint("learners") == self.channel.endpoint and link.data_identity == self.channel.identity:
+            self.channel.max_window = self.channel.window = window
             self.channel.regrant(link.generation)
         else:
             self.channel.close()
-            self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, CREDIT_WINDOW)
+            self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, window)
 
     def _adopt(self, welcome: P.Welcome) -> None:
         config, why = joinable(welcome, self.credentials, self.allow_envs) if welcome.run else (None, "no run yet")

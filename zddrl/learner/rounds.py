@@ -21,6 +21,7 @@ Both return a ``CollectedBatch`` (this shard's part of the batch and what the up
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -31,7 +32,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.config import AlgoConfig
+from zddrl.config import AlgoConfig, Config
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import Polled, ShardPoller
@@ -40,6 +41,15 @@ FIRST_ROUNDS_TIMEOUT_S = 10.0
 """Straggler timeout until an actor has reported in time once."""
 ACTOR_WINDOW = 20
 """Recent in-time report times of an actor that its typical time is the median of."""
+
+
+def stream_window(config: Config, consumers: int = 1) -> int:
+    """The credit window of one of ``consumers`` sharing a run's async stream (learner shards, replay services):
+    about one batch of rollouts in all. Every rollout queued ahead of the update is acted by a policy a version
+    older by the time it is trained on, so a deep queue is stale data (a replay with a window of 64 rollouts
+    trained Ape-X on data ~30 versions old and needed twice the env steps)."""
+    per_batch = math.ceil(config.algo.batch_size / (config.env.rollout_len * config.env.num_envs))
+    return math.ceil(per_batch / consumers) + 1
 
 
 class CollectedBatch(NamedTuple):
