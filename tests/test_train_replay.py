@@ -86,6 +86,14 @@ def test_a_resumed_apex_run_gets_its_replay_buffer_back(tmp_path: Path) -> None:
     assert int(after["env_steps"]) > first["total_env_steps"]
 
 
+def test_a_replay_service_serves_its_learner_on_a_closed_bus(tmp_path: Path) -> None:
+    # Throwaway keys for every role: the replay's socket is a CURVE server admitting learner keys only.
+    run_dir = tmp_path / "run"
+    summary = train(APEX, run_dir, "--secure", "--set", "replay.placement=service", "--max-steps", "2500", timeout=180)
+    assert sum(int(r["grad_steps"]) for r in metrics(run_dir)) > 0, summary
+    assert summary["replay_service"]["unreachable"] == 0 and summary["replay_service"]["missed_batches"] == 0
+
+
 def test_apex_trains_as_two_cpu_shards(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     summary = train(APEX, run_dir, "--gpus", "cpu:2", "--max-steps", "2500", timeout=180)

@@ -115,7 +115,7 @@ class RemoteReplay:
         """Env steps the replays took in since this learner started (what a service batch is collected by)."""
         self._pending_rows: list[tuple[_Peer, int]] = []
         """The last batch's rows per replay, in order: where its priority updates go."""
-        self.counters = {"timeouts": 0, "updates_dropped": 0, "bad_answers": 0, "missed_batches": 0}
+        self.counters = {"timeouts": 0, "unreachable": 0, "updates_dropped": 0, "bad_answers": 0, "missed_batches": 0}
         self.prefetch = prefetch
         self._ahead: tuple[int, list[_Peer], int] | None = None
         """The batch asked for ahead: its request id, the replays it reached and its size."""
@@ -163,8 +163,15 @@ class RemoteReplay:
             try:
                 peer.sock.send_multipart(P.encode(msg), zmq.NOBLOCK, copy=False)
                 sent.append(peer)
-            except zmq.Again:  # its queue is full (it is gone): the updates it was owed are lost
+            except zmq.Again:  # its queue is full (gone, or never connected): the updates it was owed are lost
                 self._lost(peer, len(msg.arrays.get("ids", ())))
+                self.counters["unreachable"] += 1
+                self._ratelog.warning(
+                    f"unreachable {peer.endpoint}",
+                    f"replay {peer.endpoint} takes no requests: not connected (down, or on a closed bus its CURVE "
+                    f"handshake failed: check --replay-key and that KEYS/learners/ there holds this learner's key)"
+                    f" ({self.counters['unreachable']} requests)",
+                )
         return self.request, sent
 
     def _answers(self, request: int, sent: list[_Peer], timeout_s: float) -> dict[_Peer, P.ReplayBatch]:

@@ -47,6 +47,8 @@ from zddrl.transport.trust import joinable
 
 POLL_MS = 20
 STATS_EVERY_S = 1.0
+ZAP_DOMAIN = "replay"
+"""The ZAP domain of a replay's own socket (pyzmq's authenticator matches it exactly: "*" is not a wildcard)."""
 INTAKE_BURST = 64
 """Trajectories taken in per wake-up at most, so that learners' requests are answered between them."""
 
@@ -108,6 +110,7 @@ class ReplayService:
                 if now >= next_stats:
                     stats = {**self.store.stats(), **self.counters, "rss_mb": rss_mb(), "allow_steps": self.allow}
                     link.send(P.Stats(peer_id=self.peer_id, role="replay", stats=stats))
+                    self._reload_learner_keys()
                     next_stats = now + STATS_EVERY_S
                 if now >= next_save:
                     self._save()
@@ -130,8 +133,8 @@ class ReplayService:
                 raise ValueError("a replay on a closed bus needs the learners' key folder (learner_keys)")
             self._auth = zmq.auth.thread.ThreadAuthenticator(self.ctx)
             self._auth.start()
-            self._auth.configure_curve(domain="*", location=str(self.learner_keys))
-            sock.zap_domain = b"replay"
+            self._reload_learner_keys()
+            sock.zap_domain = ZAP_DOMAIN.encode()
             sock.curve_server = True
             sock.curve_secretkey = self.credentials.client.secret
             sock.curve_publickey = self.credentials.client.public
@@ -143,6 +146,12 @@ class ReplayService:
         self.bound.set()
         self.log.info(f"replay {self.peer_id} serving learners on port {self.port}, broker {self.connect}")
         return sock
+
+    def _reload_learner_keys(self) -> None:
+        """Admit the learner keys now in ``KEYS/learners/`` (a key removed there is refused from the next
+        handshake on; connections made stay, as at the broker)."""
+        if self._auth is not None and self.learner_keys is not None:
+            self._auth.configure_curve(domain=ZAP_DOMAIN, location=str(self.learner_keys))
 
     # ---------------------------------------------------------------- runs
     def _follow(self, link: BrokerLink) -> None:
