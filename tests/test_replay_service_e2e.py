@@ -1,7 +1,8 @@
 """End to end on real processes (docs/protocol.md section 5.9): a broker, a `zddrl replay` with a state directory,
 an Ape-X learner sampling from it and an actor. The replay is killed (-9) and started again: it loads its saved
 buffer and the learner goes on training. Then the learner is killed and a new one starts: the replay keeps the
-buffer for the new run, which trains at its first update instead of waiting for learning_starts again."""
+buffer for the new run, which trains at its first update instead of waiting for learning_starts again. And two
+replays behind one broker: each takes part of the data by credit and serves part of the learner's batches."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from broker_clients import counters
+from broker_clients import counters, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl.proc import free_ports
 
@@ -95,3 +96,30 @@ def test_the_buffer_survives_a_replay_kill_and_a_learner_restart(
     c = counters(broker, bus)
     assert c["received"] == c["forwarded"] + sum(c["dropped"].values()) + c["in_flight"]
     assert procs.stop(second) == 0 and replay.poll() is None
+
+
+def test_two_replays_behind_one_broker_share_the_data_and_serve_one_learner(
+    procs: Procs, broker: BrokerHandle, bus: Bus, tmp_path: Path
+) -> None:
+    config = tmp_path / "svc.toml"
+    config.write_text(CONFIG)
+    endpoints = [f"tcp://127.0.0.1:{port}" for port in free_ports(2)]
+    for i, endpoint in enumerate(endpoints):
+        name = f"replay-{i}"
+        procs.start(name, "replay", "--connect", broker.connect, "--bind", endpoint, "--replay-id", name)
+    run = tmp_path / "learner"
+    args = ["learner", str(config), "--connect", broker.connect, "--run-dir", str(run), "--replay", ",".join(endpoints)]
+    learner = procs.start("learner", *args)
+    for i in range(2):
+        procs.start(f"actor-{i}", "actor", "--connect", broker.connect, "--actor-id", str(i))
+
+    def stat(name: str) -> list[int]:
+        members = status(broker, bus)["members"]
+        return [int(members.get(f"replay-{i}", {}).get("stats", {}).get(name, 0)) for i in range(2)]
+
+    wait_for(lambda: grad_steps(run) >= 200, WAIT_S, "the learner to train on batches from two replays")
+    wait_for(lambda: min(stat("inserted")) > 0, WAIT_S, "both replays to take in data by credit")
+    wait_for(lambda: min(stat("served")) > 0, WAIT_S, "both replays to serve parts of the learner's batches")
+    c = counters(broker, bus)
+    assert c["received"] == c["forwarded"] + sum(c["dropped"].values()) + c["in_flight"]
+    assert procs.stop(learner) == 0  # before the replays it samples from (the fixture stops them in start order)
