@@ -83,20 +83,7 @@ class ReplayLearner(LearnerCore):
         """The local buffer (``placement = "learner"``); None with the service placement."""
         if rc.placement == "service":
             return
-        self.replay = PrioritizedReplay(
-            rc.capacity,
-            spec.obs_shape,
-            np.dtype(spec.obs_dtype),  # uint8 frames stay uint8 (the networks scale them)
-            () if spec.discrete else (spec.action_dim,),
-            np.int64 if spec.discrete else np.float32,
-            alpha=rc.alpha,
-            beta0=rc.beta,
-            beta_steps=rc.beta_steps,
-            gamma=config.algo.gamma,
-            n_step=rc.n_step,
-            seed=config.env.seed * 7919 + self.group.rank,
-            memory_fraction=rc.memory_fraction,
-        )
+        self.replay = buffer_for(config, spec, config.env.seed * 7919 + self.group.rank)
 
     @property
     def source(self) -> ReplaySource:
@@ -224,6 +211,26 @@ class ReplayLearner(LearnerCore):
             self.replay.load_state_dict(state["replay"])  # the main shard's buffer: the others start afresh
         else:
             self.replay.rng = np.random.default_rng([self.config.env.seed, self.group.rank, self.steps_trained])
+
+
+def buffer_for(config: Config, spec: EnvSpec, seed: int) -> PrioritizedReplay:
+    """The buffer of ``config``'s run in either placement: ``replay.capacity`` transitions, stored in the env's
+    dtypes (uint8 frames stay uint8; the networks scale them)."""
+    rc = config.replay
+    return PrioritizedReplay(
+        rc.capacity,
+        spec.obs_shape,
+        np.dtype(spec.obs_dtype),
+        () if spec.discrete else (spec.action_dim,),
+        np.int64 if spec.discrete else np.float32,
+        alpha=rc.alpha,
+        beta0=rc.beta,
+        beta_steps=rc.beta_steps,
+        gamma=config.algo.gamma,
+        n_step=rc.n_step,
+        seed=seed,
+        memory_fraction=rc.memory_fraction,
+    )
 
 
 def block_refusal(arrays: Any, capacity: int) -> str:

@@ -17,6 +17,8 @@ from zddrl.cli.common import (
     _credentials,
     _load,
     _overrides,
+    allow_env_option,
+    allowed_envs,
     key_option,
     keys_option,
     set_option,
@@ -159,15 +161,7 @@ def relay_credentials(config):
     help="Benchmark knob: every env step sleeps this long first, as a remote or slow simulator would.",
 )
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
-@click.option(
-    "--allow-env",
-    "allow_env",
-    multiple=True,
-    envvar="ZDDRL_ALLOW_ENV",
-    metavar="MODULE:CALLABLE",
-    help="An env id naming code (module:callable) that runs may use on this host; repeatable, or space/comma "
-    "separated. Runs with any other such env are refused; registered gymnasium ids need no allowing.",
-)
+@allow_env_option("on this host")
 @keys_option
 @key_option
 def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_env, keys_dir, key_name) -> None:
@@ -176,7 +170,7 @@ def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_en
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
-    allowed = frozenset(env_id for value in allow_env for env_id in value.replace(",", " ").split())
+    allowed = allowed_envs(allow_env)
     creds = _credentials(keys_dir, "actor", key_name)
     try:
         ActorHost(

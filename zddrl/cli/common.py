@@ -85,6 +85,25 @@ keys_option = click.option(
     help="Key directory of a closed bus (zddrl keys; docs/security.md). Without it the bus is open, which the "
     "broker allows on loopback only.",
 )
+
+
+def allow_env_option(where: str):
+    """``--allow-env``, read with ``allowed_envs``: the env ids naming code (``module:callable``) that runs may use."""
+    return click.option(
+        "--allow-env",
+        "allow_env",
+        multiple=True,
+        envvar="ZDDRL_ALLOW_ENV",
+        metavar="MODULE:CALLABLE",
+        help=f"An env id naming code (module:callable) that runs may use {where}; repeatable, or space/comma "
+        "separated. Runs with any other such env are refused; registered gymnasium ids need no allowing.",
+    )
+
+
+def allowed_envs(values: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(env_id for value in values for env_id in value.replace(",", " ").split())
+
+
 key_option = click.option(
     "--key",
     "key_name",

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import click
 
-from zddrl.cli.common import _connect_list, _credentials, key_option, keys_option, stop_on_signals
+from zddrl.cli.common import (
+    _connect_list,
+    _credentials,
+    allow_env_option,
+    allowed_envs,
+    key_option,
+    keys_option,
+    stop_on_signals,
+)
 from zddrl.transport.link import Refused
 
 CONNECT_HELP = "The broker's control endpoint(s), tcp://HOST:PORT[,tcp://HOST2:PORT] (fallbacks)."
@@ -31,15 +39,7 @@ CONNECT_HELP = "The broker's control endpoint(s), tcp://HOST:PORT[,tcp://HOST2:P
 )
 @click.option("--save-every-s", type=click.FloatRange(min=1.0), default=60.0, show_default=True)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None, help="Write the bound port here.")
-@click.option(
-    "--allow-env",
-    "allow_env",
-    multiple=True,
-    envvar="ZDDRL_ALLOW_ENV",
-    metavar="MODULE:CALLABLE",
-    help="An env id naming code (module:callable) that runs may use; the replay builds the run's env once to learn "
-    "its spaces. Registered gymnasium ids need no allowing.",
-)
+@allow_env_option("here (the replay builds the run's env once to learn its spaces)")
 @keys_option
 @key_option
 def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_env, keys_dir, key_name) -> None:
@@ -53,7 +53,7 @@ def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_
     from zddrl.learner.replay_service import ReplayService
 
     creds = _credentials(keys_dir, "replay", key_name)
-    allowed = frozenset(env_id for value in allow_env for env_id in value.replace(",", " ").split())
+    allowed = allowed_envs(allow_env)
     service = ReplayService(
         connect,
         bind,

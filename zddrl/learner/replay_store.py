@@ -34,7 +34,7 @@ import numpy as np
 
 from zddrl import protocol as P
 from zddrl.algos.replay import PrioritizedReplay
-from zddrl.algos.replay_learner import block_refusal
+from zddrl.algos.replay_learner import block_refusal, buffer_for
 from zddrl.algos.rollout import mismatch
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
@@ -46,25 +46,6 @@ from zddrl.logs import RateLimitedLog
 STATE_NAME = "replay_state"
 RETURNS_KEPT = 65_536
 """Episode returns waiting for the main learner shard's next report (a learner away for long loses the oldest)."""
-
-
-def new_buffer(config: Config, spec: EnvSpec, seed: int) -> PrioritizedReplay:
-    """The buffer a replay service holds for ``config``'s run (``replay.capacity`` transitions, the env's dtypes)."""
-    rc = config.replay
-    return PrioritizedReplay(
-        rc.capacity,
-        spec.obs_shape,
-        np.dtype(spec.obs_dtype),
-        () if spec.discrete else (spec.action_dim,),
-        np.int64 if spec.discrete else np.float32,
-        alpha=rc.alpha,
-        beta0=rc.beta,
-        beta_steps=rc.beta_steps,
-        gamma=config.algo.gamma,
-        n_step=rc.n_step,
-        seed=seed,
-        memory_fraction=rc.memory_fraction,
-    )
 
 
 class Pending:
@@ -116,7 +97,7 @@ class ReplayStore:
             self.buffer.version_floor = 0  # versions count from 0 again if the learner started afresh
             return f"kept {len(self.buffer)} transitions for run {config.name} (same layout)"
         self.buffer = None  # the old one is freed before the new one is allocated
-        self.buffer = new_buffer(config, spec, self.seed)
+        self.buffer = buffer_for(config, spec, self.seed)
         mib = self.buffer.nbytes / 2**20
         return self._load() or f"new buffer of {self.buffer.capacity} transitions ({mib:.1f} MiB)"
 
@@ -254,13 +235,13 @@ class ReplayStore:
             self.newest_version = int(meta.get("newest_version", -1))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             self.log.warning(f"could not load the replay state in {self.state_dir}: {exc}; starting empty")
-            self.buffer = new_buffer(self.config, self.spec, self.seed) if self.config and self.spec else None
+            self.buffer = buffer_for(self.config, self.spec, self.seed) if self.config and self.spec else None
             return ""
         return f"loaded {len(self.buffer)} transitions from {npz}"
 
 
 def _layout_of(config: Config, spec: EnvSpec) -> dict[str, Any]:
-    """The layout ``new_buffer`` would give ``config``'s run, without allocating it."""
+    """The layout ``buffer_for`` would give ``config``'s run, without allocating it."""
     rc = config.replay
     return {
         "capacity": rc.capacity,
