@@ -138,8 +138,8 @@ class AlgoConfig:
     total_steps: int = 100_000
     """Horizon of the linear schedules, in env steps trained on."""
     straggler_factor: float = 3.0
-    """Sync mode: a round closes without the actors that take longer than this times the normal round (the
-    latest typical report time among the actors it waits for; each judged by its own median)."""
+    """Sync mode: a round closes without the actors slower than this times the normal round (when the slowest
+    actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
     min_round_timeout_s: float = 0.05
     """Sync mode: never close a round on the straggler rule sooner than this."""
     max_staleness: int = 4

@@ -258,7 +258,6 @@ class RemoteReplay:
         the learner takes its gradient step; its priority updates then go one request later."""
         if self._ahead is not None and self._ahead[2] == batch:
             request, sent, _ = self._ahead
-            parts = dict.fromkeys(sent, 0)
         else:
             parts = self._split(batch)
             request, sent = self._send(parts) if parts else (0, [])
@@ -267,7 +266,7 @@ class RemoteReplay:
         self._early.clear()
         if self.prefetch and (ahead := self._split(batch)):
             self._ahead = (*self._send(ahead), batch)
-        rows = [(peer, got[peer]) for peer in parts if peer in got and got[peer].arrays]
+        rows = [(peer, got[peer]) for peer in sent if peer in got and got[peer].arrays]
         if not rows:
             self.counters["missed_batches"] += 1
             missed = self.counters["missed_batches"]

@@ -169,8 +169,7 @@ class ReplayService:
         if self.channel is None:
             self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, window)
         elif link.endpoint("learners") == self.channel.endpoint and link.data_identity == self.channel.identity:
-            self.channel.max_window = self.channel.window = window
-            self.channel.regrant(link.generation)
+            self.channel.regrant(link.generation, window)
         else:
             self.channel.close()
             self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, window)

@@ -55,10 +55,13 @@ class DataChannel:
         self.outstanding += n
         self.sock.send_multipart(P.encode(P.Credit(peer_id=self.peer_id, credit=n)))
 
-    def regrant(self, generation: int) -> None:
-        """After a new welcome on the same learners port: the broker's credit for us restarted at zero."""
+    def regrant(self, generation: int, window: int | None = None) -> None:
+        """After a new welcome on the same learners port: the broker's credit for us restarted at zero. ``window``:
+        a new largest window (a new run may size it otherwise)."""
         self.generation = generation
         self.outstanding = 0
+        if window is not None:
+            self.max_window = self.window = window
         if self.window:
             self.grant(self.window)
 
