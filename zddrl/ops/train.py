@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -228,14 +229,13 @@ def run_training(
     if config.algo.mode not in REPLAY_MODES or config.replay.placement != "service":
         replay_port = 0
     procs = LocalProcesses(log_dir)
-    tty = show_progress and sys.stderr.isatty()
     budget = RestartBudget(config.train.max_restarts)
     key_dir = throwaway_keys() if secure else None
     keys = ["--keys", str(key_dir)] if key_dir is not None else []
     learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir), *keys]
     if replay_port:
         learner_args += ["--replay", f"tcp://127.0.0.1:{replay_port}"]
-    learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
+    restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
     try:
         if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
             _check_env(config)
@@ -257,52 +257,73 @@ def run_training(
             f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
             f"(logs in {log_dir})"
         )
-        next_line = 0.0
-        stopping = wound_down = False
-        finish = FinishWatch(run_dir / "summary.json", config.train)
-        while True:
-            code = learner.poll()
-            if code is not None:
-                if code == 0 or stopping or not restartable(code):
-                    break
-                learner, learner_t0 = _restart_learner(procs, budget, learner_args, run_dir, t0, learner)
-                continue
-            if not wound_down and finish.finished():
-                procs.wind_down(keep="learner")  # the run is over: the learner only writes its last files
-                stopping = wound_down = True
-            dead = [name for name in procs.dead() if name != "learner"]
-            if dead and not wound_down:
-                raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
-            if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
-                logger.info(
-                    f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted learner"
-                )
-                learner.send_signal(signal.SIGTERM)  # a clean stop: summary and final checkpoint
-                stopping = True
-            try:
-                learner.wait(timeout=0.05)
-            except subprocess.TimeoutExpired:
-                pass
-            if show_progress and time.monotonic() >= next_line:
-                line = _progress(run_dir / "metrics.csv", t0)
-                if line:
-                    click.echo(("\r" + line) if tty else line, err=True, nl=not tty)
-                next_line = time.monotonic() + (PROGRESS_EVERY_S if tty else 5.0)
-        if tty:
-            click.echo("", err=True)
+        learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
     finally:
         procs.stop()
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
+    return _summary(learner, run_dir, t0, budget.used)
+
+
+def _watch(
+    procs: LocalProcesses,
+    learner: subprocess.Popen,
+    config: Config,
+    run_dir: Path,
+    t0: float,
+    show_progress: bool,
+    restart: Callable[[subprocess.Popen], tuple[subprocess.Popen, float]],
+) -> subprocess.Popen:
+    """Watch the run until the learner stops for good: restart it when it may be (``restart``), wind the others
+    down when the run is over, stop at ``train.max_seconds``, print progress; return the last learner."""
+    log_dir = run_dir / "logs"
+    tty = show_progress and sys.stderr.isatty()
+    learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
+    next_line = 0.0
+    stopping = wound_down = False
+    finish = FinishWatch(run_dir / "summary.json", config.train)
+    while True:
+        code = learner.poll()
+        if code is not None:
+            if code == 0 or stopping or not restartable(code):
+                break
+            learner, learner_t0 = restart(learner)
+            continue
+        if not wound_down and finish.finished():
+            procs.wind_down(keep="learner")  # the run is over: the learner only writes its last files
+            stopping = wound_down = True
+        dead = [name for name in procs.dead() if name != "learner"]
+        if dead and not wound_down:
+            raise click.ClickException(f"{', '.join(dead)} exited with an error; see {log_dir}")
+        if not stopping and overdue(t0, learner_t0, config.train.max_seconds):
+            logger.info(f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted learner")
+            learner.send_signal(signal.SIGTERM)  # a clean stop: summary and final checkpoint
+            stopping = True
+        try:
+            learner.wait(timeout=0.05)
+        except subprocess.TimeoutExpired:
+            pass
+        if show_progress and time.monotonic() >= next_line:
+            line = _progress(run_dir / "metrics.csv", t0)
+            if line:
+                click.echo(("\r" + line) if tty else line, err=True, nl=not tty)
+            next_line = time.monotonic() + (PROGRESS_EVERY_S if tty else 5.0)
+    if tty:
+        click.echo("", err=True)
+    return learner
+
+
+def _summary(learner: subprocess.Popen, run_dir: Path, t0: float, restarts: int) -> dict[str, Any]:
+    """The learner's summary.json with the whole command's figures, or the learner's failure as a CLI error."""
     summary_path = run_dir / "summary.json"
     if learner.returncode != 0 or not summary_path.exists():
         raise click.ClickException(
-            f"the learner failed ({exit_cause(learner.returncode)}); see {log_dir / 'learner.log'}"
+            f"the learner failed ({exit_cause(learner.returncode)}); see {run_dir / 'logs' / 'learner.log'}"
         )
     summary = json.loads(summary_path.read_text())
     summary["wall_s_command"] = round(time.time() - t0, 3)
     summary["run_dir"] = str(run_dir)
-    summary["learner_restarts"] = budget.used
+    summary["learner_restarts"] = restarts
     target = f"at {summary['wall_s_to_target']} s" if summary.get("reached") else "not reached"
     logger.info(
         f"whole command {summary['wall_s_command']:.2f} s: first trajectory at "
