@@ -1,0 +1,114 @@
+"""The broker's settings (the ``[broker]`` table of a profile in brokers/) and the parsing of endpoints.
+
+Apart from ``config.py`` (a run's settings), which re-exports every name here: callers read every config name
+from ``zddrl.config``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from zddrl.tomlconf import ConfigError
+from zddrl.tomlconf import build as _build
+from zddrl.tomlconf import require as _require
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class BrokerConfig:
+    """Settings of `zddrl broker`; the `[broker]` table of a profile in brokers/."""
+
+    bind: str = "tcp://127.0.0.1:5555"
+    """Public control endpoint. Port ``*`` binds random free ports for every socket."""
+    trajectory_port: int = 0
+    """Port actors PUSH trajectories to; 0 = control port + 1."""
+    learner_port: int = 0
+    """Port learner shards connect their DEALER to; 0 = control port + 2."""
+    params_port: int = 0
+    """Port of the parameter PUB socket; 0 = control port + 3."""
+    trajectory_hwm: int = 16
+    """Trajectory messages queued per connection before senders block (backpressure)."""
+    params_hwm: int = 32
+    """Parameter messages queued per subscriber (a version is one per ``learner.param_chunk_bytes``); older ones
+    are superseded anyway."""
+    max_message_bytes: int = 1 << 28
+    """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats, both ways (clients take it from the welcome)."""
+    heartbeat_liveness: int = 3
+    """Beats a peer may miss before it is expired."""
+    keys: str = ""
+    """Key directory (docs/security.md): CURVE on every socket, ZAP against each role's allow-list, signed runs
+    and parameters. Empty: no keys, which only a loopback bind accepts unless ``insecure``."""
+    insecure: bool = False
+    """Allow a non-loopback bind without keys (a loud warning at each start): anyone who can reach the ports
+    can join, inject, read and exhaust."""
+    upstream: str = ""
+    """Run as a relay: the control endpoint of the broker above (``tcp://ROOT:PORT``, or a fallback list
+    ``tcp://A:5555,tcp://B:5555``). The relay's actors' trajectories go there with credit end to end, parameters
+    come from there; its subtree is reported there (docs/architecture.md). Empty: a root broker."""
+    upstream_window: int = 0
+    """Relay: trajectories forwarded upstream and not yet acknowledged (credit returned) at most. 0 = twice the
+    sum of its actors' windows (2 x algo.max_in_flight x actors joined, at least 2 x max_in_flight), which keeps
+    the pipe full: the relay is then never the narrowest window, yet a stalled learner stops its actors."""
+
+    def __post_init__(self) -> None:
+        _require(
+            self.bind.startswith("tcp://") and ":" in self.bind[6:],
+            f"broker.bind must look like tcp://HOST:PORT, got {self.bind!r}",
+        )
+        for name in ("trajectory_port", "learner_port", "params_port"):
+            _require(0 <= getattr(self, name) < 65536, f"broker.{name} must be a port number or 0")
+        _require(self.trajectory_hwm >= 1 and self.params_hwm >= 1, "broker HWMs must be >= 1")
+        _require(self.max_message_bytes >= 1024, "broker.max_message_bytes must be >= 1024")
+        _require(
+            self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
+            "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1",
+        )
+        if self.upstream:
+            split_endpoints(self.upstream)  # ConfigError naming the bad entry
+        _require(0 <= self.upstream_window <= 1 << 20, "broker.upstream_window must be in 0..2**20 (0 = automatic)")
+
+
+def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | None = None) -> BrokerConfig:
+    """Read the ``[broker]`` table of a profile (or defaults) and apply non-None overrides."""
+    data: dict[str, Any] = {}
+    if profile is not None:
+        p = Path(profile)
+        _require(p.is_file(), f"broker profile {str(p)!r} does not exist")
+        try:
+            doc = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+        _require(set(doc) <= {"broker"}, f"{p}: a broker profile holds one [broker] table")
+        data = dict(doc.get("broker", {}))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return _build(BrokerConfig, data, "broker.")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``tcp://host:port`` -> ``("host", "port")`` (port may be ``*``)."""
+    _require(endpoint.startswith("tcp://") and ":" in endpoint[6:], f"endpoint {endpoint!r} must be tcp://HOST:PORT")
+    host, _, port = endpoint[6:].rpartition(":")
+    return host, port
+
+
+def split_endpoints(connect: str) -> tuple[str, ...]:
+    """A client's ``--connect``: one broker endpoint, or a comma-separated fallback list, in the order to try
+    them (``"tcp://a:5555,tcp://b:5555"`` -> ``("tcp://a:5555", "tcp://b:5555")``). Each entry must be
+    ``tcp://HOST:PORT`` with a port in 1..65535 (a client connects: no ``*``), and none may repeat."""
+    entries = tuple(entry.strip() for entry in connect.split(","))
+    for entry in entries:
+        _require(bool(entry), f"empty entry in the broker list {connect!r}")
+        host, port = split_endpoint(entry)
+        _require(bool(host), f"endpoint {entry!r} names no host")
+        _require(port.isdigit() and 0 < int(port) < 65536, f"endpoint {entry!r}: the port must be 1..65535")
+        _require(entries.count(entry) == 1, f"endpoint {entry!r} is listed twice")
+    return entries
