@@ -41,9 +41,16 @@ class BrokerConfig:
     max_message_bytes: int = 1 << 28
     """Largest message accepted (array bytes); bigger ones are dropped as malformed."""
     heartbeat_interval_s: float = 1.0
-    """Seconds between heartbeats, both ways (clients take it from the welcome)."""
+    """Seconds between heartbeats, both ways (clients take it from the welcome), while the fleet is small (see
+    heartbeat_rate); also how often the broker checks liveness, health and keys."""
     heartbeat_liveness: int = 3
     """Beats a peer may miss before it is expired."""
+    heartbeat_rate: float = 300.0
+    """Heartbeats per second the broker takes from its members together, at most: past that many members per
+    heartbeat_interval_s the interval doubles (2, 4, 8 ... x heartbeat_interval_s) and members learn it from the
+    broker's heartbeats; actors send stats at the same interval. Bounds the control plane's cost at any fleet size
+    (docs/benchmarks.md, bench fleet) at the price of noticing a dead member later (interval x liveness). 0: the
+    interval never grows."""
     keys: str = ""
     """Key directory (docs/security.md): CURVE on every socket, ZAP against each role's allow-list, signed runs
     and parameters. Empty: no keys, which only a loopback bind accepts unless ``insecure``."""
@@ -72,6 +79,8 @@ class BrokerConfig:
             self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
             "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1",
         )
+        _require(self.heartbeat_interval_s <= 3600, "broker.heartbeat_interval_s must be at most 3600")
+        _require(0 <= self.heartbeat_rate <= 1e6, "broker.heartbeat_rate must be in 0..1e6 (0: a fixed interval)")
         if self.upstream:
             split_endpoints(self.upstream)  # ConfigError naming the bad entry
         _require(0 <= self.upstream_window <= 1 << 20, "broker.upstream_window must be in 0..2**20 (0 = automatic)")

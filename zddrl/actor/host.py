@@ -36,6 +36,8 @@ from zddrl.transport.trust import joinable
 WELCOME_TIMEOUT_S = 3600.0
 """An actor may be started long before any learner; it waits (heartbeating) for a run."""
 STATS_EVERY_S = 1.0
+"""Stats go to the broker at most this often, and at its heartbeat interval once that is longer (it grows with
+the fleet: broker/cadence.py)."""
 SEND_POLL_MS = 100
 REFUSED_RUN_WAIT_S = 1.0
 """After refusing a run, how often the actor looks for another welcome (it waits, never spins)."""
@@ -396,7 +398,7 @@ class ActorHost:
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     self._report(link, run_id, params, num_envs, first_obs)
-                    next_stats = time.monotonic() + STATS_EVERY_S
+                    next_stats = time.monotonic() + max(STATS_EVERY_S, link.interval_s)
         finally:
             push.close(linger=0)
             vec.close()

@@ -67,8 +67,9 @@ STATUS_COUNTERS = (
     "expired_or_left",
     "params_snapshots",
     "fleet_sent",
+    "heartbeat_interval_s",
 )
-"""Broker counters reported per N (zero or near it in a healthy run)."""
+"""Broker counters reported per N (zero or near it in a healthy run), and the heartbeat interval it chose."""
 
 _spawn = C._spawn
 

@@ -102,7 +102,8 @@ def _us(x: float | None) -> str:
 
 def control_table(points: list[dict[str, Any]]) -> str:
     header = (
-        "actors|join s|broker CPU|of it libzmq|us/actor/s|control msgs/s|heartbeats/s|stats/s|broker RSS MiB|sims CPU"
+        "actors|join s|broker CPU|of it libzmq|us/actor/s|control msgs/s|heartbeats/s|stats/s|beat every s|"
+        "broker RSS MiB|sims CPU"
     )
     return _table(
         header.split("|"),
@@ -116,6 +117,7 @@ def control_table(points: list[dict[str, Any]]) -> str:
                 f"{c['control_msgs_per_s']:.0f}",
                 f"{c['heartbeats_per_s']:.0f}",
                 f"{c['stats_per_s']:.0f}",
+                f"{p['broker_counters'].get('heartbeat_interval_s', 0):g}",
                 f"{p['broker_rss_mb']['control']}",
                 _pct(c["sims_cpu_share"]),
             ]

@@ -315,6 +315,11 @@ class SimWorker:
         actor.deadline = now + actor.interval * actor.liveness  # any message is a sign of life
         if isinstance(msg, P.Heartbeat):
             self.counts[S["heartbeat_in"]] += 1
+            if msg.interval_s > 0 and msg.interval_s != actor.interval:  # the broker's fleet grew or shrank
+                actor.interval = msg.interval_s
+                actor.deadline = now + actor.interval * actor.liveness
+                if actor.next_beat > now + actor.interval:
+                    self._schedule(actor, actor.actor_id - self.actors[0].actor_id, now + actor.interval)
         elif isinstance(msg, P.Credit):
             self.counts[S["credit_in"]] += 1
             credit = min(msg.credit, actor.sent - actor.credited)  # never more than was sent

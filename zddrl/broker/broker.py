@@ -31,6 +31,7 @@ from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, user_of
+from zddrl.broker.cadence import Cadence
 from zddrl.broker.fleet import Fleet
 from zddrl.broker.guard import Guard, revoked_reject
 from zddrl.broker.health import HealthMonitor
@@ -93,7 +94,10 @@ class Broker:
         self._ratelog = RateLimitedLog()
         self.health = HealthMonitor()
         # What an actor sent before it left counts as its own for as long as it could have been silent.
-        self.departures = Departures(config.heartbeat_interval_s * config.heartbeat_liveness)
+        self.cadence = Cadence(config.heartbeat_interval_s, config.heartbeat_liveness, config.heartbeat_rate)
+        """The heartbeat interval, grown with the fleet (broker/cadence.py)."""
+        self.departures = Departures(self.cadence.expiry_s(0.0))
+        self._next_tick = 0.0
         self._next_beat = 0.0
         self._poll_traj = False
         self._staleness = 0
@@ -196,17 +200,27 @@ class Broker:
             now = time.monotonic()
             if self.fleet.changed and now >= self.fleet.next_at:
                 self._announce_fleet(now)
+            if now >= self._next_tick:
+                self._tick(now)
+                self._next_tick = now + self.config.heartbeat_interval_s
             if now >= self._next_beat:
                 self._send_heartbeats()
-                self._purge_expired(now)
-                self.health.evaluate(now)
-                self._log_health()
-                self._ratelog.flush()
-                self._sample_rates(now)
-                if self.auth is not None:
-                    self.counters["zap_denied"] = self.guard.zap_denied()
-                    self._refresh_keys()
-                self._next_beat = now + self.config.heartbeat_interval_s
+                self._next_beat = now + self.cadence.interval_s
+
+    def _tick(self, now: float) -> None:
+        """Every ``heartbeat_interval_s``, whatever the fleet's heartbeat interval: credit left pending, liveness,
+        health, logs, rates, keys."""
+        for member in self.members.values():
+            self.router.return_credit(member)  # what a batch left pending: no actor waits longer than this for it
+        self._fit_cadence(now)
+        self._purge_expired(now)
+        self.health.evaluate(now)
+        self._log_health()
+        self._ratelog.flush()
+        self._sample_rates(now)
+        if self.auth is not None:
+            self.counters["zap_denied"] = self.guard.zap_denied()
+            self._refresh_keys()
 
     def _serve_upstream(self, events: dict) -> None:
         """A relay's link to its upstream broker (relay.Relay); a root broker has none."""
@@ -350,7 +364,7 @@ class Broker:
         old = self.members.get(msg.peer_id)
         guard = self.guard
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
-        why = hello_conflict(msg, old, room, self.run_id, self.config.heartbeat_interval_s)
+        why = hello_conflict(msg, old, room, self.run_id, self.cadence.interval_s)
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
@@ -392,7 +406,7 @@ class Broker:
             run_id=self.run_id,
             run=self.run_spec,
             ports={k: v for k, v in self.ports.items() if k != "control"},
-            heartbeat_interval_s=c.heartbeat_interval_s,
+            heartbeat_interval_s=self.cadence.interval_s,
             heartbeat_liveness=c.heartbeat_liveness,
             max_message_bytes=c.max_message_bytes,
             run_signer=self.run_seal[0],
@@ -447,17 +461,26 @@ class Broker:
         self.counters["fleet_sent"] += 1
 
     # ---------------------------------------------------------------- liveness
+    def _fit_cadence(self, now: float) -> None:
+        """The heartbeat interval for the members joined now (a relayed actor's relay beats for it)."""
+        if self.cadence.fit(len(self.by_identity), now):
+            self.log.info(
+                f"heartbeat interval {self.cadence.interval_s:g} s for {len(self.by_identity)} members "
+                f"(broker.heartbeat_rate {self.config.heartbeat_rate:g}/s)"
+            )
+            self._next_beat = now  # they learn it from the next beat
+        self.departures.grace_s = self.cadence.expiry_s(now)
+
     def _send_heartbeats(self) -> None:
         # One message for every member, encoded once: the pass over 1,024 members took 20-30 ms when each was
         # encoded and sent with send_multipart (zddrl bench fleet), and it stalls forwarding meanwhile.
-        beat = P.encode(P.Heartbeat(peer_id="broker", policy_version=self.policy_version))
-        for member in list(self.members.values()):
-            self.router.return_credit(member)  # what a batch left pending: no actor waits longer than a beat for it
-            if not member.relay:  # a relayed actor's relay gets the one beat
-                self._send_frames(self.control, member.identity, beat)
+        beat = P.Heartbeat(peer_id="broker", policy_version=self.policy_version, interval_s=self.cadence.interval_s)
+        frames = P.encode(beat)
+        for member in self.by_identity.values():  # a relayed actor's relay gets the one beat
+            self._send_frames(self.control, member.identity, frames)
 
     def _purge_expired(self, now: float) -> None:
-        limit = self.config.heartbeat_interval_s * self.config.heartbeat_liveness
+        limit = self.cadence.expiry_s(now)
         for member in list(self.members.values()):
             if now - member.last_seen > limit and not member.relay:  # relayed ones go with their relay
                 silent = f"silent for {now - member.last_seen:.1f} s"

@@ -196,13 +196,15 @@ class Relay(Broker):
                 self.counters["upstream_malformed"] += 1
         elif isinstance(msg, P.Welcome):
             self._on_upstream_welcome(msg, now)
+        elif isinstance(msg, P.Heartbeat):
+            up.heard_interval(msg.interval_s, now)
         elif isinstance(msg, P.Reject):
             self.log.warning(f"upstream rejected us: {msg.reason}")
             if msg.reason.startswith(P.REFUSED_PREFIX):
                 raise RelayRefused(f"the upstream broker at {up.brokers.current} refused this relay: {msg.reason}")
             if msg.rehello:
                 up.send(up.hello)
-        # heartbeats keep the session alive (beat_heard); fleet and status messages are not for a relay
+        # any message keeps the session alive (beat_heard); fleet and status messages are not for a relay
 
     def _on_upstream_welcome(self, welcome: P.Welcome, now: float) -> None:
         up = self.uplink

@@ -158,6 +158,7 @@ def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
             "credit": b.router.credit,
             "fleet_seq": b.fleet.seq,
             "fleet_actors": len(b.fleet.actors),
+            "heartbeat_interval_s": b.cadence.interval_s,
             **b.rates,
             **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")},
             **fleet_summary(b.members.values()),

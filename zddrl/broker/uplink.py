@@ -103,6 +103,13 @@ class Uplink:
         self.sessions += 1
         return self.sub
 
+    def heard_interval(self, interval_s: float, now: float) -> None:
+        """The upstream's heartbeat set a new interval (its fleet grew or shrank; 0: unchanged)."""
+        if interval_s > 0 and interval_s != self.interval_s:
+            self.interval_s = interval_s
+            self.beat_heard(now)
+            self.next_beat = min(self.next_beat, now + interval_s)
+
     def beat_heard(self, now: float) -> None:
         """Anything from upstream: it is alive for another interval x liveness."""
         self.deadline = now + self.interval_s * self.liveness

@@ -80,6 +80,7 @@ from zddrl.protocol.messages import (  # noqa: F401  (part of this package's int
 from zddrl.protocol.rules import (  # noqa: F401
     DATA_IDENTITY_BYTES,
     MAX_FLEET_ACTORS_BYTES,
+    MAX_HEARTBEAT_INTERVAL_S,
     MAX_HOST_BYTES,
     MAX_ID_BYTES,
     MAX_NUM_ENVS,
@@ -94,6 +95,7 @@ from zddrl.protocol.rules import (  # noqa: F401
     TRUNCATION_ARRAYS,
     check_chunk,
     check_fleet,
+    check_heartbeat,
     check_hello,
     check_params,
     check_replay_batch,
@@ -324,6 +326,7 @@ def claimed_peer_id(frames: Sequence[Any]) -> str | None:
 _CHECKS = {
     Hello: check_hello,
     Welcome: check_welcome,
+    Heartbeat: check_heartbeat,
     Parameters: check_params,
     ParamChunk: check_chunk,
     Trajectory: check_trajectory,

@@ -72,11 +72,15 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Heartbeat(Message):
-    """Both ways on the control socket. Clients report the policy version they act with."""
+    """Both ways on the control socket. Clients report the policy version they act with; the broker's carry the
+    heartbeat interval its members must keep from now on, which grows with the fleet (docs/protocol.md 5.2)."""
 
     KIND: ClassVar[str] = "heartbeat"
     peer_id: str
     policy_version: int = -1
+    interval_s: float = 0.0
+    """Broker -> client: seconds between heartbeats (and an actor's stats) from now on; 0: keep the current one.
+    Clients send 0."""
 
 
 @dataclass(frozen=True)

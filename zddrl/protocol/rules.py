@@ -131,6 +131,18 @@ DATA_IDENTITY_BYTES = 16
 """Length of a data identity the broker issues to a learner on a closed bus (welcome.data_identity)."""
 
 
+MAX_HEARTBEAT_INTERVAL_S = 3600.0
+"""Longest heartbeat interval a welcome or a broker's heartbeat may set (a client told more would take an hour
+or more to notice a dead broker)."""
+
+
+def check_heartbeat(fields: dict[str, Any]) -> None:
+    if not 0.0 <= fields["interval_s"] <= MAX_HEARTBEAT_INTERVAL_S:
+        raise ProtocolError(
+            f"heartbeat: interval_s must be in 0..{MAX_HEARTBEAT_INTERVAL_S:g}, got {fields['interval_s']}"
+        )
+
+
 def check_welcome(fields: dict[str, Any]) -> None:
     check_seal("welcome", fields["run_signer"], fields["run_signature"])
     if len(fields["data_identity"]) not in (0, DATA_IDENTITY_BYTES):
@@ -140,8 +152,11 @@ def check_welcome(fields: dict[str, Any]) -> None:
     for name, port in fields["ports"].items():
         if not _is_int(port, 1, 65535):
             raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")
-    if fields["heartbeat_interval_s"] <= 0:
-        raise ProtocolError(f"welcome: heartbeat_interval_s must be > 0, got {fields['heartbeat_interval_s']}")
+    if not 0.0 < fields["heartbeat_interval_s"] <= MAX_HEARTBEAT_INTERVAL_S:
+        raise ProtocolError(
+            f"welcome: heartbeat_interval_s must be > 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}, "
+            f"got {fields['heartbeat_interval_s']}"
+        )
     if fields["heartbeat_liveness"] < 1:
         raise ProtocolError(f"welcome: heartbeat_liveness must be >= 1, got {fields['heartbeat_liveness']}")
     if fields["max_message_bytes"] < 0:

@@ -95,6 +95,8 @@ class BrokerLink:
         self.assembler = Assembler(verify=None if credentials is None else self._params_refusal)
         self._ratelog = RateLimitedLog()
         self.last_broker_beat = 0.0
+        self.interval_s = HEARTBEAT_INTERVAL_S
+        """The heartbeat interval the broker set (welcome, then its heartbeats): an actor's stats go out as often."""
         self._fleet: tuple[int, dict[str, dict]] | None = None
         self.fleet_ignored = 0
         """Fleet messages ignored because they named another run than the link's."""
@@ -309,6 +311,7 @@ class BrokerLink:
                     if isinstance(msg, P.Welcome):
                         welcomed = True
                         interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
+                        self.interval_s = interval
                         deadline = time.monotonic() + interval * liveness
                         # Beat on the broker's schedule from the welcome on: on the default 1 s, a broker
                         # configured with interval x liveness under 1 s would expire a healthy member.
@@ -335,6 +338,10 @@ class BrokerLink:
                         self._on_credit(msg)
                     elif isinstance(msg, P.Heartbeat):
                         self.last_broker_beat = time.time()
+                        if msg.interval_s > 0 and msg.interval_s != interval:  # the fleet grew or shrank
+                            interval = self.interval_s = msg.interval_s
+                            deadline = time.monotonic() + interval * liveness
+                            next_beat = min(next_beat, time.monotonic() + interval)
                     elif isinstance(msg, P.Fleet):
                         self._on_fleet(msg)
             if sub is not None and sub in events:

@@ -1,0 +1,76 @@
+"""The heartbeat interval grows with the fleet (broker/cadence.py) and members keep it (docs/protocol.md 5.2).
+
+The unit tests pin the arithmetic; the process test runs a real `zddrl broker` with a low ``heartbeat_rate`` and
+real ``BrokerLink`` clients: the interval doubles as members join, every client adopts it from the broker's
+heartbeats, a newcomer's welcome carries it, members silent for longer than the base expiry are kept, and the
+interval comes back down as they leave.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from broker_clients import WAIT_S, ProfiledBroker, counters, status
+from conftest import Bus, Procs, wait_for
+from zddrl import protocol as P
+from zddrl.broker.cadence import Cadence
+from zddrl.config import BrokerConfig
+
+
+def test_the_interval_doubles_past_each_multiple_of_the_rate() -> None:
+    c = Cadence(1.0, 3, 256.0)
+    assert [c.wanted(n) for n in (0, 1, 256, 257, 512, 513, 1024, 1025, 10_000)] == [1, 1, 1, 2, 2, 4, 4, 8, 64]
+    assert Cadence(1.0, 3, 0.0).wanted(1_000_000) == 1.0, "rate 0: a fixed interval"
+    assert Cadence(1.0, 3, 1e-3).wanted(10**6) == 2048.0, "never past MAX_HEARTBEAT_INTERVAL_S"
+    assert Cadence(0.2, 3, 10.0).wanted(5) == pytest.approx(0.8)
+    defaults = BrokerConfig()
+    at_defaults = Cadence(defaults.heartbeat_interval_s, defaults.heartbeat_liveness, defaults.heartbeat_rate)
+    assert [at_defaults.wanted(n) for n in (257, 1025)] == [1.0, 4.0], "256 or 1,024 actors and a learner"
+
+
+def test_fit_grows_at_once_and_comes_down_with_a_margin() -> None:
+    c = Cadence(1.0, 3, 256.0)
+    assert not c.fit(100, 0.0) and c.interval_s == 1.0
+    assert c.fit(1024, 1.0) and c.interval_s == 4.0
+    assert c.expiry_s(1.0) == 12.0
+    assert not c.fit(1000, 2.0), "still needs 4 s"
+    # 500 members fit 2 s, but not with the margin (500 > 0.75 x 512): it stays at 4 s...
+    assert not c.fit(500, 3.0) and c.interval_s == 4.0
+    # ...and at 300 it comes down one step: 2 s would fit with the margin, 1 s would not.
+    assert c.fit(300, 4.0) and c.interval_s == 2.0
+    assert c.expiry_s(4.0) == 12.0 and c.expiry_s(4.0 + 11.9) == 12.0, "members may keep 4 s until they hear"
+    assert c.expiry_s(4.0 + 12.1) == 6.0
+    assert c.fit(10, 20.0) and c.interval_s == 1.0
+
+
+@pytest.mark.slow
+def test_members_follow_the_interval_as_the_fleet_grows_and_shrinks(procs: Procs, tmp_path: Path, bus: Bus) -> None:
+    # 0.2 s at most 10 beats/s: 2 members fit 0.2 s, 3-4 need 0.4 s, 5-8 need 0.8 s; base expiry 0.6 s.
+    broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.2, heartbeat_liveness=3, heartbeat_rate=10.0)
+    broker.start()
+    first = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-0"))
+    assert first.wait_welcome(WAIT_S).heartbeat_interval_s == pytest.approx(0.2)
+    others = [bus.link(broker.connect, P.Hello(role="actor", peer_id=f"actor-{i}")) for i in range(1, 5)]
+    links = [first, *others]
+    wait_for(lambda: all(link.interval_s == pytest.approx(0.8) for link in links), WAIT_S, "every link at 0.8 s")
+
+    late = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-5"))
+    assert late.wait_welcome(WAIT_S).heartbeat_interval_s == pytest.approx(0.8), "a newcomer is told in its welcome"
+    links.append(late)
+
+    # Members now beat every 0.8 s: silent longer than the base expiry (0.6 s), and kept.
+    def someone_quiet_past_the_base_expiry() -> bool:
+        rows = status(broker, bus)["members"]
+        return len(rows) == 6 and max(row["last_seen_s"] for row in rows.values()) > 0.65
+
+    wait_for(someone_quiet_past_the_base_expiry, WAIT_S, "a member silent for longer than 0.6 s")
+    generations = [link.generation for link in links]
+
+    for link in links[1:]:
+        link.close()
+    wait_for(lambda: first.interval_s == pytest.approx(0.2), WAIT_S, "the last member back at 0.2 s")
+    wait_for(lambda: counters(broker, bus)["expired_or_left"] == 5, WAIT_S, "five byes")
+    assert first.generation == generations[0] and first.reconnects == 0, "no member was expired on the way"
+    assert list(status(broker, bus)["members"]) == ["actor-0"]
