@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from zddrl.actor.host import build_policy, collect, policy_of
+from zddrl.actor.host import build_policy, policy_of
 from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
+from zddrl.actor.rollout import collect
 from zddrl.algos.model import flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
 from zddrl.algos.replay_nstep import nstep_td_errors

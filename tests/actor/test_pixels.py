@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from zddrl import protocol as P
-from zddrl.actor.host import action_rng, collect, encode_rollout
+from zddrl.actor.host import action_rng, encode_rollout
 from zddrl.actor.policy import NumpyPolicy, actor_critic_policy
+from zddrl.actor.rollout import collect
 from zddrl.actor.torch_policy import TorchPolicy
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.algos.ppo import PPOLearner

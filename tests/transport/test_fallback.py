@@ -15,7 +15,8 @@ from test_client import WAIT_S, FakeBroker, params, welcome
 from broker_clients import trajectory
 from conftest import Bus, wait_for
 from zddrl import protocol as P
-from zddrl.actor.host import ActorHost, Collected
+from zddrl.actor.host import ActorHost
+from zddrl.actor.rollout import Collected
 from zddrl.cli import main
 from zddrl.config import ConfigError, split_endpoints
 from zddrl.ops.status import request_status

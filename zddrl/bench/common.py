@@ -69,7 +69,7 @@ PIXEL_ROLLOUT_BYTES = (
 
 
 def trajectory_arrays(payload_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """The arrays ``zddrl.actor.host.collect`` sends for a typical rollout (no truncation in it), as close to
+    """The arrays ``zddrl.actor.rollout.collect`` sends for a typical rollout (no truncation in it), as close to
     ``payload_bytes`` as their layout allows (observations fill it; under by less than one obs row per step).
     ``PIXEL_ROLLOUT_BYTES`` exactly is an Atari rollout (``pixel_rollout_arrays``).
 

@@ -89,7 +89,7 @@ def worker_fds(actors: int) -> int:
 
 
 def cartpole_arrays(seed: int) -> dict[str, np.ndarray]:
-    """The nine arrays of a CartPole rollout as ``zddrl.actor.host.collect`` sends them (no truncation)."""
+    """The nine arrays of a CartPole rollout as ``zddrl.actor.rollout.collect`` sends them (no truncation)."""
     return C.rollout_arrays(T_STEPS, N_ENVS, OBS_DIM, seed)
 
 
