@@ -76,6 +76,27 @@ def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.T
     )
 
 
+def pixel_trajectory(spec, T: int, N: int, seq: int = 0) -> P.Trajectory:
+    """A rollout of ``T`` steps of ``N`` envs of the pixel env ``spec`` (an EnvSpec: uint8 frames, discrete)."""
+    rng = np.random.default_rng(seq)
+    terminated = np.zeros((T, N), dtype=bool)
+    terminated[T // 2, 0] = True
+    arrays = {
+        "obs": rng.integers(0, 256, (T, N, *spec.obs_shape), dtype=np.uint8),
+        "actions": rng.integers(0, spec.action_dim, (T, N)),
+        "logp": np.full((T, N), -np.log(spec.action_dim), np.float32),
+        "values": np.zeros((T, N), np.float32),
+        "rewards": rng.integers(0, 2, (T, N)).astype(np.float32),
+        "terminated": terminated,
+        "truncated": np.zeros((T, N), bool),
+        "next_obs": rng.integers(0, 256, (N, *spec.obs_shape), dtype=np.uint8),
+        "next_value": np.zeros(N, np.float32),
+    }
+    return P.Trajectory(
+        run_id="r", peer_id="a", seq=seq, policy_version=0, param_hash="", env_steps=T * N, arrays=arrays
+    )
+
+
 def rollout_of(
     peer: str,
     seq: int,

@@ -45,6 +45,7 @@ PLACEMENTS = ("learner", "service")
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn")
+AUTOCASTS = ("off", "bf16")
 
 
 @dataclass(frozen=True)
@@ -349,8 +350,13 @@ class LearnerConfig:
     """Parameters travel to the actors in chunks of at most this many bytes, each with its own hash."""
     param_dtype: str = "float32"
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
+    autocast: str = "off"
+    """``bf16``: the training forward pass runs under torch's autocast in bfloat16 (convolutions and matrix products;
+    weights, optimizer and losses stay float32), on GPU or CPU; meant for the CNNs on hardware with bf16 units
+    (`zddrl bench learner --config FILE --autocast off,bf16` measures it). ``off``: float32 throughout."""
 
     def __post_init__(self) -> None:
+        _require(self.autocast in AUTOCASTS, f"learner.autocast must be one of {AUTOCASTS}, got {self.autocast!r}")
         try:
             parse_gpus(self.gpus)
         except ValueError as exc:

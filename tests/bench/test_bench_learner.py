@@ -35,15 +35,19 @@ TINY = [
 ]
 
 
-@pytest.mark.timeout(150)
-def test_bench_learner_smoke() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "learner", *TINY],
+def bench_learner(*options: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "learner", *options],
         capture_output=True,
         text=True,
         timeout=140,
         stdin=subprocess.DEVNULL,
     )
+
+
+@pytest.mark.timeout(150)
+def test_bench_learner_smoke() -> None:
+    proc = bench_learner(*TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     rows = {(r["shards"], r["threads_per_shard"]): r for r in report["throughput"]}
@@ -55,3 +59,23 @@ def test_bench_learner_smoke() -> None:
     assert cells[("float32", 1)]["wire_bytes"] == 2 * cells[("bfloat16", 1)]["wire_bytes"]
     assert cells[("float32", 1)]["chunks"] > 1 and all(r["latency_ms"] > 0 for r in cells.values())
     assert report["pickle"]["ms"] > 0
+
+
+@pytest.mark.timeout(150)
+def test_bench_learner_measures_a_run_config_with_and_without_autocast() -> None:
+    options = ["--json", "--shards", "1", "--updates", "1", "--no-broadcast", "--autocast", "off,bf16"]
+    proc = bench_learner(*options, "--config", "examples/breakout_impala.toml")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)["throughput"]
+    assert [r["autocast"] for r in rows] == ["off", "bf16"]
+    assert all(r["model"] == "nature_cnn" and r["mode"] == "impala" and r["batch"] == 640 for r in rows)
+    assert all(r["samples_per_s"] > 0 for r in rows)
+
+
+def test_bench_learner_refuses_a_bad_autocast_and_a_replay_config() -> None:
+    for options, error in (
+        (["--autocast", "fp8"], "--autocast takes values of"),
+        (["--config", "examples/cartpole_apex.toml"], "no on-policy learner"),
+    ):
+        proc = bench_learner(*options)
+        assert proc.returncode == 2 and error in proc.stderr, proc.stderr[-2000:]

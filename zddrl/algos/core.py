@@ -189,6 +189,16 @@ class LearnerCore:
     def update(self, trajectories, staleness: float = 0.0) -> dict[str, float]:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``model.evaluate`` (log-prob, entropy, value) for training, under ``learner.autocast``: with ``bf16`` the
+        network runs in bfloat16 where torch's autocast allows (convolutions, matrix products) and its outputs come
+        back float32, so the losses, the gradients' accumulation and Adam stay float32."""
+        if self.config.learner.autocast == "off":
+            return self.model.evaluate(obs, actions)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            logp, entropy, value = self.model.evaluate(obs, actions)
+        return logp.float(), entropy.float(), value.float()
+
     def refusal(self, arrays) -> str:
         """Why this core cannot take a rollout that fits the run (``rollout.mismatch``), or ""."""
         return ""

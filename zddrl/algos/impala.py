@@ -146,7 +146,7 @@ class ImpalaLearner(LearnerCore):
         T, b = obs.shape[0], len(cols)
         mb_obs = obs[:, cols.to(self.device)].reshape(T * b, *obs.shape[2:])
         actions = self.tensor(tm.actions[:, cols.numpy()]).reshape(T * b, *tm.actions.shape[2:])
-        logp, entropy, values = (x.reshape(T, b) for x in self.model.evaluate(mb_obs, actions))
+        logp, entropy, values = (x.reshape(T, b) for x in self.evaluate(mb_obs, actions))
         vt = self._targets(tm, cols, logp.detach(), values.detach())
         vs, pg_advantages = vt.vs.to(self.device), vt.pg_advantages.to(self.device)
         policy_loss = -(pg_advantages * logp).mean()

@@ -220,7 +220,7 @@ class PPOLearner(LearnerCore):
         loss: torch.Tensor | None = None
         figures: dict[str, float] = {}
         if len(idx):
-            logp, entropy, value = self.model.evaluate(batch.obs[idx], batch.actions[idx])
+            logp, entropy, value = self.evaluate(batch.obs[idx], batch.actions[idx])
             weights = None if a.mode == "sync" else batch.weights[idx]
             loss, figures = ppo_loss(
                 logp,

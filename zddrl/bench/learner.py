@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 import numpy as np
@@ -34,8 +34,12 @@ from loguru import logger
 from zddrl import protocol as P
 from zddrl.bench import common as C
 from zddrl.bench.broadcast import Publisher
+from zddrl.config import AUTOCASTS, Config, ConfigError, load_config
 from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 from zddrl.proc import free_ports
+
+if TYPE_CHECKING:
+    from zddrl.envs import EnvSpec
 
 BROADCAST_REPS = 9
 BROADCAST_TIMEOUT_S = 60.0
@@ -48,20 +52,40 @@ BIG_MODEL: dict[str, Any] = {"obs_dim": 64, "hidden": [2240, 2240], "actions": 4
 # --------------------------------------------------------------------------------------------
 
 
-def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
+def _cartpole() -> EnvSpec:
+    from zddrl.envs import EnvSpec
+
+    return EnvSpec((4,), True, 2)
+
+
+def _synthetic(actor: int, update: int, T: int, N: int, spec: EnvSpec | None = None) -> P.Trajectory:
+    """A rollout of ``T`` steps of ``N`` envs shaped as ``spec`` says (CartPole's if None; random observations and
+    actions)."""
+    spec = spec or _cartpole()
     rng = np.random.default_rng(1000 * update + actor)
     terminated = rng.random((T, N)) < 0.02
     truncated = np.zeros((T, N), bool)
+
+    def obs(*lead: int) -> np.ndarray:
+        if spec.obs_dtype == "uint8":
+            return rng.integers(0, 256, (*lead, *spec.obs_shape), dtype=np.uint8)
+        return rng.normal(0, 1, (*lead, *spec.obs_shape)).astype(np.float32)
+
+    actions = (
+        rng.integers(0, spec.action_dim, (T, N))
+        if spec.discrete
+        else rng.uniform(-1, 1, (T, N, spec.action_dim)).astype(np.float32)
+    )
     arrays: dict[str, np.ndarray]
     arrays = {
-        "obs": rng.normal(0, 1, (T, N, 4)).astype(np.float32),
-        "actions": rng.integers(0, 2, (T, N)),
+        "obs": obs(T, N),
+        "actions": actions,
         "logp": np.full((T, N), -0.69, np.float32),
         "values": rng.normal(0, 1, (T, N)).astype(np.float32),
         "rewards": np.ones((T, N), np.float32),
         "terminated": terminated,
         "truncated": truncated,
-        "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
+        "next_obs": obs(N),
         "next_value": np.zeros(N, np.float32),
     }
     return P.Trajectory(
@@ -76,60 +100,55 @@ def _synthetic(actor: int, update: int, T: int, N: int) -> P.Trajectory:
 
 
 def shard_main(spec: dict[str, Any], out: str) -> None:
-    """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures."""
+    """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures.
+    With ``spec["config"]`` the run's model, algorithm and batch on rollouts shaped as its env's (probed here)."""
     from zddrl.algos.impala import ImpalaLearner
     from zddrl.algos.ppo import PPOLearner
-    from zddrl.config import Config
     from zddrl.dist.shards import ShardGroup
-    from zddrl.envs import EnvSpec
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
-    config = Config().replace(
-        {
-            "algo.mode": spec["mode"],
-            "algo.epochs": spec["epochs"],
-            "algo.minibatches": spec["minibatches"],
-            "algo.torch_threads": spec["threads"],
-            "model.hidden": spec["hidden"],
-        }
-    )
-    core = (ImpalaLearner if spec["mode"] == "impala" else PPOLearner)(config, EnvSpec((4,), True, 2), group)
-    T, N = 32, 16
-    actors = spec["batch"] // (T * N)
+    config, env_spec, T, N, actors = _workload(spec)
+    core = (ImpalaLearner if config.algo.mode == "impala" else PPOLearner)(config, env_spec, group)
     mine = [s for s in range(actors) if s % group.world_size == group.rank]
-    data = [[_synthetic(s, u, T, N) for s in mine] for u in range(spec["updates"] + 1)]
+    data = [[_synthetic(s, u, T, N, env_spec) for s in mine] for u in range(spec["updates"] + 1)]
     core.update(data[0])  # warm-up: allocations, first collectives
     comm0, t0 = group.comm_s, time.perf_counter()
     for batch in data[1:]:
         core.update(batch)
     wall = time.perf_counter() - t0
     if group.is_main:
-        Path(out).write_text(json.dumps({"wall_s": wall, "comm_s": group.comm_s - comm0}))
+        figures = {"wall_s": wall, "comm_s": group.comm_s - comm0, "samples_per_update": T * N * actors}
+        Path(out).write_text(json.dumps({**figures, "model": config.model.kind, "mode": config.algo.mode}))
     group.close()
 
 
-def run_throughput(
-    devices: tuple[str, ...],
-    threads: int,
-    hidden: list[int],
-    batch: int,
-    updates: int,
-    mode: str,
-    epochs: int,
-    minibatches: int,
-) -> dict[str, Any]:
-    """One shard process per entry of ``devices`` ("cpu", "cuda:0", ...), each with ``threads`` torch threads."""
+def _workload(spec: dict[str, Any]) -> tuple[Config, EnvSpec, int, int, int]:
+    """(config, env spec, T, N, rollouts per update) of a throughput run: the file's, or CartPole with the options'."""
+    from zddrl.envs import probe_spec
+
+    autocast = {"learner.autocast": spec["autocast"], "algo.torch_threads": spec["threads"]}
+    if spec.get("config"):
+        config = load_config(spec["config"]).replace(autocast)
+        T, N = config.env.rollout_len, config.env.num_envs
+        return config, probe_spec(config.env), T, N, max(1, config.algo.batch_size // (T * N))
+    config = Config().replace(
+        {
+            "algo.mode": spec["mode"],
+            "algo.epochs": spec["epochs"],
+            "algo.minibatches": spec["minibatches"],
+            "model.hidden": spec["hidden"],
+            **autocast,
+        }
+    )
+    return config, _cartpole(), 32, 16, spec["batch"] // (32 * 16)
+
+
+def run_throughput(devices: tuple[str, ...], threads: int, options: dict[str, Any]) -> dict[str, Any]:
+    """One shard process per entry of ``devices`` ("cpu", "cuda:0", ...), each with ``threads`` torch threads.
+    ``options``: ``updates``, ``autocast``, and ``config`` (a run config file) or ``mode``, ``epochs``,
+    ``minibatches``, ``hidden``, ``batch`` (CartPole-shaped rollouts)."""
     shards = len(devices)
-    spec = {
-        "mode": mode,
-        "epochs": epochs,
-        "minibatches": minibatches,
-        "threads": threads,
-        "hidden": hidden,
-        "batch": batch,
-        "updates": updates,
-        "devices": list(devices),
-    }
+    spec = {**options, "threads": threads, "devices": list(devices)}
     envs = shard_environments(DevicePlan(devices), Rendezvous()) if shards > 1 else [dict(os.environ)]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "figures.json")
@@ -145,23 +164,24 @@ def run_throughput(
         if any(codes):
             raise click.ClickException(f"a benchmark shard failed (exit codes {codes})")
         figures = json.loads(Path(out).read_text())
-    samples = batch * updates
+    updates = options["updates"]
     row = {
-        "mode": mode,
+        **{k: options.get(k) for k in ("config", "hidden", "epochs", "minibatches")},
+        "mode": figures["mode"],
+        "model": figures["model"],
+        "autocast": options["autocast"],
         "shards": shards,
         "device": devices[0],
         "threads_per_shard": threads,
-        "hidden": hidden,
-        "batch": batch,
-        "epochs": epochs,
-        "minibatches": minibatches,
+        "batch": figures["samples_per_update"],
         "updates": updates,
-        "samples_per_s": round(samples / figures["wall_s"], 1),
+        "samples_per_s": round(figures["samples_per_update"] * updates / figures["wall_s"], 1),
         "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
         "collective_share": round(figures["comm_s"] / figures["wall_s"], 3),
     }
+    what = options.get("config") or f"hidden {options.get('hidden')}"
     logger.info(
-        f"{shards} shard(s) on {devices[0]} x {threads} thread(s), hidden {hidden}: "
+        f"{shards} shard(s) on {devices[0]} x {threads} thread(s), {what}, autocast {options['autocast']}: "
         f"{row['samples_per_s']:.0f} samples/s, collectives {100 * row['collective_share']:.0f} %"
     )
     return row
@@ -291,19 +311,20 @@ def _pickle_row(state: dict) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        "Learner throughput (samples trained per second of update time; same global batch)",
-        f"{'hidden':>12} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
-        f"{'collectives':>11} {'x 1 shard':>9}",
+        "Learner throughput (samples trained per second of update time; same global batch; x base: against the "
+        "first row of the same model and device: 1 shard, 1 thread, autocast off)",
+        f"{'model':>14} {'autocast':>8} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
+        f"{'collectives':>11} {'x base':>9}",
     ]
     base = {}
     for r in report["throughput"]:
-        key = (tuple(r["hidden"]), r["device"])
-        if r["shards"] == 1 and r["threads_per_shard"] == 1:
+        name = r["model"] if r["config"] else "x".join(map(str, r["hidden"]))
+        key = (name, r["device"])
+        if r["shards"] == 1 and r["threads_per_shard"] == 1 and r["autocast"] == "off":
             base[key] = r["samples_per_s"]
         ratio = r["samples_per_s"] / base[key] if key in base else float("nan")
-        name = "x".join(map(str, r["hidden"]))
         lines.append(
-            f"{name:>12} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
+            f"{name:>14} {r['autocast']:>8} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
             f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
             f"{ratio:>8.2f}x"
         )
@@ -364,6 +385,21 @@ def _ints(text: str) -> list[int]:
     help="Measure shards on these devices instead ('0', '0,1': 1 shard on the "
     "first, then one per device), as `zddrl learner --gpus` takes them.",
 )
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="Measure this run's learner instead: its model, mode, batch and epochs on rollouts shaped as its env's "
+    "(--hidden, --mode, --batch, --epochs, --minibatches do not apply).",
+)
+@click.option(
+    "--autocast",
+    "autocasts",
+    default="off",
+    show_default=True,
+    help="learner.autocast values to measure, comma-separated (off,bf16: side by side).",
+)
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
 def learner(
     as_json,
@@ -379,10 +415,22 @@ def learner(
     chunk_bytes,
     broadcast_hidden,
     gpus,
+    config_path,
+    autocasts,
     no_broadcast,
 ) -> None:
     """Learner throughput with 1 and N shards (CPU, or --gpus), and ~10M-parameter broadcast (fp32/bf16 chunks
     vs pickle)."""
+    casts = [c.strip() for c in autocasts.split(",") if c.strip()]
+    if not casts or not set(casts) <= set(AUTOCASTS):
+        raise click.UsageError(f"--autocast takes values of {AUTOCASTS}, got {autocasts!r}")
+    if config_path is not None:
+        try:
+            mode = load_config(config_path).algo.mode
+        except ConfigError as exc:
+            raise click.UsageError(f"--config: {exc}") from None
+        if mode not in ("sync", "async", "impala"):
+            raise click.UsageError(f"--config: mode {mode!r} has no on-policy learner to measure here")
     if batch % 512:
         raise click.UsageError("--batch must be a multiple of 512 (trajectories of 32 steps x 16 envs)")
     if gpus is None:  # CPU shards, and the same cores as threads of one shard
@@ -394,10 +442,13 @@ def learner(
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
         runs = [(devices[:1], 1)] + ([(devices, 1)] if len(devices) > 1 else [])
+    common = {"updates": updates, "mode": mode, "epochs": epochs, "minibatches": minibatches, "batch": batch}
+    models = [{"config": config_path}] if config_path else [{"hidden": _ints(h)} for h in hiddens]
     throughput = [
-        run_throughput(devices, threads, hidden, batch, updates, mode, epochs, minibatches)
-        for hidden in (_ints(h) for h in hiddens)
+        run_throughput(devices, threads, {**common, **model, "autocast": cast})
+        for model in models
         for devices, threads in runs
+        for cast in casts
     ]
     broadcast, pickled = (
         ([], None)
