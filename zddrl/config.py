@@ -71,6 +71,10 @@ class EnvConfig:
     clip_rewards: bool = False
     """The learner trains on the sign of each reward (Mnih et al. 2015); trajectories carry the env's own
     rewards, so the episode returns every metric reports are the true ones."""
+    episodic_life: bool = False
+    """With ``atari``: a lost life is a terminal for the learner's returns (no bootstrap across it) and FIRE is
+    pressed after it in the games that wait for it, while the game goes on and metrics report whole games (the
+    DQN/IMPALA/SB3/CleanRL Atari setting; Machado et al. 2018 advise against it when evaluating)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.id), "env.id must name a gymnasium env or a 'module:callable'")
@@ -79,6 +83,7 @@ class EnvConfig:
         _require(self.max_episode_steps >= 0, "env.max_episode_steps must be >= 0")
         _require(1 <= self.frame_stack <= 16, f"env.frame_stack must be in 1..16, got {self.frame_stack}")
         _require(self.noop_max >= 0, f"env.noop_max must be >= 0, got {self.noop_max}")
+        _require(self.atari or not self.episodic_life, "env.episodic_life needs env.atari (ALE reports the lives)")
 
 
 @dataclass(frozen=True)

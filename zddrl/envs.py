@@ -110,11 +110,15 @@ def _register_ale() -> None:
 def atari_wrappers(env: gym.Env, config: EnvConfig) -> gym.Env:
     """The DQN/IMPALA preprocessing (Mnih et al. 2015; Machado et al. 2018): ``noop_max`` random no-ops at reset,
     4 frames per step max-pooled over the last two, 84x84 grayscale ``uint8``; FIRE at reset in games that
-    wait for it; the last ``frame_stack`` frames stacked (``[frame_stack, 84, 84]``). Reward clipping and
-    episodic life are the VecEnv's (``clip_rewards``, ``episodic_life``): metrics see the true returns."""
+    wait for it; with ``episodic_life`` each lost life marked (``LifeLoss``); the last ``frame_stack`` frames
+    stacked (``[frame_stack, 84, 84]``). Rewards are clipped by the learner (``clip_rewards``) and episodes end at
+    game over only: metrics see the true returns of whole games."""
     env = gym.wrappers.AtariPreprocessing(env, noop_max=config.noop_max, frame_skip=4, screen_size=84)
-    if "FIRE" in env.unwrapped.get_action_meanings():  # type: ignore[attr-defined]
+    fire = "FIRE" in env.unwrapped.get_action_meanings()  # type: ignore[attr-defined]
+    if fire:
         env = FireReset(env)
+    if config.episodic_life:
+        env = LifeLoss(env, fire)
     if config.frame_stack > 1:
         env = gym.wrappers.FrameStackObservation(env, config.frame_stack)
     return env
@@ -130,6 +134,35 @@ class FireReset(gym.Wrapper):
         if terminated or truncated:
             obs, info = self.env.reset()
         return obs, info
+
+
+class LifeLoss(gym.Wrapper):
+    """``env.episodic_life``: ``info["life_lost"]`` is True at a step where the game took a life and goes on (the
+    VecEnv sends it as the ``life_lost`` array, a terminal for the learner's returns), and FIRE is pressed right
+    after it in games that wait for it (``fire``), its reward added to that step's. The episode itself lasts to
+    game over. Lives are ALE's ``info["lives"]``."""
+
+    def __init__(self, env: gym.Env, fire: bool) -> None:
+        super().__init__(env)
+        self.fire = fire
+        self.lives = 0
+
+    def reset(self, **kwargs: Any) -> tuple[Any, dict]:
+        obs, info = self.env.reset(**kwargs)
+        self.lives = int(info.get("lives", 0))
+        return obs, info
+
+    def step(self, action: Any) -> Any:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        lives = int(info.get("lives", self.lives))
+        if lives < self.lives and not (terminated or truncated):
+            if self.fire:
+                obs, fire_reward, terminated, truncated, info = self.env.step(1)
+                reward = float(reward) + float(fire_reward)
+                lives = int(info.get("lives", lives))
+            info = {**info, "life_lost": True}
+        self.lives = lives
+        return obs, reward, terminated, truncated, info
 
 
 def _with_limit(env: gym.Env, max_episode_steps: int) -> gym.Env:
@@ -206,8 +239,12 @@ class VecEnv:
     resets continue that env's own generator, so each env has its own seed stream.
     """
 
-    def __init__(self, make: Callable[[], gym.Env], seeds: list[int]) -> None:
+    def __init__(self, make: Callable[[], gym.Env], seeds: list[int], episodic_life: bool = False) -> None:
         self.envs = [make() for _ in seeds]
+        self.episodic_life = episodic_life
+        """Whether rollouts carry ``life_lost`` (the envs are wrapped in ``LifeLoss``)."""
+        self.life_lost = np.zeros(len(seeds), dtype=bool)
+        """Of the last step: the envs whose game took a life and went on (``LifeLoss``)."""
         self.spec = env_spec(self.envs[0])
         self.num_envs = len(self.envs)
         self.dtype = np.dtype(self.spec.obs_dtype)
@@ -230,8 +267,9 @@ class VecEnv:
         final_obs: dict[int, np.ndarray] = {}
         next_obs = self.obs.copy()
         for i, env in enumerate(self.envs):
-            obs, r, term, trunc, _ = env.step(self._to_env(actions[i]))
+            obs, r, term, trunc, info = env.step(self._to_env(actions[i]))
             rewards[i], terminated[i], truncated[i] = r, term, trunc
+            self.life_lost[i] = info.get("life_lost", False)
             self.ep_return[i] += r
             self.ep_length[i] += 1
             if term or trunc:

@@ -276,7 +276,8 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = VecEnv(with_latency(make_factory(config.env, self.allow_envs), self.env_latency_ms), seeds)
+        make = with_latency(make_factory(config.env, self.allow_envs), self.env_latency_ms)
+        vec = VecEnv(make, seeds, config.env.episodic_life)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(

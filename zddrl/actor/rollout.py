@@ -29,6 +29,7 @@ class RolloutBuffer:
         self.rewards = np.zeros((T, N), dtype=np.float32)
         self.terminated = np.zeros((T, N), dtype=bool)
         self.truncated = np.zeros((T, N), dtype=bool)
+        self.life_lost = np.zeros((T, N), dtype=bool)
         self.q_taken = np.zeros((T, N), dtype=np.float32)
         """apex: Q(s, a) of the actions taken, for the TD errors (not sent)."""
 
@@ -60,6 +61,7 @@ def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowd
         if out.q_taken is not None:
             buf.q_taken[t] = out.q_taken
         _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
+        buf.life_lost[t] = vec.life_lost
         for i, fo in final_obs.items():
             if buf.truncated[t, i] and not buf.terminated[t, i]:
                 trunc_idx.append(t * vec.num_envs + i)
@@ -84,6 +86,8 @@ def collect(vec: VecEnv, policy: Policy, rng: np.random.Generator, T: int, slowd
             trunc_obs=final,
             trunc_value=policy.value(final).astype(np.float32),
         )
+    if vec.episodic_life:
+        arrays["life_lost"] = buf.life_lost
     if isinstance(policy, NumpyQPolicy):  # Ape-X: the initial priorities, from this actor's own estimates
         arrays["td_errors"] = policy.td_errors(arrays, buf.q_taken)
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]

@@ -19,7 +19,7 @@ import torch
 
 from zddrl.algos.core import LearnerCore, explained_variance
 from zddrl.algos.returns import vtrace, vtrace_discounts_and_rewards
-from zddrl.algos.rollout import Rollout, truncations
+from zddrl.algos.rollout import Rollout, terminal, truncations
 
 
 class TimeMajor(NamedTuple):
@@ -60,7 +60,7 @@ def stack_time_major(trajectories: Sequence[Rollout], rewards: Sequence[np.ndarr
         cat("actions"),
         cat("logp"),
         np.concatenate(rewards, axis=1),
-        cat("terminated"),
+        np.concatenate([terminal(t.arrays) for t in trajectories], axis=1),
         cat("truncated"),
         np.concatenate([t.arrays["next_obs"] for t in trajectories]),
         np.concatenate(trunc_index),

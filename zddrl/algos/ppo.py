@@ -25,7 +25,7 @@ import torch
 
 from zddrl.algos.core import LearnerCore, explained_variance, schedule
 from zddrl.algos.returns import LOG_RATIO_BOUND, gae, truncated_importance_weights
-from zddrl.algos.rollout import Rollout, truncations
+from zddrl.algos.rollout import Rollout, terminal, truncations
 
 LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
 """What ``ppo_loss`` reports; averaged over the samples of every shard."""
@@ -115,7 +115,7 @@ class PPOLearner(LearnerCore):
             adv, ret = gae(
                 rewards,
                 values,
-                x["terminated"],
+                terminal(x),
                 x["truncated"],
                 next_value,
                 trunc_value,

@@ -52,6 +52,13 @@ BOUND_SLACK = 1e-4
 _FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value", "td_errors")
 
 
+def terminal(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``[T, N]``: where the returns must not bootstrap: ``terminated``, and with ``env.episodic_life`` every lost
+    life (``life_lost``), which ends no episode: metrics still count whole games."""
+    lost = arrays.get("life_lost")
+    return arrays["terminated"] if lost is None else arrays["terminated"] | lost
+
+
 def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(trunc_idx [K], trunc_obs [K, *obs_shape], trunc_value [K])``; ``K = 0`` when the trajectory
     carries none (the arrays are on the wire only when some episode was truncated)."""

@@ -246,8 +246,10 @@ TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
 """Every trajectory carries these."""
 TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
 """Present together, and only in a rollout where some episode was truncated (``K >= 1``)."""
-OPTIONAL_STEP_ARRAYS = {"td_errors": _F32}
-"""``[T, N]`` arrays a mode may add: ``td_errors``, Ape-X's actor-side TD errors (the initial priorities)."""
+OPTIONAL_STEP_ARRAYS = {"td_errors": _F32, "life_lost": _BOOL}
+"""``[T, N]`` arrays a mode may add: ``td_errors``, Ape-X's actor-side TD errors (the initial priorities);
+``life_lost`` (``env.episodic_life``), true where a life was lost and the game went on: a terminal for the returns,
+not the end of an episode."""
 _KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS + tuple(OPTIONAL_STEP_ARRAYS))
 
 
