@@ -79,7 +79,7 @@ class BrokerConfig:
             self.heartbeat_interval_s > 0 and self.heartbeat_liveness >= 1,
             "broker.heartbeat_interval_s must be > 0 and heartbeat_liveness >= 1",
         )
-        _require(self.heartbeat_interval_s <= 3600, "broker.heartbeat_interval_s must be at most 3600")
+        _require(0.01 <= self.heartbeat_interval_s <= 3600, "broker.heartbeat_interval_s must be in 0.01..3600")
         _require(0 <= self.heartbeat_rate <= 1e6, "broker.heartbeat_rate must be in 0..1e6 (0: a fixed interval)")
         if self.upstream:
             split_endpoints(self.upstream)  # ConfigError naming the bad entry

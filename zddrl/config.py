@@ -356,9 +356,10 @@ class LearnerConfig:
     param_dtype: str = "float32"
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
     autocast: str = "off"
-    """``bf16``: the training forward pass runs under torch's autocast in bfloat16 (convolutions and matrix products;
-    weights, optimizer and losses stay float32), on GPU or CPU; meant for the CNNs on hardware with bf16 units
-    (`zddrl bench learner --config FILE --autocast off,bf16` measures it). ``off``: float32 throughout."""
+    """``bf16``: in the PPO and IMPALA modes, the torso of the training forward pass (the CNN: nearly all of its
+    compute) runs under torch's autocast in bfloat16; heads, log-probs, values, losses, weights and Adam stay
+    float32. On GPU or CPU; meant for the CNNs on hardware with bf16 units (`zddrl bench learner --config FILE
+    --autocast off,bf16` measures it). ``off``: float32 throughout."""
 
     def __post_init__(self) -> None:
         _require(self.autocast in AUTOCASTS, f"learner.autocast must be one of {AUTOCASTS}, got {self.autocast!r}")

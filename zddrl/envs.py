@@ -11,6 +11,7 @@ import nothing that is not already installed and registered here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from collections.abc import Callable
@@ -98,6 +99,12 @@ def make_factory(env: EnvConfig, allowed: frozenset[str] | None = None) -> Calla
     return lambda: atari_wrappers(gym.make(env.id, **kwargs), env)
 
 
+def evaluation_factory(env: EnvConfig) -> Callable[[], gym.Env]:
+    """``make_factory`` for evaluation episodes: whole games as the env plays them, without ``episodic_life``'s
+    FIRE after each lost life (an evaluation must not depend on a training setting)."""
+    return make_factory(dataclasses.replace(env, episodic_life=False))
+
+
 def _register_ale() -> None:
     """gymnasium >= 1.0 registers the ALE ids only once ale_py is imported (an installed package, no remote code)."""
     try:
@@ -139,8 +146,9 @@ class FireReset(gym.Wrapper):
 class LifeLoss(gym.Wrapper):
     """``env.episodic_life``: ``info["life_lost"]`` is True at a step where the game took a life and goes on (the
     VecEnv sends it as the ``life_lost`` array, a terminal for the learner's returns), and FIRE is pressed right
-    after it in games that wait for it (``fire``), its reward added to that step's. The episode itself lasts to
-    game over. Lives are ALE's ``info["lives"]``."""
+    after it in games that wait for it (``fire``), its reward added to that step's. That press is a step the
+    agent did not choose: it is not counted in env steps or episode lengths (nor is FireReset's at reset). The
+    episode itself lasts to game over. Lives are ALE's ``info["lives"]``."""
 
     def __init__(self, env: gym.Env, fire: bool) -> None:
         super().__init__(env)

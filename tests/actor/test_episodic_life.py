@@ -137,3 +137,13 @@ def test_breakout_reports_its_lost_lives() -> None:
             break
     assert vec.life_lost[0], "a random Breakout player loses a life within 2,000 steps"
     assert not vec.finished, "and the game goes on"
+
+
+def test_a_learner_refuses_life_lost_that_does_not_match_its_run() -> None:
+    traj = cartpole_trajectory(4, 2)
+    with_life = {**traj.arrays, "life_lost": np.zeros((4, 2), bool)}
+    plain = PPOLearner(Config(), EnvSpec((4,), True, 2))
+    assert plain.refusal(traj.arrays) == "" and "without env.episodic_life" in plain.refusal(with_life)
+    episodic = Config().replace({"env.id": "ALE/Breakout-v5", "env.atari": True, "env.episodic_life": True})
+    core = PPOLearner(episodic, EnvSpec((4,), True, 2))
+    assert core.refusal(with_life) == "" and "missing in a run with" in core.refusal(traj.arrays)

@@ -48,3 +48,10 @@ def test_an_update_under_autocast_trains_float32_weights(mode: str) -> None:
 def test_an_unknown_autocast_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="learner.autocast"):
         Config().replace({"learner.autocast": "fp8"})
+
+
+def test_the_replay_modes_refuse_autocast() -> None:
+    from zddrl.algos.checks import spec_refusal
+
+    config = Config().replace({"algo.mode": "apex", "learner.autocast": "bf16"})
+    assert "PPO and IMPALA only" in spec_refusal(config, EnvSpec((4,), True, 2))

@@ -116,17 +116,20 @@ def test_unknown_params_does_not_judge_versions_older_than_the_broker_saw() -> N
     assert checks(mon) == {("a", "unknown_params")}
 
 
-def test_stuck_version_fires_after_its_time_and_clears() -> None:
+@pytest.mark.parametrize("report_s", [1.0, 8.0])
+def test_stuck_version_fires_after_its_time_and_clears(report_s: float) -> None:
     mon = HealthMonitor()
+    mon.report_interval_s = report_s  # a large fleet reports less often: judged that much later
+    after = H.STUCK_AFTER_S + 2 * report_s
     mon.published(0, "h0")
     mon.observe("a", "actor", {"policy_version": 0, "param_hash": "h0"}, 0.0)
     for v in range(1, H.STUCK_VERSIONS + 2):
         mon.published(v, f"h{v}")
     assert not mon.evaluate(1.0)
-    assert not mon.evaluate(1.0 + H.STUCK_AFTER_S - 0.5), "behind, but not for long enough"
-    (w,) = mon.evaluate(1.0 + H.STUCK_AFTER_S + 0.5)  # without a new report: a stuck actor may be silent
+    assert not mon.evaluate(1.0 + after - 0.5), "behind, but not for long enough"
+    (w,) = mon.evaluate(1.0 + after + 0.5)  # without a new report: a stuck actor may be silent
     assert w.check == "stuck_version" and f"{H.STUCK_VERSIONS + 1} behind" in w.message
-    mon.observe("a", "actor", {"policy_version": H.STUCK_VERSIONS + 1, "param_hash": "h4"}, 20.0)
+    mon.observe("a", "actor", {"policy_version": H.STUCK_VERSIONS + 1, "param_hash": "h4"}, 2.0 + after)
     assert not mon.active()
     assert [raised for raised, _ in mon.pop_events()] == [True, False]
 

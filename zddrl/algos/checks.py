@@ -18,6 +18,8 @@ def spec_refusal(config: Config, spec: EnvSpec) -> str:
     mode = config.algo.mode
     if mode in REPLAY_MODES and config.model.kind != "mlp":
         return f"algo.mode {mode!r} runs with model.kind 'mlp' only (its CNN networks are not built yet)"
+    if mode in REPLAY_MODES and config.learner.autocast != "off":
+        return f"algo.mode {mode!r} does not take learner.autocast (PPO and IMPALA only)"
     if mode in REPLAY_MODES and config.env.episodic_life:
         return f"algo.mode {mode!r} does not take env.episodic_life (its n-step returns read no life_lost)"
     if mode == "apex" and not spec.discrete:

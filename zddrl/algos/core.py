@@ -18,7 +18,7 @@ from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic, flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
 from zddrl.algos.optim import Adam
-from zddrl.algos.rollout import Rollout
+from zddrl.algos.rollout import Rollout, terminal
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
@@ -191,16 +191,24 @@ class LearnerCore:
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``model.evaluate`` (log-prob, entropy, value) for training, under ``learner.autocast``: with ``bf16`` the
-        network runs in bfloat16 where torch's autocast allows (convolutions, matrix products) and its outputs come
-        back float32, so the losses, the gradients' accumulation and Adam stay float32."""
+        torso (the CNN: nearly all of the compute) runs in bfloat16 where torch's autocast allows (convolutions,
+        matrix products), and the heads, the distribution, the losses and Adam in float32 on its output: log-probs
+        and values keep float32's precision, which the importance ratios and V-trace targets need."""
         if self.config.learner.autocast == "off":
             return self.model.evaluate(obs, actions)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            logp, entropy, value = self.model.evaluate(obs, actions)
-        return logp.float(), entropy.float(), value.float()
+            x = self.model.features(obs)
+        return self.model.evaluate_features(x.float(), actions)
 
     def refusal(self, arrays) -> str:
-        """Why this core cannot take a rollout that fits the run (``rollout.mismatch``), or ""."""
+        """Why this core cannot take a rollout that fits the run (``rollout.mismatch``), or "": its ``life_lost``
+        must be there exactly when the run has ``env.episodic_life`` (else its returns would silently change)."""
+        if ("life_lost" in arrays) != self.config.env.episodic_life:
+            return (
+                "life_lost "
+                + ("missing in a run with" if self.config.env.episodic_life else "in a run without")
+                + (" env.episodic_life")
+            )
         return ""
 
     def greedy(self, obs: np.ndarray) -> np.ndarray:
@@ -227,7 +235,7 @@ class LearnerCore:
         if self.reward_scaler is not None:
             rewards = self.reward_scaler.scale(
                 [
-                    (t.peer_id, t.seq, r, t.arrays["terminated"] | t.arrays["truncated"])
+                    (t.peer_id, t.seq, r, terminal(t.arrays) | t.arrays["truncated"])
                     for t, r in zip(trajectories, rewards)
                 ],
                 self.group,

@@ -98,7 +98,13 @@ class ActorCritic(nn.Module):
 
     def evaluate(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log-prob of ``actions``, entropy, value), each ``[B]``."""
-        out, value = self.heads(obs)
+        return self.evaluate_features(self.features(obs), actions)
+
+    def evaluate_features(
+        self, x: torch.Tensor, actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``evaluate`` from the torso's output ``x`` (``features``)."""
+        out, value = self.pi(x), self.v(x).squeeze(-1)
         dist = self.distribution_of(out)
         if self.discrete:
             return dist.log_prob(actions.long()), dist.entropy(), value

@@ -136,7 +136,7 @@ class PPOLearner(LearnerCore):
         logp, weights = behaviour, torch.ones_like(behaviour)
         if recompute and len(behaviour):
             with torch.no_grad():
-                logp = self.model.evaluate(obs, actions)[0]  # proximal policy: this update's start
+                logp = self.evaluate(obs, actions)[0]  # proximal policy: this update's start (as the steps compute it)
             weights = truncated_importance_weights(logp, behaviour, a.rho_bar)
         return Batch(obs, actions, logp, weights, *(self.tensor(cat[k]) for k in ("values", "advantages", "returns")))
 

@@ -99,7 +99,8 @@ class ReplayLearner(LearnerCore):
 
     def refusal(self, arrays: Any) -> str:
         """Why a checked rollout cannot go into this buffer, or "": its block must fit the ring (``replay.py``)."""
-        return block_refusal(arrays, self.replay.capacity) if self.replay is not None else ""
+        why = super().refusal(arrays)
+        return why or (block_refusal(arrays, self.replay.capacity) if self.replay is not None else "")
 
     def initial_td(self, arrays: Any) -> np.ndarray | None:
         """The TD errors that set new transitions' priorities (None: the largest priority seen so far)."""

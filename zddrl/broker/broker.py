@@ -358,6 +358,7 @@ class Broker(Joining):
             )
             self._next_beat = now  # they learn it from the next beat
         self.departures.grace_s = self.cadence.expiry_s(now)
+        self.health.report_interval_s = max(1.0, self.cadence.interval_s)  # actors report at most once a second
 
     def _send_heartbeats(self) -> None:
         # One message for every member, encoded once: the pass over 1,024 members took 20-30 ms when each was

@@ -45,7 +45,7 @@ class Cadence:
         """Set the interval for ``members`` direct members; True if it changed (tell them: send a beat now)."""
         want = self.wanted(members)
         if want < self.interval_s and members > SHRINK_MARGIN * self.rate * want:
-            want = min(want * 2, self.interval_s)  # near the boundary: come down one step at most
+            want = min(want * 2, self.interval_s)  # near the boundary: one step wider than the fleet needs
         if want == self.interval_s:
             return False
         if want < self.interval_s:  # members beat at the old, longer interval until the next beat tells them
@@ -55,6 +55,8 @@ class Cadence:
 
     def expiry_s(self, now: float) -> float:
         """Seconds of silence after which a member is expired: ``liveness`` intervals of the longest one it may
-        still be keeping."""
-        interval = max(self.interval_s, self._was_s) if now < self._was_until else self.interval_s
-        return interval * self.liveness
+        still be keeping, and after the interval came down one new interval more (a member that beat at the old
+        interval just before hearing the new one beats next a new interval later)."""
+        if now < self._was_until and self._was_s > self.interval_s:
+            return self._was_s * self.liveness + self.interval_s
+        return self.interval_s * self.liveness

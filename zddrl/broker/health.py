@@ -19,7 +19,8 @@ they read:
   published in this run. Versions older than the oldest one this broker saw are not judged (a
   restarted broker never saw them).
 * ``stuck_version`` (``policy_version``): an actor acts more than max(STUCK_VERSIONS, the run's
-  max_staleness) versions behind the latest published one for more than STUCK_AFTER_S seconds.
+  max_staleness) versions behind the latest published one for more than STUCK_AFTER_S seconds (plus two
+  report intervals: with a large fleet actors report less often).
 * ``rss_growth`` (``rss_mb``, any role): RSS sampled every RSS_SAMPLE_EVERY_S grew by more than
   RSS_GROWTH over the last RSS_WINDOW samples, steadily (the medians of the window's thirds rise).
 * ``sps_collapse`` (``sps``): an actor under SPS_COLLAPSE_SHARE of its own peak env steps/s,
@@ -118,6 +119,9 @@ class HealthMonitor:
         """first_obs_hash -> the actors that reported it, in the order they did (a dict as an ordered set)."""
         self.latest = -1
         self.stuck_versions = STUCK_VERSIONS
+        self.report_interval_s = 1.0
+        """How often members report (the broker's heartbeat interval, which grows with the fleet): a version reported
+        that long ago may be stale by then, so ``stuck_version`` waits that much longer than STUCK_AFTER_S."""
         self.run_id = ""
         """Stats that name another run (``run_id``) are not judged against this run's versions."""
 
@@ -313,7 +317,7 @@ class HealthMonitor:
         if track.behind_since is None:
             track.behind_since = now
         stuck_s = now - track.behind_since
-        if stuck_s > STUCK_AFTER_S:
+        if stuck_s > STUCK_AFTER_S + 2 * self.report_interval_s:
             self._set(
                 member,
                 "stuck_version",

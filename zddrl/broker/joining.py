@@ -113,7 +113,7 @@ class Joining:
         old = self.members.get(msg.peer_id)
         guard = self.guard
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
-        why = hello_conflict(msg, old, room, self.run_id, self.cadence.interval_s)
+        why = hello_conflict(msg, old, room, self.run_id, self.config.heartbeat_interval_s)
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)

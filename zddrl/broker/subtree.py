@@ -95,7 +95,7 @@ class Subtrees:
         hello = P.Hello(role="actor", peer_id=peer_id, host=entry["host"], pid=entry["pid"], num_envs=entry["num_envs"])
         direct = old if old is not None and not old.relay else None  # another relay's actor moved: no conflict
         room = b.fleet.room_for(peer_id, hello.num_envs, hello.host)
-        why = hello_conflict(hello, direct, room, b.run_id, b.cadence.interval_s)
+        why = hello_conflict(hello, direct, room, b.run_id, b.config.heartbeat_interval_s)
         if not why and direct is not None and direct.user != relay.user:
             why = f"peer id {peer_id!r} is held by a member that joined with another key"
         if not why:

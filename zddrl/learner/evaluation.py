@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from zddrl.config import Config
-from zddrl.envs import VecEnv, make_factory
+from zddrl.envs import VecEnv, evaluation_factory
 
 EVAL_SEED_OFFSET = 1_000_000
 """Evaluation envs are seeded from ``env.seed + EVAL_SEED_OFFSET`` on: no actor env has such a seed."""
@@ -40,7 +40,7 @@ class Evaluator:
         t0 = time.monotonic()
         env, episodes = self.config.env, self.config.train.eval_episodes
         first = env.seed + EVAL_SEED_OFFSET + self.runs * episodes
-        vec = VecEnv(make_factory(env), list(range(first, first + episodes)))
+        vec = VecEnv(evaluation_factory(env), list(range(first, first + episodes)))
         returns = np.zeros(episodes)
         done = np.zeros(episodes, dtype=bool)
         try:

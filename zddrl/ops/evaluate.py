@@ -10,7 +10,7 @@ from zddrl.actor.host import build_policy
 from zddrl.algos.core import acting_model
 from zddrl.algos.model import flatten_params
 from zddrl.config import Config
-from zddrl.envs import VecEnv, make_factory
+from zddrl.envs import VecEnv, evaluation_factory
 from zddrl.learner.runlog import load_checkpoint
 
 
@@ -19,7 +19,7 @@ def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
     seeded with ``seed``; later resets continue that env's generator)."""
     state = load_checkpoint(checkpoint)
     config = Config.from_dict(state["config"])
-    vec = VecEnv(make_factory(config.env), [seed])
+    vec = VecEnv(evaluation_factory(config.env), [seed])
     model = acting_model(config, vec.spec)
     model.load_state_dict(state["model"])
     flat, layout = flatten_params(model)

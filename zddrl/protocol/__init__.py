@@ -88,6 +88,7 @@ from zddrl.protocol.rules import (  # noqa: F401
     MAX_REPLAY_BATCH,
     MAX_REPLAY_RETURNS,
     MAX_SIGNER_BYTES,
+    MIN_HEARTBEAT_INTERVAL_S,
     PARAM_DTYPES,
     REPLAY_BATCH_ARRAYS,
     SIGNATURE_BYTES,

@@ -131,15 +131,17 @@ DATA_IDENTITY_BYTES = 16
 """Length of a data identity the broker issues to a learner on a closed bus (welcome.data_identity)."""
 
 
-MAX_HEARTBEAT_INTERVAL_S = 3600.0
-"""Longest heartbeat interval a welcome or a broker's heartbeat may set (a client told more would take an hour
-or more to notice a dead broker)."""
+MIN_HEARTBEAT_INTERVAL_S, MAX_HEARTBEAT_INTERVAL_S = 0.01, 3600.0
+"""Heartbeat intervals a welcome or a broker's heartbeat may set: a client told less would spin sending beats
+and give up on its broker at once; one told more would take an hour or more to notice a dead broker."""
 
 
 def check_heartbeat(fields: dict[str, Any]) -> None:
-    if not 0.0 <= fields["interval_s"] <= MAX_HEARTBEAT_INTERVAL_S:
+    interval = fields["interval_s"]
+    if interval != 0.0 and not MIN_HEARTBEAT_INTERVAL_S <= interval <= MAX_HEARTBEAT_INTERVAL_S:
         raise ProtocolError(
-            f"heartbeat: interval_s must be in 0..{MAX_HEARTBEAT_INTERVAL_S:g}, got {fields['interval_s']}"
+            f"heartbeat: interval_s must be 0 or in {MIN_HEARTBEAT_INTERVAL_S:g}..{MAX_HEARTBEAT_INTERVAL_S:g}, "
+            f"got {interval}"
         )
 
 
@@ -152,9 +154,9 @@ def check_welcome(fields: dict[str, Any]) -> None:
     for name, port in fields["ports"].items():
         if not _is_int(port, 1, 65535):
             raise ProtocolError(f"welcome: port {name!r} must be an int in 1..65535, got {port!r}")
-    if not 0.0 < fields["heartbeat_interval_s"] <= MAX_HEARTBEAT_INTERVAL_S:
+    if not MIN_HEARTBEAT_INTERVAL_S <= fields["heartbeat_interval_s"] <= MAX_HEARTBEAT_INTERVAL_S:
         raise ProtocolError(
-            f"welcome: heartbeat_interval_s must be > 0 and at most {MAX_HEARTBEAT_INTERVAL_S:g}, "
+            f"welcome: heartbeat_interval_s must be in {MIN_HEARTBEAT_INTERVAL_S:g}..{MAX_HEARTBEAT_INTERVAL_S:g}, "
             f"got {fields['heartbeat_interval_s']}"
         )
     if fields["heartbeat_liveness"] < 1:
