@@ -203,12 +203,9 @@ class LearnerCore:
     def refusal(self, arrays) -> str:
         """Why this core cannot take a rollout that fits the run (``rollout.mismatch``), or "": its ``life_lost``
         must be there exactly when the run has ``env.episodic_life`` (else its returns would silently change)."""
-        if ("life_lost" in arrays) != self.config.env.episodic_life:
-            return (
-                "life_lost "
-                + ("missing in a run with" if self.config.env.episodic_life else "in a run without")
-                + (" env.episodic_life")
-            )
+        episodic = self.config.env.episodic_life
+        if ("life_lost" in arrays) != episodic:
+            return f"life_lost {'missing in a run with' if episodic else 'in a run without'} env.episodic_life"
         return ""
 
     def greedy(self, obs: np.ndarray) -> np.ndarray:

@@ -166,7 +166,8 @@ def run_throughput(devices: tuple[str, ...], threads: int, options: dict[str, An
         figures = json.loads(Path(out).read_text())
     updates = options["updates"]
     row = {
-        **{k: options.get(k) for k in ("config", "hidden", "epochs", "minibatches")},
+        "config": options.get("config"),  # the run's own model and algorithm, else these options':
+        **{k: None if options.get("config") else options.get(k) for k in ("hidden", "epochs", "minibatches")},
         "mode": figures["mode"],
         "model": figures["model"],
         "autocast": options["autocast"],
