@@ -44,8 +44,9 @@ TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner", "service")
 SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
-MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn")
+MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn", "small_cnn")
 AUTOCASTS = ("off", "bf16")
+ENV_BACKENDS = ("gymnasium", "ale_vector")
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,19 @@ class EnvConfig:
     """Time limit override; 0 keeps the env's registered limit."""
     atari: bool = False
     """Atari from pixels (an ALE id such as ``ALE/Breakout-v5``; needs ``gymnasium[atari]``): gymnasium's
-    AtariPreprocessing (``noop_max`` no-op starts, 4 frames per step, 84x84 grayscale uint8), FIRE at reset
+    AtariPreprocessing (``noop_max`` no-op starts, 4 frames per step, ``screen_size`` grayscale uint8), FIRE at reset
     in the games that need it, and the last ``frame_stack`` frames stacked (zddrl.envs.atari_wrappers)."""
     frame_stack: int = 4
     """Frames stacked into one observation with ``atari`` (1: no stacking)."""
     noop_max: int = 30
     """With ``atari``: at most this many random no-op steps after each reset (0: none)."""
+    screen_size: int = 84
+    """With ``atari``: frames are resized to ``screen_size`` x ``screen_size`` (84: Mnih et al. 2015; 42: the
+    cheaper input RLlib's and PARL's fast Pong/IMPALA examples use, a quarter of the pixels)."""
+    repeat_action_probability: float = 0.25
+    """With ``atari``: ALE's sticky actions, the chance that the emulator repeats the previous action on each frame
+    instead of the chosen one (0.25: ALE v5's default after Machado et al. 2018; 0: the deterministic
+    ``NoFrameskip-v4`` games most published Atari curves were measured on)."""
     clip_rewards: bool = False
     """The learner trains on the sign of each reward (Mnih et al. 2015); trajectories carry the env's own
     rewards, so the episode returns every metric reports are the true ones."""
@@ -76,6 +84,11 @@ class EnvConfig:
     pressed after it in the games that wait for it, while the game goes on and metrics report whole games (the
     DQN/IMPALA/SB3/CleanRL Atari setting; Machado et al. 2018 advise against it when evaluating)."""
 
+    backend: str = "gymnasium"
+    """How an actor steps its envs: ``gymnasium`` (each env a gymnasium env with zddrl's wrappers, one after the
+    other: the reference) or, for ALE v5 ids with ``atari``, ``ale_vector`` (ALE's own C++ vector env, its
+    preprocessing matched to the reference: docs/configuration.md)."""
+
     def __post_init__(self) -> None:
         _require(bool(self.id), "env.id must name a gymnasium env or a 'module:callable'")
         _require(self.num_envs >= 1, f"env.num_envs must be >= 1, got {self.num_envs}")
@@ -83,18 +96,31 @@ class EnvConfig:
         _require(self.max_episode_steps >= 0, "env.max_episode_steps must be >= 0")
         _require(1 <= self.frame_stack <= 16, f"env.frame_stack must be in 1..16, got {self.frame_stack}")
         _require(self.noop_max >= 0, f"env.noop_max must be >= 0, got {self.noop_max}")
+        _require(16 <= self.screen_size <= 210, f"env.screen_size must be in 16..210, got {self.screen_size}")
+        _require(
+            0.0 <= self.repeat_action_probability < 1.0,
+            f"env.repeat_action_probability must be in [0, 1), got {self.repeat_action_probability}",
+        )
         _require(self.atari or not self.episodic_life, "env.episodic_life needs env.atari (ALE reports the lives)")
+        _require(self.backend in ENV_BACKENDS, f"env.backend must be one of {ENV_BACKENDS}, got {self.backend!r}")
+        _require(self.backend != "ale_vector" or self.atari, "env.backend 'ale_vector' needs env.atari (ALE ids)")
+        _require(
+            self.backend != "ale_vector" or not self.episodic_life,
+            "env.episodic_life needs env.backend 'gymnasium' (ALE's vector env ends an episode at each lost life)",
+        )
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     kind: str = "mlp"
     """mlp (separate policy and value MLPs, vector observations) | nature_cnn (Mnih et al. 2015) | impala_cnn
-    (Espeholt et al. 2018's ResNet torso). The CNNs share one torso between the policy and value heads and
-    take ``[C, H, W]`` observations (uint8 pixels scaled to [0, 1] inside the network)."""
+    (Espeholt et al. 2018's ResNet torso) | small_cnn (RLlib's network for 42x42 frames: zddrl.algos.cnn). The
+    CNNs share one torso between the policy and value heads and take ``[C, H, W]`` observations (uint8 pixels
+    scaled to [0, 1] inside the network)."""
     hidden: tuple[int, ...] = (64, 64)
     """Hidden layer sizes of the policy and of the (separate) value network; the CNNs use ``hidden[0]`` as the
-    width of the fully connected layer after the torso (the papers: 512 for nature_cnn, 256 for impala_cnn)."""
+    width of the fully connected layer after the torso (the papers: 512 for nature_cnn, 256 for impala_cnn and
+    small_cnn)."""
     activation: str = "tanh"
     """tanh | relu (the MLP's; the CNNs use ReLU, as the papers do)."""
     log_std_init: float = 0.0
@@ -297,7 +323,6 @@ class TrainConfig:
     max_restarts: int = 3
     """`zddrl train` restarts a learner (or shard group) that dies unexpectedly at most this many times, with
     back-off, from the newest checkpoint (afresh if there is none yet); then the run fails (0: never restart)."""
-
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdowns", tuple(self.slowdowns))
         _require(self.actors >= 1, "train.actors must be >= 1")

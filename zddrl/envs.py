@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import gymnasium as gym
 import numpy as np
@@ -58,10 +59,11 @@ def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
 
 
 def env_factory(
-    env_id: str, max_episode_steps: int = 0, allowed: frozenset[str] | None = None
+    env_id: str, max_episode_steps: int = 0, allowed: frozenset[str] | None = None, render_mode: str | None = None
 ) -> Callable[[], gym.Env]:
     """A zero-argument constructor for ``env_id``; raises EnvError for unknown ids or bad factories, and (with
-    ``allowed``: an actor host's list) for a ``module:callable`` id not in ``allowed``, before importing it."""
+    ``allowed``: an actor host's list) for a ``module:callable`` id not in ``allowed``, before importing it.
+    ``render_mode`` is passed to gymnasium's registered envs (a ``module:callable`` env renders as it was made)."""
     if allowed is not None and env_refusal(env_id, allowed):
         raise EnvError(env_refusal(env_id, allowed))
     module_name, _, attr = env_id.partition(":")
@@ -78,13 +80,17 @@ def env_factory(
     except gym.error.Error as exc:
         raise EnvError(f"unknown gymnasium env id {env_id!r}: {exc}") from None
     kwargs: dict[str, Any] = {"max_episode_steps": max_episode_steps} if max_episode_steps else {}
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
     return lambda: gym.make(env_id, **kwargs)
 
 
-def make_factory(env: EnvConfig, allowed: frozenset[str] | None = None) -> Callable[[], gym.Env]:
+def make_factory(
+    env: EnvConfig, allowed: frozenset[str] | None = None, render_mode: str | None = None
+) -> Callable[[], gym.Env]:
     """``env_factory`` for a run's ``[env]`` section, with its wrappers (``env.atari``: ``atari_wrappers``)."""
     if not env.atari:
-        return env_factory(env.id, env.max_episode_steps, allowed)
+        return env_factory(env.id, env.max_episode_steps, allowed, render_mode)
     if allowed is not None and env_refusal(env.id, allowed):
         raise EnvError(env_refusal(env.id, allowed))
     _register_ale()
@@ -93,16 +99,20 @@ def make_factory(env: EnvConfig, allowed: frozenset[str] | None = None) -> Calla
     except gym.error.Error as exc:
         raise EnvError(f"unknown Atari env id {env.id!r}: {exc}") from None
     # ALE ids skip frames themselves (v5: 4); AtariPreprocessing wants every frame to max-pool the last two.
-    kwargs: dict[str, Any] = {"frameskip": 1}
+    kwargs: dict[str, Any] = {"frameskip": 1, "repeat_action_probability": env.repeat_action_probability}
     if env.max_episode_steps:
         kwargs["max_episode_steps"] = env.max_episode_steps
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
     return lambda: atari_wrappers(gym.make(env.id, **kwargs), env)
 
 
-def evaluation_factory(env: EnvConfig) -> Callable[[], gym.Env]:
-    """``make_factory`` for evaluation episodes: whole games as the env plays them, without ``episodic_life``'s
-    FIRE after each lost life (an evaluation must not depend on a training setting)."""
-    return make_factory(dataclasses.replace(env, episodic_life=False))
+def evaluation_factory(env: EnvConfig, render_mode: str | None = None) -> Callable[[], gym.Env]:
+    """``make_factory`` for evaluation episodes: whole games, the same whatever the training settings. In Atari
+    games that wait for FIRE it is pressed after every lost life (``LifeLoss``; the marks it leaves are not
+    used): a greedy policy that never learned to fire would otherwise look at a frozen screen until the time
+    limit (a run with ``env.episodic_life`` never needed to)."""
+    return make_factory(dataclasses.replace(env, episodic_life=env.atari), render_mode=render_mode)
 
 
 def _register_ale() -> None:
@@ -116,11 +126,11 @@ def _register_ale() -> None:
 
 def atari_wrappers(env: gym.Env, config: EnvConfig) -> gym.Env:
     """The DQN/IMPALA preprocessing (Mnih et al. 2015; Machado et al. 2018): ``noop_max`` random no-ops at reset,
-    4 frames per step max-pooled over the last two, 84x84 grayscale ``uint8``; FIRE at reset in games that
-    wait for it; with ``episodic_life`` each lost life marked (``LifeLoss``); the last ``frame_stack`` frames
-    stacked (``[frame_stack, 84, 84]``). Rewards are clipped by the learner (``clip_rewards``) and episodes end at
-    game over only: metrics see the true returns of whole games."""
-    env = gym.wrappers.AtariPreprocessing(env, noop_max=config.noop_max, frame_skip=4, screen_size=84)
+    4 frames per step max-pooled over the last two, ``screen_size`` squared grayscale ``uint8``; FIRE at reset in
+    games that wait for it; with ``episodic_life`` each lost life marked (``LifeLoss``); the last ``frame_stack``
+    frames stacked (``[frame_stack, screen_size, screen_size]``). Rewards are clipped by the learner
+    (``clip_rewards``) and episodes end at game over only: metrics see the true returns of whole games."""
+    env = gym.wrappers.AtariPreprocessing(env, noop_max=config.noop_max, frame_skip=4, screen_size=config.screen_size)
     fire = "FIRE" in env.unwrapped.get_action_meanings()  # type: ignore[attr-defined]
     if fire:
         env = FireReset(env)
@@ -237,6 +247,45 @@ def spec_of(make: Callable[[], gym.Env]) -> EnvSpec:
         env.close()
 
 
+class VectorEnv(Protocol):
+    """What an actor host steps: ``VecEnv`` (gymnasium envs, one at a time) or ``AleVecEnv`` (ALE's C++ vector env).
+    ``obs`` is the current observation of every env; ``step`` resets an env whose episode ended in the same step
+    and hands back its final observation; ``finished`` collects ``(return, length)`` of the episodes that ended."""
+
+    num_envs: int
+    spec: EnvSpec
+    dtype: np.dtype
+    obs: np.ndarray
+    life_lost: np.ndarray
+    episodic_life: bool
+    finished: list[tuple[float, int]]
+
+    def step(
+        self, actions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]: ...
+
+    def close(self) -> None: ...
+
+
+def vector_env(
+    env: EnvConfig, seeds: list[int], allowed: frozenset[str] | None = None, latency_ms: float = 0.0
+) -> VectorEnv:
+    """An actor host's envs of a run's ``[env]`` section (``env.backend``), env ``i`` seeded with ``seeds[i]``."""
+    if env.backend == "ale_vector":
+        if latency_ms > 0:
+            raise EnvError("env latency (a benchmark knob) wraps gymnasium envs: not with env.backend 'ale_vector'")
+        return AleVecEnv(env, seeds)
+    return VecEnv(with_latency(make_factory(env, allowed), latency_ms), seeds, env.episodic_life)
+
+
+def env_action(spec: EnvSpec) -> Callable[[Any], Any]:
+    """One policy action as the env takes it: an ``int`` (Discrete), or clipped to the bounds (Box)."""
+    if spec.discrete:
+        return int
+    low, high = np.asarray(spec.action_low), np.asarray(spec.action_high)
+    return lambda a: np.clip(a, low, high)
+
+
 class VecEnv:
     """N envs stepped in one process with same-step auto-reset.
 
@@ -261,11 +310,7 @@ class VecEnv:
         self.ep_return = np.zeros(self.num_envs, dtype=np.float64)
         self.ep_length = np.zeros(self.num_envs, dtype=np.int64)
         self.finished: list[tuple[float, int]] = []
-        if self.spec.discrete:
-            self._to_env = lambda a: int(a)
-        else:
-            low, high = np.asarray(self.spec.action_low), np.asarray(self.spec.action_high)
-            self._to_env = lambda a: np.clip(a, low, high)
+        self.to_env = env_action(self.spec)
 
     def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
         n = self.num_envs
@@ -275,7 +320,7 @@ class VecEnv:
         final_obs: dict[int, np.ndarray] = {}
         next_obs = self.obs.copy()
         for i, env in enumerate(self.envs):
-            obs, r, term, trunc, info = env.step(self._to_env(actions[i]))
+            obs, r, term, trunc, info = env.step(self.to_env(actions[i]))
             rewards[i], terminated[i], truncated[i] = r, term, trunc
             self.life_lost[i] = info.get("life_lost", False)
             self.ep_return[i] += r
@@ -292,3 +337,112 @@ class VecEnv:
     def close(self) -> None:
         for env in self.envs:
             env.close()
+
+
+# ------------------------------------------------------------------------------------------ env.backend "ale_vector"
+# Atari on ALE's own C++ vector env (ale_py.vector_env.AtariVectorEnv). Why: it steps, skips, max-pools, resizes and
+# stacks the frames of all of an actor's envs in C++, where the reference path (atari_wrappers: gymnasium's
+# AtariPreprocessing and FrameStackObservation, one Python env at a time) spends most of its time in Python
+# (docs/benchmarks.md, "zddrl bench sample", both backends). The reference path stays the default; AleVecEnv's
+# docstring lists how the preprocessing is matched to it.
+
+ALE_ID = re.compile(r"^ALE/([A-Za-z0-9]+)-v5$")
+MAX_FRAMES = 108_000
+"""ALE v5's episode limit in frames (30 minutes of play), the reference path's too."""
+
+
+def rom_name(env_id: str) -> str:
+    """``ALE/MsPacman-v5`` -> ``ms_pacman`` (the ROM's name in ale_py); EnvError for any other id."""
+    match = ALE_ID.match(env_id)
+    if match is None:
+        raise EnvError(f"env.backend 'ale_vector' takes ALE v5 ids such as ALE/Pong-v5, not {env_id!r}")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", match.group(1)).lower()
+
+
+class AleVecEnv:
+    """``VectorEnv`` over one ``AtariVectorEnv`` of ``len(seeds)`` games, preprocessed as ``atari_wrappers`` does
+    (frame skip and pooling, size, stack, no-ops, FIRE at reset, sticky actions, the 108,000-frame limit, the
+    minimal action set, unclipped rewards; docs/configuration.md lists each, and the one difference: no
+    ``episodic_life``). An episode that ends is reset in the same step (a partial reset of those envs), as
+    ``VecEnv`` does, so a rollout never holds the extra step of gymnasium's next-step autoreset; the final
+    observation of a truncated episode is kept for the bootstrap. One thread: an actor host is one process on one
+    core."""
+
+    episodic_life = False
+    """Refused with this backend (``EnvConfig``): rollouts never carry ``life_lost``."""
+
+    def __init__(self, env: EnvConfig, seeds: list[int]) -> None:
+        try:
+            from ale_py import roms
+            from ale_py.vector_env import AtariVectorEnv
+        except ImportError:
+            raise EnvError('env.backend "ale_vector" needs ale-py: pip install -e ".[atari]"') from None
+        game = rom_name(env.id)
+        if roms.get_rom_path(game) is None:
+            raise EnvError(f"ale-py has no ROM {game!r} (from env.id {env.id!r})")
+        self.num_envs = len(seeds)
+        self.vec = AtariVectorEnv(
+            game,
+            self.num_envs,
+            num_threads=1,
+            img_height=env.screen_size,
+            img_width=env.screen_size,
+            stack_num=env.frame_stack,
+            frameskip=4,
+            maxpool=True,
+            noop_max=env.noop_max,
+            use_fire_reset=True,
+            episodic_life=False,
+            reward_clipping=False,
+            repeat_action_probability=env.repeat_action_probability,
+            max_num_frames_per_episode=env.max_episode_steps or MAX_FRAMES,
+            autoreset_mode="NextStep",
+        )
+        obs, _ = self.vec.reset(seed=np.asarray(seeds, dtype=np.int64))
+        self.stack = env.frame_stack
+        self.since_reset = np.zeros(self.num_envs, dtype=np.int64)
+        """Steps since each env's reset: ALE pads a new episode's stack with black frames, the reference path
+        with copies of its first frame, which ``_pad`` writes in for the first ``frame_stack - 1`` steps."""
+        self.obs = self._pad(np.array(obs, dtype=np.uint8))
+        self.spec = EnvSpec(
+            obs_shape=tuple(self.obs.shape[1:]),
+            discrete=True,
+            action_dim=len(self.vec.ale.get_action_set()),
+            obs_dtype="uint8",
+        )
+        self.dtype = np.dtype(np.uint8)
+        self.life_lost = np.zeros(self.num_envs, dtype=bool)
+        self.ep_return = np.zeros(self.num_envs, dtype=np.float64)
+        self.ep_length = np.zeros(self.num_envs, dtype=np.int64)
+        self.finished: list[tuple[float, int]] = []
+
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        obs, rewards, terminated, truncated, _ = self.vec.step(np.asarray(actions, dtype=np.int64))
+        rewards = np.asarray(rewards, dtype=np.float32)
+        terminated, truncated = np.asarray(terminated, dtype=bool), np.asarray(truncated, dtype=bool)
+        self.ep_return += rewards
+        self.ep_length += 1
+        done = terminated | truncated
+        next_obs = np.array(obs, dtype=np.uint8)
+        final_obs: dict[int, np.ndarray] = {}
+        self.since_reset += 1
+        next_obs = self._pad(next_obs)
+        if done.any():
+            for i in np.flatnonzero(done):
+                final_obs[int(i)] = next_obs[i].copy()
+                self.finished.append((float(self.ep_return[i]), int(self.ep_length[i])))
+            self.ep_return[done], self.ep_length[done], self.since_reset[done] = 0.0, 0, 0
+            reset_obs, _ = self.vec.reset(options={"reset_mask": done})  # the others report their frames unchanged
+            next_obs[done] = self._pad(np.asarray(reset_obs))[done]
+        self.obs = next_obs
+        return next_obs, rewards, terminated, truncated, final_obs
+
+    def _pad(self, obs: np.ndarray) -> np.ndarray:
+        """``obs`` with each young episode's black leading frames replaced by its first frame (in place)."""
+        for i in np.flatnonzero(self.since_reset < self.stack - 1):
+            first = self.stack - 1 - int(self.since_reset[i])
+            obs[i, :first] = obs[i, first]
+        return obs
+
+    def close(self) -> None:
+        self.vec.close()

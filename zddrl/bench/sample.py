@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import click
@@ -28,8 +29,8 @@ import zmq
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
-from zddrl.config import Config, load_config
-from zddrl.envs import VecEnv, env_factory, make_factory, probe_spec
+from zddrl.config import Config, ConfigError, load_config
+from zddrl.envs import env_factory, probe_spec, vector_env
 from zddrl.proc import free_ports
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink, hello_fields
@@ -69,7 +70,7 @@ def _plain_loop(config: Config, actor_id: int, flat: np.ndarray, layout: list, s
     from zddrl.actor.policy import actor_critic_policy
 
     envs = config.env.num_envs
-    vec = VecEnv(make_factory(config.env), env_seeds(1, actor_id, envs))
+    vec = vector_env(config.env, env_seeds(1, actor_id, envs))
     policy = actor_critic_policy(flat, layout, config.model, vec.spec)
     rng = action_rng(1, actor_id)
     steps, start = 0, time.monotonic()
@@ -228,24 +229,33 @@ def run_sample_bench(
     rollout_len: int = 32,
     max_in_flight: int = Config().algo.max_in_flight,
     base: Config | None = None,
+    backends: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """With ``base`` (a run config, ``--config``): its envs and model, and a single-process loop of all
-    ``actors x envs`` envs as a second reference (the loop one would write without zddrl)."""
+    ``actors x envs`` envs as a second reference (the loop one would write without zddrl). With ``backends``
+    (several ``env.backend`` values of an Atari run), each is measured in every round, side by side, and the
+    result holds one entry per backend under ``backends``."""
     config = _config(env_id, envs, rollout_len, max_in_flight, base)
-    env_id = config.env.id
     flat, layout = _params(config)
-    single_config = config.replace({"env.num_envs": actors * envs})
-    plain, pipe, single, gym_torch = [], [], [], []
+    names = backends or (config.env.backend,)
+    runs = {name: config.replace({"env.backend": name}) for name in names}
+    got: dict[str, dict[str, list[float]]] = {name: {"plain": [], "pipe": [], "single": []} for name in names}
     for _ in range(rounds):
-        plain.append(_side_by_side(_plain_loop, lambda i: (config, i, flat, layout), actors, seconds))
-        pipe.append(_pipeline(config, actors, seconds, flat, layout)["sps"])
-        if base is not None:
-            single.append(_side_by_side(_plain_loop, lambda i: (single_config, i, flat, layout), 1, seconds))
+        for name, cfg in runs.items():  # alternating: machine noise hits every backend alike
+            got[name]["plain"].append(
+                _side_by_side(_plain_loop, partial(_loop_args, cfg, flat, layout), actors, seconds)
+            )
+            got[name]["pipe"].append(_pipeline(cfg, actors, seconds, flat, layout)["sps"])
+            if base is not None:
+                single_config = cfg.replace({"env.num_envs": actors * envs})
+                single = _side_by_side(_plain_loop, partial(_loop_args, single_config, flat, layout), 1, seconds)
+                got[name]["single"].append(single)
+    gym_torch = []
     if base is None:  # the hand-written gym + torch loop knows vector observations and an MLP only
-        gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (env_id, envs, i), actors, seconds))
-    ratios = [p / q for p, q in zip(pipe, plain)]
-    return {
-        "env_id": env_id,
+        gym_torch.append(_side_by_side(_gym_torch_loop, lambda i: (config.env.id, envs, i), actors, seconds))
+    figures = {name: _figures(got[name]) for name in names}
+    result = {
+        "env_id": config.env.id,
         "model": config.model.kind,
         "actors": actors,
         "envs_per_actor": envs,
@@ -253,14 +263,32 @@ def run_sample_bench(
         "max_in_flight": max_in_flight,
         "seconds": seconds,
         "rounds": rounds,
+        "backend": names[0],
+        **figures[names[0]],
+        "gym_torch_sps": statistics.median(gym_torch) if gym_torch else None,
+        "target_ratio": 0.7,
+    }
+    if len(names) > 1:
+        result["backends"] = figures
+    return result
+
+
+def _loop_args(config: Config, flat: np.ndarray, layout: list, actor_id: int) -> tuple:
+    """``_plain_loop``'s arguments for one process of the side-by-side loops."""
+    return config, actor_id, flat, layout
+
+
+def _figures(got: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians and ratios of one backend's rounds."""
+    plain, pipe, single = got["plain"], got["pipe"], got["single"]
+    ratios = [p / q for p, q in zip(pipe, plain)]
+    return {
         "plain_sps": statistics.median(plain),
         "pipeline_sps": statistics.median(pipe),
         "single_sps": statistics.median(single) if single else None,
         "single_ratio": statistics.median([p / q for p, q in zip(pipe, single)]) if single else None,
-        "gym_torch_sps": statistics.median(gym_torch) if gym_torch else None,
         "ratio": statistics.median(ratios),
         "ratios": ratios,
-        "target_ratio": 0.7,
     }
 
 
@@ -285,13 +313,30 @@ def run_sample_bench(
     show_default=True,
     help="algo.max_in_flight of the run (unread trajectories an actor may have queued).",
 )
+@click.option(
+    "--backends",
+    default="",
+    help="env.backend values to measure side by side with an Atari --config, comma-separated "
+    "(gymnasium,ale_vector); default: the config's.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def sample(seconds, actors, envs, rollout_len, rounds, env_id, config_path, max_in_flight, as_json) -> None:
+def sample(seconds, actors, envs, rollout_len, rounds, env_id, config_path, max_in_flight, backends, as_json) -> None:
     """Pipeline env steps/s (broker + actors + counting learner) vs plain loops side by side."""
     base = load_config(config_path) if config_path else None
-    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len, max_in_flight, base)
+    names = tuple(b.strip() for b in backends.split(",") if b.strip())
+    if names and (base is None or not base.env.atari):
+        raise click.UsageError("--backends needs --config of an Atari run (env.atari = true)")
+    for name in names:
+        try:
+            base.replace({"env.backend": name})  # type: ignore[union-attr]  # base is set: checked above
+        except ConfigError as exc:
+            raise click.UsageError(f"--backends: {exc}") from None
+    result = run_sample_bench(seconds, actors, envs, rounds, env_id, rollout_len, max_in_flight, base, names)
     if as_json:
         click.echo(json.dumps(result))
+        return
+    if "backends" in result:
+        _print_backends(result, actors, envs)
         return
     policy = "numpy MLP" if result["model"] == "mlp" else f"torch {result['model']}"
     click.echo(
@@ -307,3 +352,18 @@ def sample(seconds, actors, envs, rollout_len, rounds, env_id, config_path, max_
     click.echo(f"  pipeline / plain = {result['ratio']:.2f}  (target >= {result['target_ratio']})")
     if result["single_ratio"] is not None:
         click.echo(f"  pipeline / one process = {result['single_ratio']:.2f}")
+
+
+def _print_backends(result: dict[str, Any], actors: int, envs: int) -> None:
+    policy = f"torch {result['model']}"
+    click.echo(
+        f"{actors} actors x {envs} {result['env_id']}, rollouts of {result['rollout_len']}, "
+        f"{result['seconds']:.0f} s windows, {result['rounds']} rounds (medians), env steps/s"
+    )
+    click.echo(f"  {'backend':<12} {'plain loops':>12} {'pipeline':>10} {'one process':>12} {'pipeline/plain':>15}")
+    for name, f in result["backends"].items():
+        click.echo(
+            f"  {name:<12} {f['plain_sps']:>12,.0f} {f['pipeline_sps']:>10,.0f} {f['single_sps']:>12,.0f} "
+            f"{f['ratio']:>15.2f}"
+        )
+    click.echo(f"  (plain loops: {actors} processes of {envs} envs + {policy}, no bus; one process: all envs in one)")

@@ -1,42 +1,128 @@
-"""`zddrl eval`: deterministic evaluation of a checkpoint on fresh envs."""
+"""`zddrl eval`: deterministic episodes of a checkpoint's policy on a fresh env, optionally filmed.
+
+One env, episodes one after another: its first reset is seeded with ``seed``, later resets continue its own
+generator. The env is the run's evaluation env (``envs.evaluation_factory``: whole games, FIRE after a lost life
+in the Atari games that wait for it); ``max_episode_steps`` cuts an episode after that many agent steps (counted
+as truncated), so a policy that stalls a game cannot hold the command for the env's own limit (27,000 agent steps
+in ALE). With ``video_dir`` each episode is written as ``episode-NNN.mp4`` (``ops.video``) from the env's
+``rgb_array`` rendering.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NamedTuple
 
+import gymnasium as gym
 import numpy as np
 
 from zddrl.actor.host import build_policy
 from zddrl.algos.core import acting_model
 from zddrl.algos.model import flatten_params
-from zddrl.config import Config
-from zddrl.envs import VecEnv, evaluation_factory
+from zddrl.config import Config, EnvConfig
+from zddrl.envs import env_action, env_spec, evaluation_factory
 from zddrl.learner.runlog import load_checkpoint
+from zddrl.ops.video import Mp4Writer, VideoError
+
+ATARI_FPS = 15.0
+"""Agent steps per second of game time in Atari (60 frames a second, 4 frames a step): videos play in real time."""
 
 
-def evaluate(checkpoint: str, episodes: int, seed: int) -> dict[str, Any]:
-    """Mean and std of the return of ``episodes`` deterministic episodes on one env (its first reset is
-    seeded with ``seed``; later resets continue that env's generator)."""
+class Episode(NamedTuple):
+    ret: float
+    steps: int
+    truncated: bool
+    """Ended by a time limit (``max_episode_steps`` or the env's own), not by the game."""
+    seconds: float
+    video: str | None
+
+
+def evaluate(
+    checkpoint: str,
+    episodes: int,
+    seed: int,
+    max_episode_steps: int = 0,
+    video_dir: Path | None = None,
+    on_episode: Callable[[int, Episode], None] | None = None,
+) -> dict[str, Any]:
+    """Mean and std of the return of ``episodes`` deterministic episodes, with each episode's figures;
+    ``on_episode(k, episode)`` is called as each one ends."""
     state = load_checkpoint(checkpoint)
     config = Config.from_dict(state["config"])
-    vec = VecEnv(evaluation_factory(config.env), [seed])
-    model = acting_model(config, vec.spec)
-    model.load_state_dict(state["model"])
-    flat, layout = flatten_params(model)
-    rms = state.get("obs_rms")
-    extras = {} if rms is None else {"obs_mean": rms["mean"].numpy(), "obs_var": rms["var"].numpy()}
-    policy = build_policy(flat, layout, extras, config, vec.spec, num_envs=1)
-    rng = np.random.default_rng(seed)
+    env = evaluation_factory(config.env, render_mode="rgb_array" if video_dir is not None else None)()
+    if max_episode_steps:
+        env = gym.wrappers.TimeLimit(env, max_episode_steps)
+    if video_dir is not None:
+        video_dir.mkdir(parents=True, exist_ok=True)
     try:
-        while len(vec.finished) < episodes:
-            vec.step(policy.act(vec.obs, rng, deterministic=True).actions)
+        spec = env_spec(env)
+        model = acting_model(config, spec)
+        model.load_state_dict(state["model"])
+        flat, layout = flatten_params(model)
+        rms = state.get("obs_rms")
+        extras = {} if rms is None else {"obs_mean": rms["mean"].numpy(), "obs_var": rms["var"].numpy()}
+        policy = build_policy(flat, layout, extras, config, spec, num_envs=1)
+        act = _greedy(policy, spec.obs_dtype, env_action(spec), np.random.default_rng(seed))
+        played = []
+        for k in range(episodes):
+            path = video_dir / f"episode-{k:03d}.mp4" if video_dir is not None else None
+            played.append(_episode(env, act, seed if k == 0 else None, path, _fps(config.env, env)))
+            if on_episode is not None:
+                on_episode(k, played[-1])
     finally:
-        vec.close()
-    returns = np.array([r for r, _ in vec.finished[:episodes]])
+        env.close()
+    returns = np.array([e.ret for e in played])
     return {
         "env_id": config.env.id,
         "episodes": episodes,
         "mean": float(returns.mean()),
         "std": float(returns.std()),
+        "returns": [e.ret for e in played],
+        "lengths": [e.steps for e in played],
+        "truncated": sum(e.truncated for e in played),
+        "videos": [e.video for e in played if e.video],
         "policy_version": int(state.get("policy_version", -1)),
     }
+
+
+def _greedy(policy: Any, dtype: str, to_env: Callable[[Any], Any], rng: np.random.Generator) -> Callable:
+    """``act(obs) -> env action``: the policy's deterministic action on one observation."""
+
+    def act(obs: Any) -> Any:
+        return to_env(policy.act(np.asarray(obs, dtype=dtype)[None], rng, deterministic=True).actions[0])
+
+    return act
+
+
+def _fps(env_config: EnvConfig, env: gym.Env) -> float:
+    return ATARI_FPS if env_config.atari else float(env.metadata.get("render_fps") or 30)
+
+
+def _episode(env: gym.Env, act: Callable, seed: int | None, video: Path | None, fps: float) -> Episode:
+    """One episode to its end (filmed into ``video`` when given)."""
+    t0 = time.monotonic()
+    obs, _ = env.reset(seed=seed)
+    writer = Mp4Writer(video, fps) if video is not None else None
+    ret, steps, terminated, truncated = 0.0, 0, False, False
+    try:
+        if writer is not None:
+            writer.add(_frame(env))
+        while not (terminated or truncated):
+            obs, reward, terminated, truncated, _ = env.step(act(obs))
+            ret += float(reward)
+            steps += 1
+            if writer is not None:
+                writer.add(_frame(env))
+    finally:
+        if writer is not None:
+            writer.close()
+    return Episode(ret, steps, bool(truncated and not terminated), time.monotonic() - t0, str(video) if video else None)
+
+
+def _frame(env: gym.Env) -> np.ndarray:
+    frame = env.render()
+    if not isinstance(frame, np.ndarray):
+        raise VideoError(f"the env renders no rgb_array frames (render() gave {type(frame).__name__})")
+    return frame
