@@ -46,6 +46,7 @@ SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn", "small_cnn")
 AUTOCASTS = ("off", "bf16")
+WANDB_MODES = ("online", "offline", "disabled")
 ENV_BACKENDS = ("gymnasium", "ale_vector")
 
 
@@ -323,10 +324,20 @@ class TrainConfig:
     max_restarts: int = 3
     """`zddrl train` restarts a learner (or shard group) that dies unexpectedly at most this many times, with
     back-off, from the newest checkpoint (afresh if there is none yet); then the run fails (0: never restart)."""
+    wandb_project: str = ""
+    """Weights & Biases project the learner logs the run to (the metrics.csv figures, under TensorBoard's names, and
+    the config); "" for none. Needs the ``wandb`` extra and, online, ``wandb login`` or ``WANDB_API_KEY``."""
+    wandb_run_name: str = ""
+    """The W&B run's display name ("": the run directory's name)."""
+    wandb_mode: str = "online"
+    """online | offline (files under RUN_DIR/wandb, for ``wandb sync`` later) | disabled. ``WANDB_MODE`` in the
+    learner's environment takes precedence, as wandb documents."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "slowdowns", tuple(self.slowdowns))
         _require(self.actors >= 1, "train.actors must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0 (0: a learner that dies ends the run)")
+        _require(self.wandb_mode in WANDB_MODES, f"train.wandb_mode must be one of {WANDB_MODES}")
         _require(all(f >= 1.0 for f in self.slowdowns), "train.slowdowns must be factors >= 1")
         _require(0 <= self.actor_nice <= 19, "train.actor_nice must be in 0..19 (a niceness added to the actors)")
         _require(self.env_latency_ms >= 0, "train.env_latency_ms must be >= 0 (0: envs run at their own speed)")

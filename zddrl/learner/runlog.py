@@ -7,6 +7,7 @@ Layout (names that scripts and CI rely on; docs/run-directory.md documents each 
     RUN_DIR/metrics.csv        one row per update (METRIC_COLUMNS)
     RUN_DIR/summary.json       SUMMARY_KEYS, written at the end
     RUN_DIR/tb/                TensorBoard event files (charts/, losses/, perf/), when tensorboard is installed
+    RUN_DIR/wandb/             W&B's local files, with train.wandb_project (offline runs: for `wandb sync`)
     RUN_DIR/checkpoints/ckpt-VERSION.pt   periodic (the newest K kept): what --resume continues from
     RUN_DIR/checkpoints/final.pt   the last state: model, optimizer, version, statistics, RNG, config
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from zddrl.config import to_toml
 from zddrl.learner.tensorboard import make_tensorboard_writer
+from zddrl.learner.wandb_log import make_wandb_writer
 
 METRIC_COLUMNS = (
     "wall_s",
@@ -128,6 +130,7 @@ class RunLog:
         # TensorBoard when installed (extra `tensorboard`); a resumed run hides events written after its checkpoint.
         purge = None if resume_version is None else (int(kept[-1]["env_steps"]) + 1 if kept else 0)
         self._tb = make_tensorboard_writer(self.dir, purge_step=purge)
+        self._wandb = make_wandb_writer(self.dir, config)  # W&B when train.wandb_project is set (extra `wandb`)
 
     def _rows_up_to(self, version: int) -> list[dict[str, str]]:
         try:
@@ -142,6 +145,8 @@ class RunLog:
         self._csv_file.flush()
         if self._tb is not None:
             self._tb.write(int(row["env_steps"]), row)
+        if self._wandb is not None:
+            self._wandb.write(int(row["env_steps"]), row)
 
     def meta(self, extra: dict[str, Any]) -> None:
         """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``.
@@ -176,6 +181,8 @@ class RunLog:
         self._csv_file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def _fmt(value: Any) -> Any:

@@ -38,6 +38,19 @@ TAGS: dict[str, tuple[str, ...]] = {
 }
 """Namespace -> metrics.csv columns logged under it as ``namespace/column``."""
 FLUSH_SECS = 10
+
+
+def tagged(row: dict[str, Any]) -> dict[str, float]:
+    """The finite figures of a metrics row that ``TAGS`` names, as ``namespace/column`` -> value."""
+    scalars = {}
+    for namespace, keys in TAGS.items():
+        for key in keys:
+            value = finite_float(row.get(key))
+            if value is not None:
+                scalars[f"{namespace}/{key}"] = value
+    return scalars
+
+
 INSTALL_HINT = "pip install 'zddrl[tensorboard]'"
 
 
@@ -57,14 +70,10 @@ class TensorBoardWriter:
         """Log the known figures of ``row`` at ``step`` (env steps); returns how many scalars were written."""
         if self._writer is None:
             raise RuntimeError("TensorBoardWriter is closed")
-        written = 0
-        for namespace, keys in TAGS.items():
-            for key in keys:
-                value = finite_float(row.get(key))
-                if value is not None:
-                    self._writer.add_scalar(f"{namespace}/{key}", value, global_step=int(step))
-                    written += 1
-        return written
+        scalars = tagged(row)
+        for tag, value in scalars.items():
+            self._writer.add_scalar(tag, value, global_step=int(step))
+        return len(scalars)
 
     def flush(self) -> None:
         if self._writer is not None:
