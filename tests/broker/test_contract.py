@@ -247,6 +247,17 @@ def test_the_frame_cache_keeps_nothing_that_fails_a_hash() -> None:
     assert cache.abandoned == 3  # the versions that lost a chunk, replaced by the next params message
 
 
+def test_a_params_message_without_flat_is_counted_by_its_chunking_fields() -> None:
+    """docs/protocol.md 5.3: without a chunk table or numel it decodes and is a bad chunk; with either it is invalid
+    (learner_malformed at the broker)."""
+    head = version(1)[0]  # what split() sends: a chunk table even for one chunk
+    bare = corrupt(head, arrays={}, numel=0, chunk_numel=0, chunk_hashes=[])
+    assert FrameCache().add(P.decode(wire(bare)), wire(bare)) == "bad_chunk"
+    for changes in ({"numel": 64}, {"numel": 64, "chunk_numel": 64, "chunk_hashes": head.chunk_hashes}):
+        with pytest.raises(P.ProtocolError, match="flat"):
+            P.decode(wire(corrupt(bare, **changes)))
+
+
 def test_the_broker_publishes_and_keeps_only_verified_versions(broker: BrokerHandle, bus: Bus) -> None:
     """What passed its own checks goes out as it comes; the message that completes a version only once the whole
     version verified; what fails goes nowhere, and the snapshot is always the last whole, verified version."""

@@ -160,6 +160,21 @@ def test_trajectory_example_matches_the_documented_layout(name: str) -> None:
     assert len(msg.ep_returns) == len(msg.ep_lengths) == int((a["terminated"] | a["truncated"]).sum())
 
 
+def test_the_documented_protocol_version_is_this_ones() -> None:
+    """Every place the text names the current version says PROTOCOL_VERSION (a "version byte 4" outlived 5 and 6)."""
+    from zddrl.protocol.signing import PARAMS_TAG, RUN_TAG
+
+    v = P.PROTOCOL_VERSION
+    said = [
+        *re.findall(r"^# The zddrl wire protocol \(version (\d+)\)", DOC, re.MULTILINE),
+        *re.findall(r"protocol version (\d+)\)", DOC),
+        *re.findall(r"the protocol\s+version, which is `(\d+)`", DOC),
+        *re.findall(r"version byte `?(\d+)`?", DOC),
+    ]
+    assert len(said) >= 4 and {int(s) for s in said} == {v}, said
+    assert f'["{RUN_TAG}"' in DOC and f'["{PARAMS_TAG}"' in DOC, "section 5.7's payload tags"
+
+
 def test_constants_and_names_are_documented() -> None:
     assert P.PREAMBLE.hex() in DOC and P.PREAMBLE.hex(" ") in DOC
     # Every preamble the text spells out is this version's (a stale one once survived a version bump).
@@ -171,6 +186,26 @@ def test_constants_and_names_are_documented() -> None:
     for reason in DROP_REASONS:
         assert f"| `{reason}` |" in DOC, reason
     assert P.param_hash(b"") in DOC
+
+
+def test_reject_reasons_are_the_brokers() -> None:
+    """A client stops on a reject whose reason starts with REFUSED_PREFIX (section 10.1): every refusal the docs quote
+    starts with it, and the revoked reject is quoted whole (once shortened to "refused: ...", which stops no one)."""
+    from zddrl.broker.guard import revoked_reject
+
+    security = (DOC_PATH.parent / "security.md").read_text(encoding="utf-8")
+    for doc in (DOC, security):
+        quoted = [re.sub(r'^\{reason: "', "", q) for q in re.findall(r"`([^`\n]*refused: [^`\n]*)`", doc)]
+        assert quoted and all(q.startswith(P.REFUSED_PREFIX) for q in quoted), quoted
+        assert f"`{revoked_reject().reason}`" in doc
+    assert f'starts with `{P.REFUSED_PREFIX}`' in DOC
+
+
+def test_status_rows_name_every_role() -> None:
+    section_9 = re.search(r"^## 9\. Status body\n(.*?)^## 10\. ", DOC, re.MULTILINE | re.DOTALL).group(1)
+    for key in ("members_by_role", "role"):
+        row = re.search(rf"^\| `{key}` \|.*$", section_9, re.MULTILINE).group(0)
+        assert all(f"`{role}`" in row for role in P.ROLES), row
 
 
 @pytest.mark.parametrize("kind", sorted(P.MESSAGE_TYPES))
@@ -191,6 +226,11 @@ def test_every_field_is_documented(kind: str) -> None:
                 default = default.decode()
             assert cell == f"`{'nil' if default is None else json.dumps(default)}`", f"{kind}.{f.name} default"
     assert "*arrays*" in section.group(1).split(";")[0] or not cls.HAS_ARRAYS
+    # Section 2.2: the tables list the fields in the order the encoder writes them, which the examples show.
+    rows = re.findall(r"^\| `(\w+)` \|", section.group(0), re.MULTILINE)
+    name = next(n for n in FRAMES if n.split("-")[0] == kind)
+    header = msgpack.unpackb(parse_frames(FRAMES[name])[1][1], raw=False)
+    assert ["kind", *rows] == list(header), f"{kind}: the table's field order is not the encoder's"
 
 
 def test_signed_examples_verify_under_the_documented_demo_key() -> None:
