@@ -45,6 +45,14 @@ def test_bad_values_name_the_key(overrides: dict, message: str) -> None:
         load_config(None, overrides)
 
 
+def test_an_unknown_key_names_the_likely_one_in_one_line() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"algo.lrr": 1.0, "algo.zzzz": 1})
+    message = str(err.value)
+    assert "unknown config key(s) algo.lrr (did you mean algo.lr?), algo.zzzz; known in algo: " in message
+    assert "\n" not in message
+
+
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml")

@@ -7,6 +7,7 @@ source of defaults. An unknown key or a value of the wrong type is a :class:`Con
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import sys
@@ -64,7 +65,7 @@ def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = froze
     unknown = sorted(set(data) - known)
     require(
         not unknown,
-        f"unknown config key(s) {', '.join(prefix + k for k in unknown)}; "
+        f"unknown config key(s) {', '.join(_with_guess(prefix, k, known) for k in unknown)}; "
         f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}",
     )
     kwargs = {}
@@ -78,6 +79,13 @@ def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = froze
         return cls(**kwargs)
     except TypeError as exc:  # pragma: no cover - guarded by the unknown-key check
         raise ConfigError(str(exc)) from None
+
+
+def _with_guess(prefix: str, key: str, known: set[str]) -> str:
+    """``prefix + key``, and the known key it most likely misspells: the list of every known key follows, but the
+    one meant is hard to spot in it."""
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{key}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:

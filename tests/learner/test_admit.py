@@ -54,6 +54,7 @@ def node(tmp_path):
     """A sync learner node of a CartPole run, wired as ``_join`` wires it, without a broker."""
     config = Config().replace({"algo.batch_size": 16, "env.rollout_len": 8})
     n = LearnerNode("tcp://127.0.0.1:9", config, tmp_path / "run")
+    n.own = n.open_run()
     n.link = FakeLink({"a": 1, "b": 1})
     n.own.fleet.refresh(n.link.fleet())  # two actors of one env: 8 steps each make the batch of 16
     n.rollout_len = n.own.fleet.rollout_len

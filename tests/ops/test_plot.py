@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from loguru import logger
 
-from zddrl.ops.plot import PlotError, load_run, plot_runs
+from zddrl.ops.plot import PlotError, count_label, figure, has_return, load_run, plot_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 CARTPOLE = str(ROOT / "examples" / "cartpole_ppo.toml")
@@ -121,3 +122,40 @@ def test_plot_without_matplotlib_says_how_to_install_it(
     with pytest.raises(PlotError, match=r"pip install 'zddrl\[plot\]'"):
         plot_runs([run_dir], tmp_path / "out.png")
     assert not (tmp_path / "out.png").exists()
+
+
+def test_step_ticks_read_k_and_m_never_milli() -> None:
+    assert [count_label(x) for x in (0, 750, 10_000, 25_000, 1_750, 2_500_000, 3e9)] == [
+        "0",
+        "750",
+        "10k",
+        "25k",
+        "1.75k",
+        "2.5M",
+        "3G",
+    ]
+    assert count_label(0.01) == "0.01"  # EngFormatter wrote "10m": read as 10 million steps
+
+
+def test_a_run_with_no_return_yet_gets_a_note_and_a_warning(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason=NEEDS_MPL)
+    rows = "".join(f"{i * 0.5},{i * 1000},2000,,0,0\n" for i in range(1, 31))
+    (tmp_path / "metrics.csv").write_text("wall_s,env_steps,sps,return_mean_20,staleness_mean,staleness_max\n" + rows)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        plot_runs([tmp_path], tmp_path / "out.png")
+    finally:
+        logger.remove(sink)
+    assert png_size(tmp_path / "out.png")[0] >= 1000
+    assert [line.strip() for line in lines] == [
+        f"{tmp_path}: no return to plot yet (fewer than 20 episodes finished): its return curves are empty"
+    ]
+    assert not has_return(load_run(tmp_path))
+    fig = figure([load_run(tmp_path)])
+    fig.canvas.draw()
+    ret_steps, ret_wall = fig.axes[:2]
+    for ax in (ret_steps, ret_wall):
+        assert [t.get_text() for t in ax.texts] == ["no return yet:\nfewer than 20 episodes finished"]
+    assert ret_steps.get_xlim() == (0, 30_000)  # the run's steps, not an empty 0..0.05 axis
+    assert "30k" in [t.get_text() for t in ret_steps.get_xticklabels()]

@@ -20,7 +20,16 @@ from zddrl.broker.cadence import Cadence
 from zddrl.broker.fleet import Fleet
 from zddrl.broker.guard import Guard
 from zddrl.broker.health import HealthMonitor
-from zddrl.broker.membership import Departures, Limits, Member, credit_batch_of, hello_conflict, member_of, staleness_of
+from zddrl.broker.membership import (
+    Departures,
+    Limits,
+    Member,
+    credit_batch_of,
+    hello_conflict,
+    id_conflict,
+    member_of,
+    staleness_of,
+)
 from zddrl.broker.publisher import Publisher
 from zddrl.broker.routing import DATA_ROLES, Router
 from zddrl.broker.subtree import Subtrees
@@ -113,11 +122,13 @@ class Joining:
         old = self.members.get(msg.peer_id)
         guard = self.guard
         room = msg.role != "actor" or self.fleet.room_for(msg.peer_id, msg.num_envs, msg.host)
-        why = hello_conflict(msg, old, room, self.run_id, self.config.heartbeat_interval_s)
+        why = hello_conflict(msg, room, self.run_id)
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
-        counter, why = "auth_refused", guard.hello_refusal(msg, user, old)
+        counter, why = "hello_id_in_use", id_conflict(old, msg, self.config.heartbeat_interval_s)
+        if not why:
+            counter, why = "auth_refused", guard.hello_refusal(msg, user, old)
         if not why:
             counter = "hello_over_cap"
             why = self.limits.cap_refusal(msg, old, len(self.members), len(self.router.shards), self.fleet)

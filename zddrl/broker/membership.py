@@ -371,22 +371,29 @@ def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWa
 def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
     """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
     with the same --actor-id would otherwise take the id from each other at every re-hello, and share
-    seeds. A member silent for a heartbeat interval is taken over: a crashed process coming back."""
+    seeds; a second learner would take over the bus from the live one. A member silent for a heartbeat
+    interval is taken over: a crashed process coming back. The advice fits the role: what a user does about
+    a clash of actor ids is not what they do about a second learner."""
     if old is None or (old.host, old.pid) == (hello.host, hello.pid):
         return ""
     silent = time.monotonic() - old.last_seen
     if silent >= interval_s:
         return ""
-    return (
-        f"peer id {hello.peer_id!r} is in use by pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago); "
-        "give each actor host its own --actor-id"
-    )
+    holder = f"pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago)"
+    if hello.role == "learner" and old.role == "learner":
+        run = f"run {old.run_id!r}" if old.run_id else "a run"
+        return (
+            f"another learner ({run}, {holder}) holds this broker as {hello.peer_id!r}; "
+            "stop that learner first, or use another broker for this run"
+        )
+    advice = "give each actor host its own --actor-id" if hello.role == "actor" else "stop that process first"
+    return f"peer id {hello.peer_id!r} is in use by {holder}; {advice}"
 
 
-def hello_conflict(msg: P.Hello, old: Member | None, fleet_has_room: bool, run_id: str, interval_s: float) -> str:
-    """Why the broker refuses ``msg`` (one line for the reject), or "": an unknown role, a field out of bounds
-    (``P.hello_refusal``), a full fleet message, a new run without a usable spec, or a peer id another live
-    process holds (``id_conflict``)."""
+def hello_conflict(msg: P.Hello, fleet_has_room: bool, run_id: str) -> str:
+    """Why the broker refuses ``msg`` as malformed (one line for the reject), or "": an unknown role, a field out
+    of bounds (``P.hello_refusal``), a full fleet message, a new run without a usable spec. A peer id another
+    live process holds is no fault of the hello: ``id_conflict`` says it, and the broker counts it apart."""
     if msg.role not in P.ROLES:
         return f"hello with unknown role {msg.role!r}"
     refusal = P.hello_refusal(msg)
@@ -405,7 +412,7 @@ def hello_conflict(msg: P.Hello, old: Member | None, fleet_has_room: bool, run_i
             credit_batch_of(msg.run)
         except P.ProtocolError as exc:
             return str(exc)
-    return id_conflict(old, msg, interval_s)
+    return ""
 
 
 def member_of(msg: P.Hello, identity: bytes) -> Member:

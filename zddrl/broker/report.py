@@ -49,6 +49,7 @@ BROKER_COUNTERS = (
     "status_refused",
     "hello_limited",
     "hello_over_cap",
+    "hello_id_in_use",
     "stats_truncated",
     "relayed_refused",
 )

@@ -9,7 +9,7 @@ when it joins elsewhere (directly, or through another relay: the newest claim wi
 fallback when its relay dies), or when its relay leaves or expires.
 
 The trust boundary: a relay's key may speak for the actors it reports, and for no others: it cannot take the id
-of an actor joined directly and alive here (``hello_conflict``), nor report more than the caps allow. That it
+of an actor joined directly and alive here (``id_conflict``), nor report more than the caps allow. That it
 really serves those actors the root cannot see; docs/security.md says what follows from that.
 Kept apart from the poll loop (broker.py): plain records and checks, no sockets.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zddrl import protocol as P
-from zddrl.broker.membership import Member, hello_conflict
+from zddrl.broker.membership import Member, hello_conflict, id_conflict
 
 MAX_RELAY_COUNTERS = 64
 """Counters kept of one relay's report (the first ones, keys of MAX_COUNTER_KEY_CHARS at most): what its status
@@ -95,7 +95,7 @@ class Subtrees:
         hello = P.Hello(role="actor", peer_id=peer_id, host=entry["host"], pid=entry["pid"], num_envs=entry["num_envs"])
         direct = old if old is not None and not old.relay else None  # another relay's actor moved: no conflict
         room = b.fleet.room_for(peer_id, hello.num_envs, hello.host)
-        why = hello_conflict(hello, direct, room, b.run_id, b.config.heartbeat_interval_s)
+        why = hello_conflict(hello, room, b.run_id) or id_conflict(direct, hello, b.config.heartbeat_interval_s)
         if not why and direct is not None and direct.user != relay.user:
             why = f"peer id {peer_id!r} is held by a member that joined with another key"
         if not why:

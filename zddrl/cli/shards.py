@@ -62,7 +62,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"
     import torch
 
     from zddrl.dist.shards import ShardError, ShardGroup
-    from zddrl.learner.node import LearnerNode
+    from zddrl.learner.node import LearnerNode, NotJoined
 
     # Adam's second moments of rarely-moving weights decay into subnormal floats, which x86 computes many times
     # slower: a third of an Ape-X gradient step went to two foreach kernels (profiled). Flushing them is a setting
@@ -89,7 +89,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"
         summary = node.run(stop_on_signals())
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    except (Refused, ShardError) as exc:
+    except (Refused, ShardError, NotJoined) as exc:
         raise click.ClickException(str(exc)) from None
     finally:
         group.close()

@@ -42,7 +42,7 @@ from zddrl.learner.evaluation import Evaluator
 from zddrl.learner.fleet import Fleet
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
-from zddrl.learner.progress import Progress
+from zddrl.learner.progress import PROGRESS_LINE_EVERY_S, Progress, progress_line
 from zddrl.learner.replay_client import RemoteReplay, ServiceFeed
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds, stream_window
 from zddrl.learner.runlog import RunLog, load_checkpoint
@@ -53,6 +53,8 @@ from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.params import split as split_params
 
 WELCOME_TIMEOUT_S = 60.0
+WELCOME_POLL_S = 0.2
+"""How often a learner waiting for its welcome looks at its stop event: a stop signal ends the wait this soon."""
 FIRST_FLEET_TIMEOUT_S = 2.0
 """How long a learner waits for the fleet message that follows its welcome before it publishes version 0 (the
 rollout length it publishes depends on the fleet); without one it publishes with ``env.rollout_len``."""
@@ -89,6 +91,11 @@ CORES: dict[str, type[LearnerCore]] = {
     "sac": SACLearner,
 }
 """The learner core of each ``algo.mode``."""
+
+
+class NotJoined(RuntimeError):
+    """No broker welcomed the learner (none answered in time, or it was stopped first): no run was started and
+    nothing was written to its run directory."""
 
 
 class MainShard(NamedTuple):
@@ -146,31 +153,40 @@ class LearnerNode:
             progress = self._restore(load_checkpoint(checkpoint), checkpoint)
         self.lengths = AskedLengths(self.rollout_len)
         """Per-env rollout lengths the latest versions asked for: what bounds a rollout's size (``admit.py``)."""
+        self.run_dir, self.resume, self.restored = Path(run_dir), resume, progress
+        """Where ``open_run`` writes the run; whether it continues it; the checkpoint's counting (None: a new run)."""
+        self.t0 = t0 if t0 is not None else time.time()
         self.own: MainShard | None = None
-        """What the main shard alone keeps: the run's counting, its directory, its checkpoints, its fleet."""
-        if self.main:
-            runlog = RunLog(run_dir, config.to_dict(), resume_version=self.policy_version if resume else None)
-            self.own = MainShard(
-                Ledger(config, self.log, t0 if t0 is not None else time.time(), self.group.world_size, progress),
-                runlog,
-                Checkpoints(runlog, config.train),
-                Fleet(
-                    config.env.num_envs,
-                    self.algo.batch_size,
-                    self.rollout_len,
-                    self.log,
-                    sizes_rollouts=self.algo.mode == "sync",
-                ),
-                Evaluator(config),
-            )
+        """What the main shard alone keeps: the run's counting, its directory, its checkpoints, its fleet. Made
+        (``open_run``) once a broker welcomed the learner: a learner that never joins writes no run directory."""
         self.remote: RemoteReplay | None = None
         """The replay services' link (``replay.placement = "service"``), once joined."""
         self.updates = progress.updates if progress is not None else 0
         self.max_chunk_bytes = 1 << 30
         self.next_stats = 0.0
+        self.next_progress_line = 0.0
+        """Monotonic time of the next progress line (the main shard's, at most every PROGRESS_LINE_EVERY_S)."""
         self.timing = {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": 0.0}
         """Since the last stats report: updates, samples trained on, seconds waiting for data; and the
         group's collective seconds when it began."""
+
+    def open_run(self) -> MainShard:
+        """The main shard's record of the run, from here on in its run directory (written now)."""
+        config, resume_version = self.config, self.policy_version if self.resume else None
+        runlog = RunLog(self.run_dir, config.to_dict(), resume_version=resume_version)
+        return MainShard(
+            Ledger(config, self.log, self.t0, self.group.world_size, self.restored),
+            runlog,
+            Checkpoints(runlog, config.train),
+            Fleet(
+                config.env.num_envs,
+                self.algo.batch_size,
+                self.rollout_len,
+                self.log,
+                sizes_rollouts=self.algo.mode == "sync",
+            ),
+            Evaluator(config),
+        )
 
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> dict[str, Any]:
@@ -188,7 +204,7 @@ class LearnerNode:
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx, credentials=self.credentials).start()
         crashed = False
         try:
-            collector = self._join(link)
+            collector = self._join(link, stop)
             own = self.own
             while self._step(collector.collect(stop, self.policy_version)):
                 self._report()
@@ -205,13 +221,12 @@ class LearnerNode:
             link.close(reason="learner finished")
         return summary
 
-    def _join(self, link: BrokerLink) -> SyncRounds | AsyncStream | ServiceFeed:
-        """Once welcomed: open the data channel, publish the current version, record the run; the collector."""
-        welcome = link.wait_welcome(WELCOME_TIMEOUT_S)
-        if welcome is None or link.refused:
-            if link.refused:
-                raise Refused(link.refused)
-            raise RuntimeError(f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s")
+    def _join(self, link: BrokerLink, stop: threading.Event) -> SyncRounds | AsyncStream | ServiceFeed:
+        """Once welcomed: open the run directory and the data channel, publish the current version, record the
+        run; the collector."""
+        welcome = self._wait_welcome(link, stop)
+        if self.main:
+            self.own = self.open_run()
         service = self.config.replay.placement == "service" and self.algo.mode in REPLAY_MODES
         window, limit = (0 if service else self._window()), welcome.max_message_bytes  # service: the replays' data
         self.poller = ShardPoller(
@@ -251,6 +266,25 @@ class LearnerNode:
             return AsyncStream(self.poller, self.algo, ledger)
         fleet = own.fleet if own is not None else None
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
+
+    def _wait_welcome(self, link: BrokerLink, stop: threading.Event) -> P.Welcome:
+        """The broker's welcome; Refused, or NotJoined when none came within WELCOME_TIMEOUT_S or ``stop`` was set
+        first. Waited in short slices: the link keeps reconnecting meanwhile, and a stop signal must not wait
+        out the whole timeout."""
+        deadline = time.monotonic() + WELCOME_TIMEOUT_S
+        welcome = None
+        while welcome is None and not link.refused and not stop.is_set() and time.monotonic() < deadline:
+            welcome = link.wait_welcome(min(WELCOME_POLL_S, max(0.0, deadline - time.monotonic())))
+        if link.refused:
+            raise Refused(link.refused)
+        if welcome is not None:
+            return welcome
+        if stop.is_set():
+            raise NotJoined(f"stopped before a broker answered at {link.connect}: no run was started")
+        raise NotJoined(
+            f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s: start `zddrl broker` there "
+            "or fix --connect (no run was started)"
+        )
 
     def _service_feed(self, ledger: Ledger | None) -> ServiceFeed:
         """The service placement: sample from the replays (``replay_client.py``) instead of a buffer here."""
@@ -308,7 +342,17 @@ class LearnerNode:
                 update_s=update_s,
             )
             self.own.runlog.write(row)
+            self._progress_line(row)
         return True
+
+    def _progress_line(self, row: dict[str, Any]) -> None:
+        """The line `zddrl train` shows, logged: a standalone learner is otherwise silent until its summary."""
+        now = time.monotonic()
+        if now < self.next_progress_line:
+            return
+        self.next_progress_line = now + PROGRESS_LINE_EVERY_S
+        line = progress_line(row["wall_s"], row["env_steps"], row["sps"], row["return_mean_20"], self.policy_version)
+        self.log.info(line)
 
     def _finish(self, crashed: bool) -> dict[str, Any]:
         summary = self._summary()

@@ -18,6 +18,15 @@ from typing import Any
 import numpy as np
 
 RETURN_WINDOW = 20
+PROGRESS_LINE_EVERY_S = 5.0
+"""How often a learner logs its progress line (the same period as `zddrl train`'s when not on a terminal)."""
+
+
+def progress_line(elapsed_s: float, env_steps: int, sps: float, return_mean: float, version: int | str) -> str:
+    """The one line a run's progress is shown in: `zddrl train` prints it from metrics.csv, a learner logs it.
+    ``return_mean``: NaN before RETURN_WINDOW episodes have finished (shown as "-")."""
+    ret = "-" if math.isnan(return_mean) else f"{return_mean:.6g}"  # .6g: as metrics.csv writes it
+    return f"[{elapsed_s:6.1f} s] steps {env_steps:>9,}  sps {sps:>7.0f}  return {ret:>7}  version {version}"
 
 
 @dataclass

@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import click
+from loguru import logger
 
+from zddrl.learner.progress import RETURN_WINDOW
 from zddrl.values import finite_float
 
 try:
@@ -95,6 +97,20 @@ def load_run(run_dir: str | Path) -> Run:
     return run
 
 
+def count_label(x: float, _pos: object = None) -> str:
+    """A tick label of a count (env steps, steps/s): 10k, 2.5M. Not matplotlib's EngFormatter: below one it
+    labels with SI fractions, so that an axis with no data (0..0.05) read "10m 20m" like millions of steps."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:g}{suffix}"
+    return f"{x:g}"
+
+
+def has_return(run: Run) -> bool:
+    """Whether the run has a return to plot: metrics.csv leaves it empty until RETURN_WINDOW episodes finished."""
+    return any(not math.isnan(x) for x in run.series["return_mean_20"])
+
+
 def _labels(runs: list[Run]) -> list[str]:
     """One legend label per run; runs that would share one get their directory name added."""
     labels = [r.label() for r in runs]
@@ -106,11 +122,19 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
     if not run_dirs:
         raise PlotError("no run directory given")
     runs = [load_run(d) for d in run_dirs]  # bad input is reported before matplotlib is even imported
+    fig = figure(runs)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, format="png")
+
+
+def figure(runs: list[Run]) -> Any:
+    """The four panels of ``runs`` (a matplotlib Figure on an Agg canvas); PlotError without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.lines import Line2D
-        from matplotlib.ticker import EngFormatter
+        from matplotlib.ticker import FuncFormatter
     except ImportError:
         raise PlotError(f"zddrl plot needs matplotlib: {INSTALL_HINT}") from None
 
@@ -149,7 +173,20 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
         fontsize=9,
     )
 
-    steps_fmt = EngFormatter(sep="")
+    for run in runs:
+        if not has_return(run):
+            logger.warning(
+                f"{run.dir}: no return to plot yet (fewer than {RETURN_WINDOW} episodes finished): "
+                "its return curves are empty"
+            )
+    if not any(has_return(r) for r in runs):  # the panels would be blank, on a 0..0.05 axis: say why, span the run
+        note = f"no return yet:\nfewer than {RETURN_WINDOW} episodes finished"
+        for ax, column in ((ret_steps, "env_steps"), (ret_wall, "wall_s")):
+            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=12, color="0.35")
+            ax.set_xlim(0, max(max((x for r in runs for x in r.series[column] if not math.isnan(x)), default=1), 1))
+            ax.set_yticks([])
+
+    steps_fmt = FuncFormatter(count_label)
     for ax, title, xlabel, ylabel in (
         (ret_steps, "Return vs env steps", "env steps (all actors)", "mean return, last 20 episodes"),
         (ret_wall, "Return vs wall time", "wall time since command start (s)", "mean return, last 20 episodes"),
@@ -173,6 +210,4 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
     envs = sorted({r.env_id for r in runs if r.env_id})
     if envs:
         fig.suptitle(", ".join(envs), fontsize=13, fontweight="bold")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, format="png")
+    return fig

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import signal
@@ -33,6 +34,8 @@ from loguru import logger
 
 from zddrl.config import REPLAY_MODES, Config, TrainConfig, to_toml
 from zddrl.keys import new_key
+from zddrl.learner.progress import progress_line
+from zddrl.learner.runlog import latest_checkpoint
 from zddrl.ops.restart import (
     RestartBudget,
     describe_restart,
@@ -123,11 +126,8 @@ def _progress(metrics: Path, t0: float) -> str | None:
     r = _last_row(metrics)
     if r is None:
         return None
-    ret = r["return_mean_20"] or "-"
-    return (
-        f"[{time.time() - t0:6.1f} s] steps {int(r['env_steps']):>9,}  sps {float(r['sps']):>7.0f}  "
-        f"return {ret:>7}  version {r['policy_version']}"
-    )
+    ret = float(r["return_mean_20"]) if r["return_mean_20"] else math.nan
+    return progress_line(time.time() - t0, int(r["env_steps"]), float(r["sps"]), ret, r["policy_version"])
 
 
 class FinishWatch:
@@ -220,6 +220,11 @@ def run_training(
     """
     t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
+    _check_env_id(config)  # a misspelt env id: one line, before anything is written
+    if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
+        _check_env(config)
+    fresh = not run_dir.exists()
+    """A directory this command makes is removed again if the env is refused after the start (nothing ran)."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.toml"
@@ -236,9 +241,8 @@ def run_training(
     if replay_port:
         learner_args += ["--replay", f"tcp://127.0.0.1:{replay_port}"]
     restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
+    refused = False
     try:
-        if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
-            _check_env(config)
         learner = _start(
             procs,
             config,
@@ -251,18 +255,39 @@ def run_training(
             run_dir,
         )
         if config.algo.mode not in REPLAY_MODES:
-            _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
+            try:
+                _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
+            except click.UsageError:
+                refused = fresh
+                raise
         bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
         logger.info(
             f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
             f"(logs in {log_dir})"
         )
         learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
+    except KeyboardInterrupt:
+        procs.stop()  # the learner's clean stop writes its final checkpoint: what the message names
+        click.echo(interrupted_message(run_dir), err=True)
+        raise click.exceptions.Exit(130) from None  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
     finally:
         procs.stop()
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
+        if refused:
+            shutil.rmtree(run_dir, ignore_errors=True)
     return _summary(learner, run_dir, t0, budget.used)
+
+
+def interrupted_message(run_dir: Path) -> str:
+    """What a Ctrl-C of `zddrl train` leaves, and how to go on: one line."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None:
+        return f"interrupted before the first checkpoint: nothing to resume in {run_dir} (logs in {run_dir / 'logs'})"
+    return (
+        f"interrupted: the run is saved in {run_dir}, newest checkpoint {checkpoint.name}; "
+        f"resume with: zddrl train {run_dir / 'config.toml'} --resume {run_dir}"
+    )
 
 
 def _watch(
@@ -331,6 +356,18 @@ def _summary(learner: subprocess.Popen, run_dir: Path, t0: float, restarts: int)
         f"target {target}"
     )
     return summary
+
+
+def _check_env_id(config: Config) -> None:
+    """A usage error if the run's env id names no env (a misspelt id): resolving it builds nothing (a module:callable
+    id is imported), so it comes before the run directory is made, where building the env (``_check_env``) would
+    delay the learner's start."""
+    from zddrl.envs import EnvError, make_factory
+
+    try:
+        make_factory(config.env)
+    except EnvError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _check_env(config: Config) -> None:
