@@ -287,7 +287,8 @@ def test_run_directories_are_protected(tmp_path: Path) -> None:
     done = zddrl("train", CARTPOLE, "--resume", str(run_dir), "--set", "model.hidden=[32]", timeout=30)
     assert done.returncode == 2 and "[model] differs" in done.stderr
     done = zddrl("eval", str(ROOT / "README.md"), timeout=30)
-    assert done.returncode == 1 and "cannot evaluate" in done.stderr and "Traceback" not in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "README.md is not a zddrl checkpoint (RUN_DIR/checkpoints/*.pt)" in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("mode, shards", [("sync", "1"), ("impala", "1"), ("sync", "2")])

@@ -416,6 +416,7 @@ def train(
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the per-episode lines go to stderr).")
 def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json) -> None:
     """Deterministic evaluation of a checkpoint: a line per episode, then the mean/std return."""
+    from zddrl.learner.runlog import CheckpointError
     from zddrl.ops.evaluate import Episode, evaluate
 
     def progress(k: int, ep: Episode) -> None:
@@ -428,7 +429,9 @@ def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json) 
 
     try:
         result = evaluate(checkpoint, episodes, seed, max_episode_steps, video_dir, progress)
-    except Exception as exc:  # not a zddrl checkpoint, an env that cannot be built here, no encoder
+    except CheckpointError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # an env that cannot be built here, no encoder, a checkpoint of another network
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise click.ClickException(f"cannot evaluate {checkpoint}: {type(exc).__name__}: {first_line}") from None
     click.echo(

@@ -235,8 +235,21 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+class CheckpointError(ValueError):
+    """A file that is not a checkpoint zddrl wrote."""
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint without unpickling arbitrary objects (``weights_only=True``)."""
+    """Load a checkpoint without unpickling arbitrary objects (``weights_only=True``); CheckpointError, one line,
+    for a file that is not one (torch's own errors on a text file say things like ``KeyError: 105``)."""
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes, the answer is one line
+        raise CheckpointError(
+            f"{path} is not a zddrl checkpoint (RUN_DIR/checkpoints/*.pt): torch.load says {type(exc).__name__}"
+        ) from None
+    if not isinstance(state, dict) or not {"config", "model"} <= state.keys():
+        raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds no config and model")
+    return state
