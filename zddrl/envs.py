@@ -112,7 +112,8 @@ def evaluation_factory(env: EnvConfig, render_mode: str | None = None) -> Callab
     games that wait for FIRE it is pressed after every lost life (``LifeLoss``; the marks it leaves are not
     used): a greedy policy that never learned to fire would otherwise look at a frozen screen until the time
     limit (a run with ``env.episodic_life`` never needed to)."""
-    return make_factory(dataclasses.replace(env, episodic_life=env.atari), render_mode=render_mode)
+    reference = dataclasses.replace(env, episodic_life=env.atari, backend="gymnasium")  # one env, with LifeLoss
+    return make_factory(reference, render_mode=render_mode)
 
 
 def _register_ale() -> None:
@@ -247,7 +248,7 @@ def spec_of(make: Callable[[], gym.Env]) -> EnvSpec:
         env.close()
 
 
-class VectorEnv(Protocol):
+class ActorEnvs(Protocol):
     """What an actor host steps: ``VecEnv`` (gymnasium envs, one at a time) or ``AleVecEnv`` (ALE's C++ vector env).
     ``obs`` is the current observation of every env; ``step`` resets an env whose episode ended in the same step
     and hands back its final observation; ``finished`` collects ``(return, length)`` of the episodes that ended."""
@@ -267,9 +268,9 @@ class VectorEnv(Protocol):
     def close(self) -> None: ...
 
 
-def vector_env(
+def actor_envs(
     env: EnvConfig, seeds: list[int], allowed: frozenset[str] | None = None, latency_ms: float = 0.0
-) -> VectorEnv:
+) -> ActorEnvs:
     """An actor host's envs of a run's ``[env]`` section (``env.backend``), env ``i`` seeded with ``seeds[i]``."""
     if env.backend == "ale_vector":
         if latency_ms > 0:
@@ -360,7 +361,7 @@ def rom_name(env_id: str) -> str:
 
 
 class AleVecEnv:
-    """``VectorEnv`` over one ``AtariVectorEnv`` of ``len(seeds)`` games, preprocessed as ``atari_wrappers`` does
+    """``ActorEnvs`` over one ``AtariVectorEnv`` of ``len(seeds)`` games, preprocessed as ``atari_wrappers`` does
     (frame skip and pooling, size, stack, no-ops, FIRE at reset, sticky actions, the 108,000-frame limit, the
     minimal action set, unclipped rewards; docs/configuration.md lists each, and the one difference: no
     ``episodic_life``). An episode that ends is reset in the same step (a partial reset of those envs), as
@@ -395,7 +396,7 @@ class AleVecEnv:
             episodic_life=False,
             reward_clipping=False,
             repeat_action_probability=env.repeat_action_probability,
-            max_num_frames_per_episode=env.max_episode_steps or MAX_FRAMES,
+            max_num_frames_per_episode=min(env.max_episode_steps or MAX_FRAMES, MAX_FRAMES),  # ALE v5 caps it too
             autoreset_mode="NextStep",
         )
         obs, _ = self.vec.reset(seed=np.asarray(seeds, dtype=np.int64))
@@ -433,7 +434,7 @@ class AleVecEnv:
                 self.finished.append((float(self.ep_return[i]), int(self.ep_length[i])))
             self.ep_return[done], self.ep_length[done], self.since_reset[done] = 0.0, 0, 0
             reset_obs, _ = self.vec.reset(options={"reset_mask": done})  # the others report their frames unchanged
-            next_obs[done] = self._pad(np.asarray(reset_obs))[done]
+            next_obs[done] = self._pad(np.array(reset_obs, dtype=np.uint8))[done]
         self.obs = next_obs
         return next_obs, rewards, terminated, truncated, final_obs
 

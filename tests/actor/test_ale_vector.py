@@ -1,4 +1,4 @@
-"""env.backend = "ale_vector": ALE's C++ vector env behind the actor's VectorEnv interface, preprocessed as the
+"""env.backend = "ale_vector": ALE's C++ vector env behind the actor's ActorEnvs interface, preprocessed as the
 gymnasium reference path is (zddrl.envs.AleVecEnv)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from zddrl.config import Config, ConfigError, EnvConfig
-from zddrl.envs import AleVecEnv, EnvError, VecEnv, make_factory, rom_name, vector_env
+from zddrl.envs import AleVecEnv, EnvError, VecEnv, actor_envs, evaluation_factory, make_factory, rom_name
 
 pytest.importorskip("ale_py")
 
@@ -46,21 +46,38 @@ def test_frames_match_the_reference_path_once_the_games_are_in_step() -> None:
 
 
 def test_an_episode_ends_and_restarts_in_the_same_step_with_its_final_frame_kept() -> None:
-    cfg = pong(max_episode_steps=400, noop_max=0)  # frames, as the reference path counts them: ~100 agent steps
-    ale = AleVecEnv(cfg, [3, 4])
+    """Breakout played at random ends its games at different steps: only the env that ended is reset (a partial
+    reset), in that same step, with a fresh stack; the others go on. A truncated episode (ALE counts the limit in
+    frames after the reset) hands back its final frame for the bootstrap, as every ended episode does."""
+    ale = AleVecEnv(EnvConfig(id="ALE/Breakout-v5", atari=True), [3, 4, 5])
+    rng, partial, ended = np.random.default_rng(0), 0, np.zeros(3, dtype=bool)
     try:
-        steps, truncated = 0, np.zeros(2, dtype=bool)
-        while not truncated.any() and steps < 200:
-            obs, _, terminated, truncated, final = ale.step(np.array([0, 1]))
-            steps += 1
-        assert truncated.all() and not terminated.any() and set(final) == {0, 1}, (steps, truncated)
-        assert all(not np.array_equal(final[i], obs[i]) for i in (0, 1))  # obs is the new episode's first frame
-        assert all((obs[i, k] == obs[i, 3]).all() for i in (0, 1) for k in range(3))
-        assert [n for _, n in ale.finished] == [steps, steps] and ale.ep_length.tolist() == [0, 0]
-        _, _, terminated, truncated, final = ale.step(np.array([0, 1]))  # no wasted autoreset step follows
-        assert not (terminated | truncated).any() and final == {} and ale.ep_length.tolist() == [1, 1]
+        for _ in range(3000):
+            before = ale.ep_length.copy()
+            obs, _, terminated, truncated, final = ale.step(rng.integers(0, 4, size=3))
+            done = terminated | truncated
+            assert set(final) == set(np.flatnonzero(done))  # as VecEnv: the rollout keeps those of truncations
+            for i in np.flatnonzero(done):
+                assert ale.ep_length[i] == 0 and ale.finished[-1][1] >= 1
+                assert all((obs[i, k] == obs[i, 3]).all() for k in range(3))  # a new episode, stacked as the reference
+            assert (ale.ep_length[~done] == before[~done] + 1).all()  # the others go on: no wasted autoreset step
+            partial += int(done.any() and not done.all())
+            ended |= done
+            if ended.all():
+                break
+        assert ended.all() and partial >= 1, (ended, partial)
     finally:
         ale.close()
+    short = AleVecEnv(pong(max_episode_steps=400, noop_max=0), [3])  # frames: ~100 agent steps
+    try:
+        for _ in range(200):
+            obs, _, terminated, truncated, final = short.step(np.array([0]))
+            if truncated[0]:
+                break
+        assert truncated[0] and not terminated[0] and not np.array_equal(final[0], obs[0]), truncated
+        assert 90 <= short.finished[-1][1] <= 110, short.finished
+    finally:
+        short.close()
 
 
 def test_the_same_seeds_give_the_same_games() -> None:
@@ -75,15 +92,24 @@ def test_the_same_seeds_give_the_same_games() -> None:
     assert np.array_equal(runs[0], runs[1])
 
 
-def test_vector_env_builds_the_configured_backend() -> None:
+def test_evaluation_of_an_ale_vector_run_uses_the_reference_env() -> None:
+    """Evaluations (the learner's, `zddrl eval`) play one env of the reference path, whatever the actors' backend."""
+    env = evaluation_factory(pong(backend="ale_vector"))()
+    try:
+        assert env.reset(seed=1)[0].shape == (4, 84, 84)
+    finally:
+        env.close()
+
+
+def test_actor_envs_builds_the_configured_backend() -> None:
     config = Config().replace({"env.id": "ALE/Pong-v5", "env.atari": True, "env.backend": "ale_vector"})
-    vec = vector_env(config.env, [1])
+    vec = actor_envs(config.env, [1])
     try:
         assert isinstance(vec, AleVecEnv)
     finally:
         vec.close()
     with pytest.raises(EnvError, match="latency"):
-        vector_env(config.env, [1], latency_ms=5)
+        actor_envs(config.env, [1], latency_ms=5)
 
 
 def test_rom_names_and_refusals() -> None:

@@ -39,11 +39,11 @@ def test_a_stop_signal_ends_a_learner_still_waiting_for_a_broker(procs: Procs, t
 
     t0 = time.monotonic()
     learner.send_signal(signal.SIGTERM)
-    wait_for(lambda: learner.poll() is not None, 5, "the learner to stop")
+    wait_for(lambda: learner.poll() is not None, 10, "the learner to stop")  # ~1 s here; margin for a loaded CI
     elapsed = time.monotonic() - t0
 
     log = procs.log("learner")
-    assert learner.returncode == 1 and elapsed < 5, log[-2000:]
+    assert learner.returncode == 1 and elapsed < 10, log[-2000:]
     assert f"Error: stopped before a broker answered at {connect}: no run was started" in log
     assert "Traceback" not in log
     assert not run_dir.exists()

@@ -18,7 +18,7 @@ from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import progress_line
 from zddrl.learner.rounds import CollectedBatch
 from zddrl.learner.runlog import METRIC_COLUMNS
-from zddrl.ops.train import _progress
+from zddrl.ops.train import progress_from_metrics
 
 
 def test_the_line_shows_steps_sps_return_and_version() -> None:
@@ -34,7 +34,7 @@ def test_zddrl_train_prints_the_same_line_from_metrics_csv(tmp_path: Path) -> No
         w = csv.DictWriter(f, fieldnames=METRIC_COLUMNS)
         w.writeheader()
         w.writerow({"env_steps": 10240, "sps": "512.4", "return_mean_20": "21.35", "policy_version": 8})
-    line = _progress(metrics, time.time() - 3.0)
+    line = progress_from_metrics(metrics, time.time() - 3.0)
     assert line is not None and line.endswith(progress_line(3.0, 10240, 512.4, 21.35, 8).split("]", 1)[1])
 
 

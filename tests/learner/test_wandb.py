@@ -17,13 +17,13 @@ pytestmark = pytest.mark.slow  # wandb starts a service process of its own
 
 
 def test_an_offline_run_holds_the_figures_and_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_MODE", "offline")  # whatever the config says: never the network in a test
+    monkeypatch.setenv("WANDB_MODE", "offline")  # takes precedence over the config's "online": never the network here
     monkeypatch.setenv("WANDB_SILENT", "true")
     config = Config(name="wandb-test").replace(
-        {"train.wandb_project": "zddrl-tests", "train.wandb_run_name": "offline-check", "train.wandb_mode": "offline"}
+        {"train.wandb_project": "zddrl-tests", "train.wandb_run_name": "offline-check", "train.wandb_mode": "online"}
     )
     log = RunLog(tmp_path / "run", config.to_dict())
-    for step in (1024, 2048):
+    for step in (1024, 2048, 1024):  # the third as after a learner's restart from a checkpoint: kept, not dropped
         log.write(
             {
                 "env_steps": step,
@@ -38,8 +38,8 @@ def test_an_offline_run_holds_the_figures_and_the_config(tmp_path: Path, monkeyp
     (records,) = run.glob("run-*.wandb")  # what `wandb sync` uploads later
     kinds, history, config_items, runs = read_records(records)
     assert runs == [("zddrl-tests", "offline-check")], runs
-    assert [h["_step"] for h in history] == [1024, 2048], history
-    assert history[-1]["charts/return_mean_20"] == -18.0 and history[-1]["losses/entropy"] == 1.7
+    assert [h["env_steps"] for h in history] == [1024, 2048, 1024], history
+    assert history[1]["charts/return_mean_20"] == -18.0 and history[1]["losses/entropy"] == 1.7
     assert all("charts/sps" not in h for h in history)  # a NaN figure is left out, as in TensorBoard
     assert config_items.get("name") == "wandb-test", sorted(config_items)
     assert config_items["train"]["wandb_project"] == "zddrl-tests"

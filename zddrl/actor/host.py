@@ -26,7 +26,7 @@ from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import Policy, actor_critic_policy
 from zddrl.actor.rollout import Collected, collect
 from zddrl.config import Config
-from zddrl.envs import EnvSpec, VectorEnv, vector_env
+from zddrl.envs import EnvSpec, ActorEnvs, actor_envs
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -141,7 +141,7 @@ def build_policy(
 
 
 def policy_of(
-    params: P.Parameters, config: Config, vec: VectorEnv, max_message_bytes: int, actor_id: int = 0
+    params: P.Parameters, config: Config, vec: ActorEnvs, max_message_bytes: int, actor_id: int = 0
 ) -> tuple[Policy | None, str]:
     """``(policy, "")`` for a version this actor can act with, or ``(None, why)``: its layout must build a
     network for this env (observation and action sizes), its numbers must be finite, and the rollout it asks for
@@ -276,7 +276,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = vector_env(config.env, seeds, self.allow_envs, self.env_latency_ms)
+        vec = actor_envs(config.env, seeds, self.allow_envs, self.env_latency_ms)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(
@@ -326,7 +326,7 @@ class ActorHost:
             push.close(linger=0)
             vec.close()
 
-    def _collect(self, vec: VectorEnv, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
+    def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
         """One rollout (``collect``), timed; an env's non-finite episode return is said once per interval."""
         t0 = time.monotonic()
         rollout = collect(vec, policy, rng, T, self.slowdown)

@@ -11,13 +11,13 @@ import numpy as np
 
 from zddrl.actor.offpolicy import NumpyQPolicy
 from zddrl.actor.policy import Policy
-from zddrl.envs import VectorEnv
+from zddrl.envs import ActorEnvs
 
 
 class RolloutBuffer:
     """Preallocated time-major buffers for one rollout of ``T`` steps of ``N`` envs."""
 
-    def __init__(self, T: int, vec: VectorEnv) -> None:
+    def __init__(self, T: int, vec: ActorEnvs) -> None:
         N, spec = vec.num_envs, vec.spec
         self.T, self.N = T, N
         self.obs = np.zeros((T, N, *spec.obs_shape), dtype=vec.dtype)  # uint8 pixels stay uint8 (4x fewer bytes)
@@ -46,7 +46,7 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: VectorEnv, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
+def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = RolloutBuffer(T, vec)

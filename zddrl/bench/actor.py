@@ -104,10 +104,10 @@ import numpy as np
 from zddrl.actor.host import action_rng, env_seeds
 from zddrl.actor.policy import actor_critic_policy
 from zddrl.config import Config
-from zddrl.envs import vector_env
+from zddrl.envs import actor_envs
 from zddrl.proc import rss_mb
 config = Config.from_dict(json.loads(sys.argv[1]))
-vec = vector_env(config.env, env_seeds(1, 0, config.env.num_envs))
+vec = actor_envs(config.env, env_seeds(1, 0, config.env.num_envs))
 saved = np.load(sys.argv[2], allow_pickle=False)
 policy = actor_critic_policy(saved["flat"], json.loads(sys.argv[3]), config.model, vec.spec)
 policy.act(vec.obs, action_rng(1, 0))

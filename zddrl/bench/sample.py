@@ -30,7 +30,7 @@ import zmq
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
 from zddrl.config import Config, ConfigError, load_config
-from zddrl.envs import env_factory, probe_spec, vector_env
+from zddrl.envs import env_factory, probe_spec, actor_envs
 from zddrl.proc import free_ports
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink, hello_fields
@@ -70,7 +70,7 @@ def _plain_loop(config: Config, actor_id: int, flat: np.ndarray, layout: list, s
     from zddrl.actor.policy import actor_critic_policy
 
     envs = config.env.num_envs
-    vec = vector_env(config.env, env_seeds(1, actor_id, envs))
+    vec = actor_envs(config.env, env_seeds(1, actor_id, envs))
     policy = actor_critic_policy(flat, layout, config.model, vec.spec)
     rng = action_rng(1, actor_id)
     steps, start = 0, time.monotonic()

@@ -3,9 +3,9 @@
 Each seed runs the real `zddrl train CONFIG --seed S` command as a subprocess; the figures are
 its own summary (``wall_s_to_target`` counts from the command's start, start-up included) and
 the command's wall time measured from outside. With ``--sb3 SCRIPT`` the Stable-Baselines3
-anchor script (shared/anchors/sb3_ppo_cartpole.py) runs for the same seeds in the same
+anchor script (docs/src/sb3_ppo_cartpole.py) runs for the same seeds in the same
 session, interleaved, so both figures come from the same machine state; ``--sb3-offpolicy SCRIPT``
-(shared/anchors/sb3_offpolicy.py) does the same for the replay modes: SB3's DQN next to apex, its SAC
+(docs/src/sb3_offpolicy.py) does the same for the replay modes: SB3's DQN next to apex, its SAC
 next to sac, each stopped at its target so that both whole commands are times to solve.
 """
 

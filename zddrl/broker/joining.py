@@ -126,9 +126,9 @@ class Joining:
         if why:
             self._send(self.control, identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
             raise P.ProtocolError(why)
-        counter, why = "hello_id_in_use", id_conflict(old, msg, self.config.heartbeat_interval_s)
+        counter, why = "auth_refused", guard.hello_refusal(msg, user, old)  # first: a stranger learns nothing more
         if not why:
-            counter, why = "auth_refused", guard.hello_refusal(msg, user, old)
+            counter, why = "hello_id_in_use", id_conflict(old, msg, self.config.heartbeat_interval_s)
         if not why:
             counter = "hello_over_cap"
             why = self.limits.cap_refusal(msg, old, len(self.members), len(self.router.shards), self.fleet)

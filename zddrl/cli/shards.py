@@ -63,6 +63,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"
 
     from zddrl.dist.shards import ShardError, ShardGroup
     from zddrl.learner.node import LearnerNode, NotJoined
+    from zddrl.learner.runlog import CheckpointError
 
     # Adam's second moments of rarely-moving weights decay into subnormal floats, which x86 computes many times
     # slower: a third of an Ape-X gradient step went to two foreach kernels (profiled). Flushing them is a setting
@@ -87,7 +88,7 @@ def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"
             replay_public=replay_public,
         )
         summary = node.run(stop_on_signals())
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:  # usage errors: `zddrl train` never restarts a learner for them
         raise click.UsageError(str(exc)) from None
     except (Refused, ShardError, NotJoined) as exc:
         raise click.ClickException(str(exc)) from None

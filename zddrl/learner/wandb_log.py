@@ -1,15 +1,16 @@
 """Weights & Biases logging of a run (optional: the ``wandb`` extra), next to metrics.csv and TensorBoard.
 
 ``train.wandb_project`` turns it on. The learner's main shard logs the same figures as TensorBoard under the same
-names (``charts/return_mean_20``, ``losses/entropy``, ...; ``tensorboard.TAGS``) at the env-step count, and the
-run's config. The W&B run id is derived from the run directory, so a resumed run (``--resume``) continues the
-same W&B run. ``make_wandb_writer`` returns None, with one log line, when it is off, not installed or fails to
+names (``charts/return_mean_20``, ``losses/entropy``, ...; ``tensorboard.tagged``) against ``env_steps``, and the
+run's config. The W&B run id is derived from the run directory's path, so a resumed run (``--resume``, or a
+learner restarted by ``zddrl train``) continues the same W&B run. ``make_wandb_writer`` returns None, with one log line, when it is off, not installed or fails to
 start: logging must never stop training.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from loguru import logger
 from zddrl.learner.tensorboard import tagged
 
 INSTALL_HINT = "pip install 'zddrl[wandb]'"
+STEP_METRIC = "env_steps"
+"""The x axis of every figure (a logged metric, not wandb's own step)."""
 
 
 class WandbWriter:
@@ -32,16 +35,22 @@ class WandbWriter:
             name=name or run_dir.name,
             id=hashlib.sha1(str(run_dir).encode()).hexdigest()[:16],
             resume="allow",
-            mode=mode,  # type: ignore[arg-type]  # one of config.WANDB_MODES, checked when the config was read
+            # wandb lets mode= override WANDB_MODE; the environment is the user's last word (a CI job, a laptop
+            # offline), as for every other wandb setting
+            mode=os.environ.get("WANDB_MODE") or mode,  # type: ignore[arg-type]  # checked when the config was read
             dir=str(run_dir),
             config=config,
         )
+        # Figures are plotted against env steps, a metric of their own, not wandb's step: after a resume or a
+        # learner's restart the env steps go back to the checkpoint's, and wandb drops rows whose step went back.
+        self._run.define_metric(STEP_METRIC)
+        self._run.define_metric("*", step_metric=STEP_METRIC)
 
     def write(self, step: int, row: dict[str, Any]) -> int:
         """Log the known figures of ``row`` at ``step`` (env steps); returns how many were logged."""
         values = tagged(row)
         if values and self._run is not None:
-            self._run.log(values, step=int(step))
+            self._run.log({STEP_METRIC: int(step), **values})
         return len(values)
 
     def close(self) -> None:

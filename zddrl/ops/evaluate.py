@@ -51,11 +51,11 @@ def evaluate(
     ``on_episode(k, episode)`` is called as each one ends."""
     state = load_checkpoint(checkpoint)
     config = Config.from_dict(state["config"])
+    if video_dir is not None:
+        video_dir.mkdir(parents=True, exist_ok=True)
     env = evaluation_factory(config.env, render_mode="rgb_array" if video_dir is not None else None)()
     if max_episode_steps:
         env = gym.wrappers.TimeLimit(env, max_episode_steps)
-    if video_dir is not None:
-        video_dir.mkdir(parents=True, exist_ok=True)
     try:
         spec = env_spec(env)
         model = acting_model(config, spec)

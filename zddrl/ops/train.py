@@ -122,7 +122,8 @@ def _last_row(metrics: Path) -> dict[str, str] | None:
     return rows[0] if rows and rows[0].get("env_steps") else None
 
 
-def _progress(metrics: Path, t0: float) -> str | None:
+def progress_from_metrics(metrics: Path, t0: float) -> str | None:
+    """The progress line of the newest row of a run's metrics.csv (None before the first update)."""
     r = _last_row(metrics)
     if r is None:
         return None
@@ -241,7 +242,7 @@ def run_training(
     if replay_port:
         learner_args += ["--replay", f"tcp://127.0.0.1:{replay_port}"]
     restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
-    refused = False
+    refused = interrupted = False
     try:
         learner = _start(
             procs,
@@ -267,15 +268,16 @@ def run_training(
         )
         learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
     except KeyboardInterrupt:
-        procs.stop()  # the learner's clean stop writes its final checkpoint: what the message names
-        click.echo(interrupted_message(run_dir), err=True)
-        raise click.exceptions.Exit(130) from None  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
+        interrupted = True
     finally:
-        procs.stop()
+        procs.stop()  # on Ctrl-C, the learner's clean stop writes its final checkpoint: what the message names
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
         if refused:
             shutil.rmtree(run_dir, ignore_errors=True)
+    if interrupted:
+        click.echo(interrupted_message(run_dir), err=True)
+        raise click.exceptions.Exit(130)  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
     return _summary(learner, run_dir, t0, budget.used)
 
 
@@ -329,7 +331,7 @@ def _watch(
         except subprocess.TimeoutExpired:
             pass
         if show_progress and time.monotonic() >= next_line:
-            line = _progress(run_dir / "metrics.csv", t0)
+            line = progress_from_metrics(run_dir / "metrics.csv", t0)
             if line:
                 click.echo(("\r" + line) if tty else line, err=True, nl=not tty)
             next_line = time.monotonic() + (PROGRESS_EVERY_S if tty else 5.0)
@@ -362,10 +364,12 @@ def _check_env_id(config: Config) -> None:
     """A usage error if the run's env id names no env (a misspelt id): resolving it builds nothing (a module:callable
     id is imported), so it comes before the run directory is made, where building the env (``_check_env``) would
     delay the learner's start."""
-    from zddrl.envs import EnvError, make_factory
+    from zddrl.envs import EnvError, make_factory, rom_name
 
     try:
         make_factory(config.env)
+        if config.env.backend == "ale_vector":
+            rom_name(config.env.id)
     except EnvError as exc:
         raise click.UsageError(str(exc)) from None
 
