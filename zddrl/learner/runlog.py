@@ -250,6 +250,6 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a zddrl checkpoint (RUN_DIR/checkpoints/*.pt): torch.load says {type(exc).__name__}"
         ) from None
-    if not isinstance(state, dict) or not {"config", "model"} <= state.keys():
-        raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds no config and model")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds a {type(state).__name__}, not a state")
     return state

@@ -23,7 +23,7 @@ from zddrl.algos.core import acting_model
 from zddrl.algos.model import flatten_params
 from zddrl.config import Config, EnvConfig
 from zddrl.envs import env_action, env_spec, evaluation_factory
-from zddrl.learner.runlog import load_checkpoint
+from zddrl.learner.runlog import CheckpointError, load_checkpoint
 from zddrl.ops.video import Mp4Writer, VideoError
 
 ATARI_FPS = 15.0
@@ -50,6 +50,8 @@ def evaluate(
     """Mean and std of the return of ``episodes`` deterministic episodes, with each episode's figures;
     ``on_episode(k, episode)`` is called as each one ends."""
     state = load_checkpoint(checkpoint)
+    if not {"config", "model"} <= state.keys():
+        raise CheckpointError(f"{checkpoint} is not a zddrl checkpoint: it holds no config and model")
     config = Config.from_dict(state["config"])
     if video_dir is not None:
         video_dir.mkdir(parents=True, exist_ok=True)
