@@ -198,7 +198,7 @@ def test_reject_reasons_are_the_brokers() -> None:
         quoted = [re.sub(r'^\{reason: "', "", q) for q in re.findall(r"`([^`\n]*refused: [^`\n]*)`", doc)]
         assert quoted and all(q.startswith(P.REFUSED_PREFIX) for q in quoted), quoted
         assert f"`{revoked_reject().reason}`" in doc
-    assert f'starts with `{P.REFUSED_PREFIX}`' in DOC
+    assert f"starts with `{P.REFUSED_PREFIX}`" in DOC
 
 
 def test_status_rows_name_every_role() -> None:

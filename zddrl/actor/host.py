@@ -26,7 +26,7 @@ from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.policy import Policy, actor_critic_policy
 from zddrl.actor.rollout import Collected, collect
 from zddrl.config import Config
-from zddrl.envs import EnvSpec, ActorEnvs, actor_envs
+from zddrl.envs import ActorEnvs, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields

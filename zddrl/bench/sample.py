@@ -30,7 +30,7 @@ import zmq
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, env_seeds
 from zddrl.config import Config, ConfigError, load_config
-from zddrl.envs import env_factory, probe_spec, actor_envs
+from zddrl.envs import actor_envs, env_factory, probe_spec
 from zddrl.proc import free_ports
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink, hello_fields

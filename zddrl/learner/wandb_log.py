@@ -3,8 +3,8 @@
 ``train.wandb_project`` turns it on. The learner's main shard logs the same figures as TensorBoard under the same
 names (``charts/return_mean_20``, ``losses/entropy``, ...; ``tensorboard.tagged``) against ``env_steps``, and the
 run's config. The W&B run id is derived from the run directory's path, so a resumed run (``--resume``, or a
-learner restarted by ``zddrl train``) continues the same W&B run. ``make_wandb_writer`` returns None, with one log line, when it is off, not installed or fails to
-start: logging must never stop training.
+learner restarted by ``zddrl train``) continues the same W&B run. ``make_wandb_writer`` returns None, with one log
+line, when it is off, not installed or fails to start: logging must never stop training.
 """
 
 from __future__ import annotations
