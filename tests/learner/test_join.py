@@ -12,7 +12,7 @@ import pytest
 
 from conftest import Procs, wait_for
 from zddrl.config import Config
-from zddrl.learner import node as learner_node
+from zddrl.learner import welcome
 from zddrl.learner.node import LearnerNode, NotJoined
 from zddrl.proc import free_ports
 
@@ -22,7 +22,7 @@ CARTPOLE = Path(__file__).resolve().parents[2] / "examples" / "cartpole_ppo.toml
 def test_no_broker_answering_is_one_line_and_leaves_no_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(learner_node, "WELCOME_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(welcome, "WELCOME_TIMEOUT_S", 1.0)
     (dead,) = free_ports(1)
     node = LearnerNode(f"tcp://127.0.0.1:{dead}", Config(), tmp_path / "run")
     with pytest.raises(NotJoined, match=rf"^no broker answered at tcp://127.0.0.1:{dead} within 1 s: start"):

@@ -46,15 +46,14 @@ from zddrl.learner.progress import PROGRESS_LINE_EVERY_S, Progress, progress_lin
 from zddrl.learner.replay_client import RemoteReplay, ServiceFeed
 from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds, stream_window
 from zddrl.learner.runlog import RunLog, load_checkpoint
+from zddrl.learner.welcome import NotJoined as NotJoined  # re-exported: the CLI catches it with the node
+from zddrl.learner.welcome import await_welcome
 from zddrl.proc import rss_mb
 from zddrl.transport import signatures as signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
-from zddrl.transport.link import BrokerLink, Refused, hello_fields
+from zddrl.transport.link import BrokerLink, hello_fields
 from zddrl.transport.params import split as split_params
 
-WELCOME_TIMEOUT_S = 60.0
-WELCOME_POLL_S = 0.2
-"""How often a learner waiting for its welcome looks at its stop event: a stop signal ends the wait this soon."""
 FIRST_FLEET_TIMEOUT_S = 2.0
 """How long a learner waits for the fleet message that follows its welcome before it publishes version 0 (the
 rollout length it publishes depends on the fleet); without one it publishes with ``env.rollout_len``."""
@@ -91,11 +90,6 @@ CORES: dict[str, type[LearnerCore]] = {
     "sac": SACLearner,
 }
 """The learner core of each ``algo.mode``."""
-
-
-class NotJoined(RuntimeError):
-    """No broker welcomed the learner (none answered in time, or it was stopped first): no run was started and
-    nothing was written to its run directory."""
 
 
 class MainShard(NamedTuple):
@@ -224,7 +218,7 @@ class LearnerNode:
     def _join(self, link: BrokerLink, stop: threading.Event) -> SyncRounds | AsyncStream | ServiceFeed:
         """Once welcomed: open the run directory and the data channel, publish the current version, record the
         run; the collector."""
-        welcome = self._wait_welcome(link, stop)
+        welcome = await_welcome(link, stop, self.connect)
         if self.main:
             self.own = self.open_run()
         service = self.config.replay.placement == "service" and self.algo.mode in REPLAY_MODES
@@ -266,25 +260,6 @@ class LearnerNode:
             return AsyncStream(self.poller, self.algo, ledger)
         fleet = own.fleet if own is not None else None
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
-
-    def _wait_welcome(self, link: BrokerLink, stop: threading.Event) -> P.Welcome:
-        """The broker's welcome; Refused, or NotJoined when none came within WELCOME_TIMEOUT_S or ``stop`` was set
-        first. Waited in short slices: the link keeps reconnecting meanwhile, and a stop signal must not wait
-        out the whole timeout."""
-        deadline = time.monotonic() + WELCOME_TIMEOUT_S
-        welcome = None
-        while welcome is None and not link.refused and not stop.is_set() and time.monotonic() < deadline:
-            welcome = link.wait_welcome(min(WELCOME_POLL_S, max(0.0, deadline - time.monotonic())))
-        if link.refused:
-            raise Refused(link.refused)
-        if welcome is not None:
-            return welcome
-        if stop.is_set():
-            raise NotJoined(f"stopped before a broker answered at {link.connect}: no run was started")
-        raise NotJoined(
-            f"no broker answered at {self.connect} within {WELCOME_TIMEOUT_S:.0f} s: start `zddrl broker` there "
-            "or fix --connect (no run was started)"
-        )
 
     def _service_feed(self, ledger: Ledger | None) -> ServiceFeed:
         """The service placement: sample from the replays (``replay_client.py``) instead of a buffer here."""
