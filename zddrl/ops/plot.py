@@ -128,6 +128,24 @@ def plot_runs(run_dirs: list[Path], output: Path) -> None:
     fig.savefig(output, format="png")
 
 
+def _note_missing_returns(runs: list[Run], ret_steps: Any, ret_wall: Any) -> None:
+    """A warning per run without a return yet; when no run has one, a note in the return panels, which span the
+    runs (blank panels on a 0..0.05 axis would say nothing)."""
+    for run in runs:
+        if not has_return(run):
+            logger.warning(
+                f"{run.dir}: no return to plot yet (fewer than {RETURN_WINDOW} episodes finished): "
+                "its return curves are empty"
+            )
+    if any(has_return(r) for r in runs):
+        return
+    note = f"no return yet:\nfewer than {RETURN_WINDOW} episodes finished"
+    for ax, column in ((ret_steps, "env_steps"), (ret_wall, "wall_s")):
+        ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=12, color="0.35")
+        ax.set_xlim(0, max(max((x for r in runs for x in r.series[column] if not math.isnan(x)), default=1), 1))
+        ax.set_yticks([])
+
+
 def figure(runs: list[Run]) -> Any:
     """The four panels of ``runs`` (a matplotlib Figure on an Agg canvas); PlotError without matplotlib."""
     try:
@@ -173,18 +191,7 @@ def figure(runs: list[Run]) -> Any:
         fontsize=9,
     )
 
-    for run in runs:
-        if not has_return(run):
-            logger.warning(
-                f"{run.dir}: no return to plot yet (fewer than {RETURN_WINDOW} episodes finished): "
-                "its return curves are empty"
-            )
-    if not any(has_return(r) for r in runs):  # the panels would be blank, on a 0..0.05 axis: say why, span the run
-        note = f"no return yet:\nfewer than {RETURN_WINDOW} episodes finished"
-        for ax, column in ((ret_steps, "env_steps"), (ret_wall, "wall_s")):
-            ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center", fontsize=12, color="0.35")
-            ax.set_xlim(0, max(max((x for r in runs for x in r.series[column] if not math.isnan(x)), default=1), 1))
-            ax.set_yticks([])
+    _note_missing_returns(runs, ret_steps, ret_wall)
 
     steps_fmt = FuncFormatter(count_label)
     for ax, title, xlabel, ylabel in (
