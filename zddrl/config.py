@@ -85,6 +85,9 @@ class EnvConfig:
     pressed after it in the games that wait for it, while the game goes on and metrics report whole games (the
     DQN/IMPALA/SB3/CleanRL Atari setting; Machado et al. 2018 advise against it when evaluating)."""
 
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the env's constructor (``gymnasium.make(id, **kwargs)`` or the ``module:callable``),
+    an inline TOML table such as ``kwargs = { size = 8 }``."""
     backend: str = "gymnasium"
     """How an actor steps its envs: ``gymnasium`` (each env a gymnasium env with zddrl's wrappers, one after the
     other: the reference) or, for ALE v5 ids with ``atari``, ``ale_vector`` (ALE's own C++ vector env, its

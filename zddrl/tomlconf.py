@@ -47,6 +47,9 @@ def coerce(value: Any, hint: Any, key: str, none_is_inf: frozenset[str] = frozen
     if origin is str:
         require(isinstance(value, str), f"{key} must be a string")
         return value
+    if origin is dict:
+        require(isinstance(value, dict) and all(isinstance(k, str) for k in value), f"{key} must be a table")
+        return dict(value)
     if origin is tuple:
         item = typing.get_args(hint)[0]
         ok = (int,) if item is int else (int, float)
@@ -106,6 +109,8 @@ def toml_value(value: Any) -> str:
         return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(str(value))
 
 
