@@ -23,7 +23,7 @@ import zmq
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
-from zddrl.config import BrokerConfig, Config
+from zddrl.config import BrokerConfig, Config, run_kind
 from zddrl.ops.status import request_status
 
 WAIT_S = 10.0
@@ -32,7 +32,8 @@ WAIT_S = 10.0
 
 def run_spec(**algo: Any) -> dict:
     """A real run spec, as a learner announces it (``Config.to_dict()``)."""
-    return Config().replace({f"algo.{k}": v for k, v in algo.items()}).to_dict()
+    kind = run_kind(algo.pop("mode")) if "mode" in algo else {}  # a RUN_KINDS label: sync, async, impala, apex, sac
+    return Config().replace({**kind, **{f"algo.{k}": v for k, v in algo.items()}}).to_dict()
 
 
 def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:

@@ -32,7 +32,12 @@ def test_defaults_and_overrides() -> None:
     "overrides, message",
     [
         ({"algo.lrr": 1.0}, "unknown config key"),
-        ({"algo.mode": "turbo"}, "algo.mode must be one of"),
+        ({"algo.name": "turbo"}, "algo.name must be one of"),
+        ({"algo.mode": "impala"}, "algo.mode was split in two: write algo.name = 'impala' and algo.schedule = 'async'"),
+        ({"algo.eps_base": 0.3}, "unknown config key.*for algorithm 'ppo'"),
+        ({"algo.name": "impala", "algo.schedule": "sync"}, r"runs with \('async',\) only"),
+        ({"algo.name": "nosuch.module:ALGO"}, "cannot be imported"),
+        ({"model.kind": "nosuch"}, "model.kind must be one of"),
         ({"env.num_envs": 0}, "env.num_envs must be >= 1"),
         ({"algo.lr": "fast"}, "algo.lr must be a number"),
         ({"algo.norm_adv": 1}, "must be true or false"),
@@ -49,7 +54,7 @@ def test_an_unknown_key_names_the_likely_one_in_one_line() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, {"algo.lrr": 1.0, "algo.zzzz": 1})
     message = str(err.value)
-    assert "unknown config key(s) algo.lrr (did you mean algo.lr?), algo.zzzz; known in algo: " in message
+    assert "unknown config key(s) algo.lrr (did you mean algo.lr?), algo.zzzz for algorithm 'ppo'; its own" in message
     assert "\n" not in message
 
 

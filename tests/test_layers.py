@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
 LAYERS = [
     {"protocol"},
     {"tomlconf"},
-    {"brokerconf"},
+    {"brokerconf", "plugin"},
     {"config", "keys", "logs", "proc", "values"},
     {"envs"},
     {"dist"},

@@ -94,7 +94,7 @@ def test_an_env_that_returns_nan_costs_rollouts_not_actors(
         "6000",
         "--max-seconds",
         "60",
-        "--mode",
+        "--schedule",
         mode,
         "--set",
         "env.id=tests.test_train:nan_every_third_episode",
@@ -259,8 +259,8 @@ def test_async_modes_learn_through_the_real_processes(mode: str, config: str, tm
     done = zddrl(
         "train",
         str(ROOT / "examples" / config),
-        "--mode",
-        mode,
+        "--schedule",
+        "async",
         "--run-dir",
         str(run_dir),
         "--until-return",
@@ -272,7 +272,8 @@ def test_async_modes_learn_through_the_real_processes(mode: str, config: str, tm
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["reached"] and summary["mode"] == mode, summary
+    assert summary["reached"] and summary["algorithm"] == ("impala" if mode == "impala" else "ppo"), summary
+    assert summary["schedule"] == "async"
     rows = metrics(run_dir)
     staleness = [int(r["staleness_max"]) for r in rows]
     assert max(staleness) <= 8 and max(staleness) >= 1  # trained on older data, within the bound

@@ -41,7 +41,7 @@ def test_apex_reaches_a_greedy_475_on_cartpole(tmp_path: Path, placement: str) -
     # 35-60 s on 2 busy cores (the service placement: a `zddrl replay` process holds the buffer).
     where = f"replay.placement={placement}"
     summary = train(APEX, tmp_path / "run", "--max-seconds", "240", "--set", where, timeout=300)
-    assert summary["reached"] and summary["mode"] == "apex", summary
+    assert summary["reached"] and summary["algorithm"] == "apex", summary
     assert summary["target_kind"] == "eval" and summary["return_at_target"] >= 475
     rows = metrics(tmp_path / "run")
     assert rows[-1]["target_kind"] == "eval" and float(rows[-1]["eval_return"]) >= 475
@@ -68,7 +68,7 @@ def test_apex_reaches_a_greedy_475_on_cartpole(tmp_path: Path, placement: str) -
 
 def test_sac_reaches_minus_200_on_pendulum(tmp_path: Path) -> None:
     summary = train(SAC, tmp_path / "run", "--max-seconds", "400", timeout=460)
-    assert summary["reached"] and summary["mode"] == "sac", summary
+    assert summary["reached"] and summary["algorithm"] == "sac", summary
     assert summary["target_kind"] == "train" and summary["return_at_target"] >= -200
     rows = metrics(tmp_path / "run")
     assert float(rows[-1]["temperature"]) < 1.0  # the temperature was tuned down from its start

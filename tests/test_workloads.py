@@ -76,7 +76,13 @@ def test_a_real_actor_sends_atari_frames_as_uint8(procs: Procs, broker: BrokerHa
 
     config = load_config(
         ROOT / "examples" / "pong_ppo.toml",
-        {"env.rollout_len": 4, "env.num_envs": 2, "algo.mode": "async", "algo.max_staleness": 1000},
+        {
+            "env.rollout_len": 4,
+            "env.num_envs": 2,
+            "algo.name": "ppo",
+            "algo.schedule": "async",
+            "algo.max_staleness": 1000,
+        },
     )
     flat, layout = flatten_params(ActorCritic(probe_spec(config.env), config.model))
     learner = CountingLearner(broker.connect, config, flat, layout)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from zddrl import plugin
 from zddrl.brokerconf import BrokerConfig as BrokerConfig  # re-exported, as ConfigError below
 from zddrl.brokerconf import load_broker_config as load_broker_config
 from zddrl.brokerconf import split_endpoint as split_endpoint
@@ -31,15 +32,13 @@ from zddrl.tomlconf import build as _build
 from zddrl.tomlconf import parse_override as parse_override
 from zddrl.tomlconf import require as _require
 from zddrl.tomlconf import to_toml as to_toml
+from zddrl.tomlconf import with_guess
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-MODES = ("sync", "async", "impala", "apex", "sac")
-REPLAY_MODES = ("apex", "sac")
-"""Modes that learn off-policy from a replay buffer ([replay])."""
 TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner", "service")
 SCHEDULES = ("constant", "linear")
@@ -118,7 +117,8 @@ class EnvConfig:
 class ModelConfig:
     kind: str = "mlp"
     """mlp (separate policy and value MLPs, vector observations) | nature_cnn (Mnih et al. 2015) | impala_cnn
-    (Espeholt et al. 2018's ResNet torso) | small_cnn (RLlib's network for 42x42 frames: zddrl.algos.cnn). The
+    (Espeholt et al. 2018's ResNet torso) | small_cnn (RLlib's network for 42x42 frames: zddrl.algos.cnn) |
+    ``package.module:make``, a network of your own for the actor-critic algorithms (docs/extending.md). The
     CNNs share one torso between the policy and value heads and take ``[C, H, W]`` observations (uint8 pixels
     scaled to [0, 1] inside the network)."""
     hidden: tuple[int, ...] = (64, 64)
@@ -130,47 +130,47 @@ class ModelConfig:
     log_std_init: float = 0.0
     """Initial log standard deviation of the Gaussian policy (Box action spaces)."""
 
+    @property
+    def is_custom(self) -> bool:
+        """A network of the user's own (``module:callable``)."""
+        return self.kind not in MODEL_KINDS
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden", tuple(self.hidden))
-        _require(self.kind in MODEL_KINDS, f"model.kind must be one of {MODEL_KINDS}, got {self.kind!r}")
+        _require(
+            self.kind in MODEL_KINDS or plugin.is_reference(self.kind),
+            f"model.kind must be one of {MODEL_KINDS} or a 'package.module:make' of your own, got {self.kind!r}",
+        )
         _require(len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), "model.hidden must be positive sizes")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}")
 
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    mode: str = "sync"
-    """sync (distributed PPO) | async (PPO with truncated IS) | impala (V-trace) | apex (Ape-X dueling double DQN)
-    | sac (soft actor-critic); the last two learn from a replay buffer ([replay])."""
+    """How the learner learns: the keys every algorithm shares, and ``settings``, the algorithm's own keys.
+
+    In TOML both sit in one ``[algo]`` table; the keys this class does not declare belong to the algorithm
+    ``name`` chooses, whose spec declares them in a dataclass of its own (``AlgorithmSpec.settings``)."""
+
+    name: str = "ppo"
+    """The algorithm: ppo (clipped surrogate; truncated IS when data is stale) | impala (V-trace) | apex (Ape-X
+    dueling double DQN) | sac (soft actor-critic) | ``package.module:ALGORITHM`` (a spec of your own:
+    docs/extending.md); apex and sac learn from a replay buffer ([replay])."""
+    schedule: str = "auto"
+    """When the learner updates and with which data: sync (every actor samples with the newest version, one round
+    per update) | async (actors never wait; data up to ``max_staleness`` versions old, corrected by the algorithm)
+    | auto (the algorithm's first: sync for ppo, async for the others)."""
     batch_size: int = 256
     """Env steps per update, summed over all actors; fixed whatever the number of actors. apex/sac: env steps taken
     into the replay buffer per update (each update then takes ``replay.replay_ratio`` gradient steps per step)."""
     gamma: float = 0.99
     """Discount factor."""
-    gae_lambda: float = 0.95
-    """GAE lambda (1 = Monte-Carlo returns, 0 = one-step TD)."""
-    epochs: int = 10
-    """Passes over each batch."""
-    minibatches: int = 4
-    """Minibatches per epoch (minibatch size = batch / minibatches)."""
     lr: float = 3e-4
     """Adam learning rate (start value of the schedule)."""
     lr_schedule: str = "constant"
     """constant | linear (to 0 at total_steps)."""
-    clip: float = 0.2
-    """PPO ratio clip epsilon (start value of its schedule); also the value-clip range."""
-    clip_schedule: str = "constant"
-    """constant | linear (to 0 at total_steps)."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus."""
     max_grad_norm: float = 0.5
     """Global gradient-norm clip."""
-    norm_adv: bool = True
-    """Normalise advantages per minibatch (sync and async PPO; IMPALA uses V-trace advantages as they are)."""
-    clip_vloss: bool = False
-    """Clip the value update like the policy ratio."""
     normalize_obs: bool = False
     """Running mean/std of observations, applied by actors; the statistics travel with the parameters."""
     normalize_reward: bool = False
@@ -178,73 +178,128 @@ class AlgoConfig:
     total_steps: int = 100_000
     """Horizon of the linear schedules, in env steps trained on."""
     straggler_factor: float = 3.0
-    """Sync mode: a round closes without the actors slower than this times the normal round (when the slowest
+    """Sync schedule: a round closes without the actors slower than this times the normal round (when the slowest
     actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
     min_round_timeout_s: float = 0.05
-    """Sync mode: never close a round on the straggler rule sooner than this."""
+    """Sync schedule: never close a round on the straggler rule sooner than this."""
     max_staleness: int = 4
-    """async/impala: trajectories older than this many versions are dropped (counted)."""
+    """Async schedule: trajectories older than this many versions are dropped (counted)."""
     publish_every: int = 1
-    """async/impala: publish parameters every k updates."""
+    """Async schedule: publish parameters every k updates."""
     max_in_flight: int = 2
-    """Trajectories an actor may have pushed that the broker has not read yet (it returns one credit
-    per message read). Bounds the queues between actors and learner, hence the data's staleness."""
+    """Trajectories an actor may have pushed that the broker has not read yet (it returns their credit in batches
+    of half this, at least 1, and what is left at each heartbeat). Bounds the queues between actors and learner,
+    hence the data's staleness."""
     staleness_lr_decay: float = 0.0
-    """async/impala: learning rate divided by (1 + this * mean staleness of the batch)."""
-    rho_bar: float = 1.0
-    """Truncation of importance weights (async PPO and V-trace rho-bar)."""
-    c_bar: float = 1.0
-    """V-trace trace-cutting c-bar."""
+    """Async schedule: learning rate divided by (1 + this * mean staleness of the batch)."""
     torch_threads: int = 1
     """Intra-op threads of the learner (small MLPs run fastest on one)."""
-    target_update_every: int = 500
-    """apex: gradient steps between copies of the online Q-network into the target network."""
-    tau: float = 0.005
-    """sac: Polyak factor of the target critics (``target += tau * (online - target)`` per gradient step)."""
-    eps_base: float = 0.4
-    """apex: exploration of env ``i`` of ``N``: ``eps_base ** (1 + eps_alpha * i / (N - 1))`` (Horgan et al. 2018)."""
-    eps_alpha: float = 7.0
-    """apex: see ``eps_base``."""
-    init_temperature: float = 1.0
-    """sac: initial entropy temperature (the papers' alpha)."""
-    autotune_temperature: bool = True
-    """sac: tune the temperature towards a target entropy of ``-action_dim`` (Haarnoja et al. 2018b)."""
+    settings: Any = None
+    """The algorithm's own keys (its spec's ``settings`` dataclass), built from the rest of ``[algo]``."""
 
     def __post_init__(self) -> None:
-        _require(self.mode in MODES, f"algo.mode must be one of {MODES}, got {self.mode!r}")
+        if self.settings is None:  # built in code, not from a table: the algorithm's defaults
+            object.__setattr__(self, "settings", algorithm_spec(self.name).settings())
+        if self.schedule == "auto":
+            object.__setattr__(self, "schedule", algorithm_spec(self.name).schedules[0])
+        _require(self.schedule in SCHEDULES_OF_RUNS, f"algo.schedule must be one of {SCHEDULES_OF_RUNS}")
         _require(self.batch_size >= 1, "algo.batch_size must be >= 1")
         _require(0.0 < self.gamma <= 1.0, "algo.gamma must be in (0, 1]")
-        _require(0.0 <= self.gae_lambda <= 1.0, "algo.gae_lambda must be in [0, 1]")
-        _require(self.epochs >= 1 and self.minibatches >= 1, "algo.epochs and algo.minibatches must be >= 1")
         _require(self.lr > 0, "algo.lr must be > 0")
-        _require(
-            self.lr_schedule in SCHEDULES and self.clip_schedule in SCHEDULES,
-            f"algo.lr_schedule and algo.clip_schedule must be one of {SCHEDULES}",
-        )
-        _require(self.clip > 0, "algo.clip must be > 0")
+        _require(self.lr_schedule in SCHEDULES, f"algo.lr_schedule must be one of {SCHEDULES}")
         _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
         _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
         _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
         _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
-        _require(self.rho_bar > 0 and self.c_bar > 0, "algo.rho_bar and algo.c_bar must be > 0")
         _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
         _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
         _require(
-            self.mode == "sync" or self.publish_every <= self.max_staleness + 1,
+            self.schedule == "sync" or self.publish_every <= self.max_staleness + 1,
             f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
             f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
             "too stale to train on before the next version is published",
         )
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
-        _require(self.target_update_every >= 1, "algo.target_update_every must be >= 1")
-        _require(0.0 < self.tau <= 1.0, "algo.tau must be in (0, 1]")
-        _require(0.0 <= self.eps_base <= 1.0 and self.eps_alpha >= 0, "algo.eps_base in [0, 1], algo.eps_alpha >= 0")
-        _require(self.init_temperature > 0, "algo.init_temperature must be > 0")
-        _require(
-            self.mode not in REPLAY_MODES or not (self.normalize_obs or self.normalize_reward),
-            f"algo.normalize_obs and algo.normalize_reward are not supported in mode {self.mode!r} (stored "
-            "transitions would change meaning as the statistics move)",
+
+    def table(self) -> dict[str, Any]:
+        """The ``[algo]`` table: the shared keys and the algorithm's own, side by side."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}
+        return {**shared, **dataclasses.asdict(self.settings)}
+
+
+SCHEDULES_OF_RUNS = ("sync", "async", "auto")
+SHARED_ALGO_KEYS = frozenset(f.name for f in dataclasses.fields(AlgoConfig)) - {"settings"}
+RUN_KINDS = {
+    "sync": ("ppo", "sync"),
+    "async": ("ppo", "async"),
+    "impala": ("impala", "async"),
+    "apex": ("apex", "async"),
+    "sac": ("sac", "async"),
+}
+"""Short labels of the built-in (algorithm, schedule) pairs, as benchmarks and tests name their runs and as the
+former ``algo.mode`` key did (refused now, with the keys that replace it)."""
+
+
+def run_kind(label: str) -> dict[str, str]:
+    """``{"algo.name": ..., "algo.schedule": ...}`` overrides of a ``RUN_KINDS`` label."""
+    name, schedule = RUN_KINDS[label]
+    return {"algo.name": name, "algo.schedule": schedule}
+
+
+def run_kind_args(label: str) -> list[str]:
+    """The `zddrl train`/`learner` options of a ``RUN_KINDS`` label."""
+    name, schedule = RUN_KINDS[label]
+    return ["--algorithm", name, "--schedule", schedule]
+
+
+def kind_label(name: str, schedule: str) -> str:
+    """The ``RUN_KINDS`` label of an algorithm and schedule (the algorithm's name when it has none)."""
+    return next((label for label, pair in RUN_KINDS.items() if pair == (name, schedule)), name)
+
+
+def algorithm_spec(name: str, allowed: frozenset[str] | None = None) -> Any:
+    """The spec object ``algo.name`` names (``zddrl.algos.spec.AlgorithmSpec``; a ``module:attr`` must be allowed:
+    ``zddrl.plugin``); ConfigError if it cannot be loaded or is not a spec."""
+    spec = plugin.load(plugin.algorithm_reference(name), "algo.name", allowed)
+    _require(
+        all(hasattr(spec, a) for a in ("settings", "schedules", "learner")),
+        f"algo.name {name!r} does not name an AlgorithmSpec (zddrl.algos.spec)",
+    )
+    clash = sorted({f.name for f in dataclasses.fields(spec.settings)} & SHARED_ALGO_KEYS)
+    _require(not clash, f"algo.name {name!r}: its settings redeclare the shared [algo] keys {clash}")
+    return spec
+
+
+def _algo_from_table(table: Any, allowed: frozenset[str] | None) -> AlgoConfig:
+    """``[algo]`` -> AlgoConfig: the shared keys, and the rest as the named algorithm's settings."""
+    _require(isinstance(table, dict), "algo must be a table")
+    if "mode" in table:
+        name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
+        raise ConfigError(
+            f"algo.mode was split in two: write algo.name = {name!r} and algo.schedule = {schedule!r} "
+            f"instead of algo.mode = {table['mode']!r}"
         )
+    name = table.get("name", "ppo")
+    _require(isinstance(name, str), "algo.name must be a string")
+    spec = algorithm_spec(name, allowed)
+    own = {k: v for k, v in table.items() if k not in SHARED_ALGO_KEYS}
+    shared = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS}
+    mine = [f.name for f in dataclasses.fields(spec.settings)]
+    unknown = sorted(set(own) - set(mine))
+    _require(
+        not unknown,
+        f"unknown config key(s) {', '.join(with_guess('algo.', k, {*mine, *SHARED_ALGO_KEYS}) for k in unknown)} "
+        f"for algorithm {name!r}; its own keys: {', '.join(mine) or 'none'}; every algorithm's: "
+        f"{', '.join(sorted(SHARED_ALGO_KEYS))}",
+    )
+    settings = _build(spec.settings, own, "algo.")
+    schedule = shared.get("schedule", "auto")
+    if schedule == "auto":
+        shared["schedule"] = spec.schedules[0]
+    elif schedule not in spec.schedules:
+        raise ConfigError(f"algo.schedule {schedule!r}: algorithm {name!r} runs with {spec.schedules} only")
+    algo: AlgoConfig = _build(AlgoConfig, {**shared, "settings": settings, "name": name}, "algo.")
+    return algo
 
 
 @dataclass(frozen=True)
@@ -424,6 +479,7 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["algo"] = self.algo.table()
         d["model"]["hidden"] = list(self.model.hidden)
         d["train"]["slowdowns"] = list(self.train.slowdowns)
         if math.isinf(self.train.until_return):
@@ -431,12 +487,30 @@ class Config:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Config:
-        return _build(cls, data, "", NONE_IS_INF)
+    def from_dict(cls, data: dict[str, Any], allowed: frozenset[str] | None = None) -> Config:
+        """Build and check a config; ``allowed``: the ``module:attr`` references this process may import (None:
+        all, a config of the user's own; a run spec from the network passes its host's ``--allow-code``)."""
+        _require(isinstance(data, dict), "config must be a table")
+        algo = _algo_from_table(data.get("algo", {}), allowed)
+        config = _build(cls, {k: v for k, v in data.items() if k != "algo"}, "", NONE_IS_INF)
+        if config.model.is_custom:
+            why = plugin.refusal(config.model.kind, allowed)
+            if why:
+                raise plugin.PluginError(f"model.kind: {why}")
+        return dataclasses.replace(config, algo=algo)
+
+    def references(self) -> tuple[str, ...]:
+        """The code of the user's own this config names for import (``module:attr``): env, algorithm, model."""
+        names = (self.env.id if ":" in self.env.id else "", self.algo.name, self.model.kind)
+        return tuple(n for n in names if plugin.is_reference(n) or (n and n == self.env.id))
 
     def replace(self, overrides: dict[str, Any]) -> Config:
-        """A copy with dotted-key overrides applied (``{"algo.lr": 1e-3}``), validated."""
+        """A copy with dotted-key overrides applied (``{"algo.lr": 1e-3}``), validated. Naming another algorithm
+        starts from its own defaults (and its default schedule unless one is given too)."""
         data = self.to_dict()
+        if overrides.get("algo.name", self.algo.name) != self.algo.name:
+            data["algo"] = {k: v for k, v in data["algo"].items() if k in SHARED_ALGO_KEYS}
+            data["algo"]["schedule"] = "auto"
         for key, value in overrides.items():
             _set_dotted(data, key, value)
         return Config.from_dict(data)
@@ -461,6 +535,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if path is not None:
         p = Path(path)
         _require(p.is_file(), f"config file {str(p)!r} does not exist")
+        plugin.importable(p.parent)  # code the config names may sit next to it (docs/extending.md)
         try:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:

@@ -68,7 +68,7 @@ def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = froze
     unknown = sorted(set(data) - known)
     require(
         not unknown,
-        f"unknown config key(s) {', '.join(_with_guess(prefix, k, known) for k in unknown)}; "
+        f"unknown config key(s) {', '.join(with_guess(prefix, k, known) for k in unknown)}; "
         f"known in {prefix.rstrip('.') or 'top level'}: {', '.join(sorted(known))}",
     )
     kwargs = {}
@@ -84,7 +84,7 @@ def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = froze
         raise ConfigError(str(exc)) from None
 
 
-def _with_guess(prefix: str, key: str, known: set[str]) -> str:
+def with_guess(prefix: str, key: str, known: set[str]) -> str:
     """``prefix + key``, and the known key it most likely misspells: the list of every known key follows, but the
     one meant is hard to spot in it."""
     close = difflib.get_close_matches(key, sorted(known), n=1)

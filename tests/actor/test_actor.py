@@ -9,9 +9,9 @@ import torch
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, encode_rollout, env_seeds
-from zddrl.actor.policy import NumpyPolicy
 from zddrl.actor.rollout import collect
 from zddrl.algos.model import ActorCritic, flatten_params
+from zddrl.algos.policy import NumpyPolicy
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvError, VecEnv, env_factory, probe_spec
 

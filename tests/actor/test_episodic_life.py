@@ -12,8 +12,8 @@ from zddrl import protocol as P
 from zddrl.actor.host import action_rng, encode_rollout
 from zddrl.actor.rollout import collect
 from zddrl.algos.checks import spec_refusal
-from zddrl.algos.impala import stack_time_major
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.impala.learner import stack_time_major
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.config import Config, ConfigError, EnvConfig
 from zddrl.envs import EnvSpec, LifeLoss, VecEnv, make_factory
 
@@ -121,7 +121,13 @@ def test_episodic_life_needs_atari_and_an_on_policy_mode() -> None:
     with pytest.raises(ConfigError, match="episodic_life needs env.atari"):
         EnvConfig(id="CartPole-v1", episodic_life=True)
     config = Config().replace(
-        {"env.id": "ALE/Breakout-v5", "env.atari": True, "env.episodic_life": True, "algo.mode": "apex"}
+        {
+            "env.id": "ALE/Breakout-v5",
+            "env.atari": True,
+            "env.episodic_life": True,
+            "algo.name": "apex",
+            "algo.schedule": "async",
+        }
     )
     assert "episodic_life" in spec_refusal(config, EnvSpec((4,), True, 2))
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from zddrl.actor.host import build_policy, policy_of
-from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.actor.rollout import collect
 from zddrl.algos.model import flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
+from zddrl.algos.offpolicy_policy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
 from zddrl.algos.replay_nstep import nstep_td_errors
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, VecEnv
@@ -83,7 +83,7 @@ def params_of(net: torch.nn.Module) -> Parameters:
 
 
 def test_an_apex_rollout_carries_the_actors_td_errors() -> None:
-    cfg = model_config().replace({"algo.mode": "apex", "train.actors": 2, "env.num_envs": 2, "replay.n_step": 3})
+    cfg = model_config().replace({"algo.name": "apex", "train.actors": 2, "env.num_envs": 2, "replay.n_step": 3})
     vec = VecEnv(lambda: gym.make("CartPole-v1"), [1, 2])
     torch.manual_seed(0)
     policy, why = policy_of(params_of(DuelingQ(vec.spec, cfg.model)), cfg, vec, 1 << 20, actor_id=1)
@@ -97,7 +97,7 @@ def test_an_apex_rollout_carries_the_actors_td_errors() -> None:
 
 
 def test_a_version_whose_layout_is_not_the_modes_network_is_refused() -> None:
-    cfg = model_config().replace({"algo.mode": "sac"})
+    cfg = model_config().replace({"algo.name": "sac"})
     vec = VecEnv(lambda: gym.make("Pendulum-v1"), [1])
     torch.manual_seed(0)
     policy, why = policy_of(params_of(DuelingQ(DISCRETE, cfg.model)), cfg, vec, 1 << 20)

@@ -10,12 +10,13 @@ import torch
 
 from zddrl import protocol as P
 from zddrl.actor.host import action_rng, encode_rollout
-from zddrl.actor.policy import NumpyPolicy, actor_critic_policy
 from zddrl.actor.rollout import collect
-from zddrl.actor.torch_policy import TorchPolicy
+from zddrl.algos.actor_critic import actor_critic_network, actor_critic_policy
 from zddrl.algos.model import ActorCritic, flatten_params
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.policy import NumpyPolicy
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.algos.rollout import mismatch
+from zddrl.algos.torch_policy import TorchPolicy
 from zddrl.config import Config, ConfigError, ModelConfig
 from zddrl.envs import EnvSpec, VecEnv, env_factory
 
@@ -54,7 +55,9 @@ def test_the_spec_and_the_actors_buffers_keep_uint8() -> None:
     vec = _vec()
     assert vec.spec.obs_dtype == "uint8" and vec.obs.dtype == np.uint8
     flat, layout = flatten_params(ActorCritic(vec.spec, IMPALA))
-    rollout = collect(vec, TorchPolicy(flat, layout, IMPALA, vec.spec), action_rng(1, 0), T=7)
+    rollout = collect(
+        vec, TorchPolicy(actor_critic_network(vec.spec, IMPALA), flat, layout, vec.spec), action_rng(1, 0), T=7
+    )
     for name in ("obs", "next_obs", "trunc_obs"):
         assert rollout.arrays[name].dtype == np.uint8, name
     decoded = P.decode(encode_rollout(_trajectory(rollout.arrays)))
@@ -73,7 +76,9 @@ def _trajectory(arrays: dict) -> P.Trajectory:
 def test_the_wire_refuses_observation_arrays_of_mixed_dtypes() -> None:
     vec = _vec()
     flat, layout = flatten_params(ActorCritic(vec.spec, IMPALA))
-    arrays = collect(vec, TorchPolicy(flat, layout, IMPALA, vec.spec), action_rng(1, 0), T=3).arrays
+    arrays = collect(
+        vec, TorchPolicy(actor_critic_network(vec.spec, IMPALA), flat, layout, vec.spec), action_rng(1, 0), T=3
+    ).arrays
     arrays["next_obs"] = arrays["next_obs"].astype(np.float32)
     with pytest.raises(P.ProtocolError, match="'next_obs' must be uint8"):
         P.decode(P.encode(_trajectory(arrays)))
@@ -126,7 +131,7 @@ def test_a_layout_of_another_network_does_not_build_a_torch_policy() -> None:
     vec = _vec()
     flat, layout = flatten_params(ActorCritic(vec.spec, ModelConfig(kind="impala_cnn", hidden=(16,))))
     with pytest.raises(RuntimeError):
-        TorchPolicy(flat, layout, IMPALA, vec.spec)
+        TorchPolicy(actor_critic_network(vec.spec, IMPALA), flat, layout, vec.spec)
 
 
 def test_the_learner_trains_on_uint8_and_clips_rewards_for_learning_only() -> None:
@@ -143,7 +148,9 @@ def test_the_learner_trains_on_uint8_and_clips_rewards_for_learning_only() -> No
     vec = _vec()
     core = PPOLearner(config, vec.spec)
     flat, layout, _ = core.params()
-    rollout = collect(vec, TorchPolicy(flat, layout, config.model, vec.spec), action_rng(1, 0), T=8)
+    rollout = collect(
+        vec, TorchPolicy(actor_critic_network(vec.spec, config.model), flat, layout, vec.spec), action_rng(1, 0), T=8
+    )
     traj = P.decode(encode_rollout(_trajectory({**rollout.arrays, "rewards": rollout.arrays["rewards"] * 7})))
     assert (traj.arrays["rewards"] == 7).all()  # the wire keeps the env's rewards: the true returns
     assert [r.max() for r in core.learning_rewards([traj])] == [1.0]  # the loss sees their sign

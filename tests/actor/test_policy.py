@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from zddrl.actor.policy import NumpyPolicy
 from zddrl.algos.model import ActorCritic, flatten_params, load_flat, unflatten
+from zddrl.algos.policy import NumpyPolicy
 from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
 

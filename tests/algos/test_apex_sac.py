@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from zddrl.algos.apex import ApexLearner
+from zddrl.algos.apex.learner import ApexLearner
 from zddrl.algos.checks import replay_refusal, spec_refusal
 from zddrl.algos.replay_nstep import nstep_td_errors
 from zddrl.algos.rollout import mismatch
-from zddrl.algos.sac import SACLearner
-from zddrl.config import Config, ConfigError
+from zddrl.algos.sac.learner import SACLearner
+from zddrl.config import Config, ConfigError, run_kind
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 
@@ -25,7 +25,7 @@ BOX = EnvSpec((3,), False, 1, (-2.0,), (2.0,))
 
 def config(mode: str, **replay: object) -> Config:
     overrides = {
-        "algo.mode": mode,
+        **run_kind(mode),
         "model.hidden": [16, 16],
         "model.activation": "relu",
         "replay.capacity": 4096,
@@ -265,8 +265,7 @@ def test_a_shard_without_data_still_takes_part_and_refreshes_its_target() -> Non
 
 
 def test_replay_modes_refuse_what_they_cannot_learn_with() -> None:
-    with pytest.raises(ConfigError, match="normalize_obs"):
-        Config().replace({"algo.mode": "sac", "algo.normalize_obs": True})
+    assert "normalize_obs" in spec_refusal(Config().replace({"algo.name": "sac", "algo.normalize_obs": True}), BOX)
     with pytest.raises(ConfigError, match="eval_every"):
         Config().replace({"train.target_kind": "eval"})
     with pytest.raises(ValueError, match="discrete"):
@@ -275,6 +274,6 @@ def test_replay_modes_refuse_what_they_cannot_learn_with() -> None:
         SACLearner(config("sac"), DISCRETE)
     unbounded = EnvSpec((3,), False, 1, (-math.inf,), (math.inf,))
     assert "finite action bounds" in spec_refusal(config("sac"), unbounded)
-    assert spec_refusal(config("apex"), BOX) == "algo.mode 'apex' needs a discrete (Discrete) action space"
+    assert spec_refusal(config("apex"), BOX) == "algo.name 'apex' needs a discrete (Discrete) action space"
     assert "more than 80% of" in replay_refusal(config("apex", capacity=10**12), DISCRETE)
     assert replay_refusal(config("apex"), DISCRETE) == ""

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from samples import pixel_trajectory
-from zddrl.algos.impala import ImpalaLearner
-from zddrl.algos.ppo import PPOLearner
-from zddrl.config import Config, ConfigError
+from zddrl.algos.impala.learner import ImpalaLearner
+from zddrl.algos.ppo.learner import PPOLearner
+from zddrl.config import Config, ConfigError, run_kind
 from zddrl.envs import EnvSpec
 
 PIXELS = EnvSpec((2, 36, 36), True, 3, obs_dtype="uint8")
@@ -17,7 +17,7 @@ PIXELS = EnvSpec((2, 36, 36), True, 3, obs_dtype="uint8")
 
 def config(mode: str, autocast: str) -> Config:
     return Config().replace(
-        {"algo.mode": mode, "model.kind": "nature_cnn", "model.hidden": [32], "learner.autocast": autocast}
+        {**run_kind(mode), "model.kind": "nature_cnn", "model.hidden": [32], "learner.autocast": autocast}
     )
 
 
@@ -53,5 +53,5 @@ def test_an_unknown_autocast_is_a_config_error() -> None:
 def test_the_replay_modes_refuse_autocast() -> None:
     from zddrl.algos.checks import spec_refusal
 
-    config = Config().replace({"algo.mode": "apex", "learner.autocast": "bf16"})
-    assert "PPO and IMPALA only" in spec_refusal(config, EnvSpec((4,), True, 2))
+    config = Config().replace({"algo.name": "apex", "learner.autocast": "bf16"})
+    assert "actor-critic algorithms only" in spec_refusal(config, EnvSpec((4,), True, 2))

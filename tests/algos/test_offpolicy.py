@@ -13,10 +13,10 @@ from loguru import logger
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl import protocol as P
-from zddrl.algos.impala import ImpalaLearner, stack_time_major
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.impala.learner import ImpalaLearner, stack_time_major
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.algos.rollout import mismatch
-from zddrl.config import Config
+from zddrl.config import Config, run_kind
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 from zddrl.learner.ledger import HASHES_KEPT, LAG_WINDOW, Ledger
@@ -53,7 +53,7 @@ def test_stack_time_major_maps_truncation_indices_to_global_columns() -> None:
 
 
 def test_async_ppo_weights_are_one_on_policy_and_truncated_off_policy() -> None:
-    core = PPOLearner(Config().replace({"algo.mode": "async", "algo.rho_bar": 1.0}), SPEC)
+    core = PPOLearner(Config().replace({"algo.name": "ppo", "algo.schedule": "async", "algo.rho_bar": 1.0}), SPEC)
     on = trajectory(8, 2)
     with torch.no_grad():
         obs = torch.as_tensor(on.arrays["obs"].reshape(16, 4))
@@ -69,7 +69,7 @@ def test_async_ppo_weights_are_one_on_policy_and_truncated_off_policy() -> None:
 
 
 def test_impala_update_reports_vtrace_figures() -> None:
-    core = ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 2}), SPEC)
+    core = ImpalaLearner(Config().replace({"algo.name": "impala", "algo.minibatches": 2}), SPEC)
     figures = core.update([trajectory(16, 4, seq=1), trajectory(16, 4, "b", seq=2)])
     assert figures["batch_steps"] == 128
     for key in ("policy_loss", "value_loss", "entropy", "grad_norm", "rho_mean", "lr"):
@@ -79,7 +79,7 @@ def test_impala_update_reports_vtrace_figures() -> None:
 def stream(config: Config, messages: list[P.Trajectory]) -> tuple[AsyncStream, Ledger, FakeChannel]:
     """The async collector of a single learner, fed ``messages`` through a fake data channel."""
     channel, ledger = FakeChannel(messages), Ledger(config, logger, time.time())
-    T = config.env.rollout_len if config.algo.mode == "impala" else None
+    T = config.env.rollout_len if config.algo.name == "impala" else None
     poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(), lambda m: mismatch(m.arrays, SPEC, T), logger)
     return AsyncStream(poller, config.algo, ledger), ledger, channel
 
@@ -88,7 +88,7 @@ def stream(config: Config, messages: list[P.Trajectory]) -> tuple[AsyncStream, L
 def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str) -> None:
     config = Config().replace(
         {
-            "algo.mode": mode,
+            **run_kind(mode),
             "algo.batch_size": 64,
             "algo.max_staleness": 2,
             "train.max_steps": 10_000,
@@ -128,7 +128,7 @@ def test_async_modes_publish_every_k_updates_and_sync_every_round() -> None:
 
 
 def test_growing_median_lag_raises_a_warning() -> None:
-    ledger = Ledger(Config().replace({"algo.mode": "impala"}), logger, time.time())
+    ledger = Ledger(Config().replace({"algo.name": "impala"}), logger, time.time())
     lines: list[str] = []
     sink = logger.add(lines.append, level="WARNING", format="{message}")
     try:
@@ -156,15 +156,17 @@ def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
     from zddrl.config import ConfigError
 
     with pytest.raises(ConfigError, match="publish_every"):
-        Config().replace({"algo.mode": "async", "algo.publish_every": 6, "algo.max_staleness": 4})
-    Config().replace({"algo.mode": "async", "algo.publish_every": 5, "algo.max_staleness": 4})
+        Config().replace(
+            {"algo.name": "ppo", "algo.schedule": "async", "algo.publish_every": 6, "algo.max_staleness": 4}
+        )
+    Config().replace({"algo.name": "ppo", "algo.schedule": "async", "algo.publish_every": 5, "algo.max_staleness": 4})
 
 
 def test_a_step_without_samples_anywhere_is_not_taken() -> None:
     """IMPALA minibatches split env columns: 2 columns in 4 minibatches leave 2 steps per epoch empty.
     An empty step must not move the weights (Adam's momentum would) nor count as an optimizer step."""
-    from zddrl.algos.impala import ImpalaLearner
+    from zddrl.algos.impala.learner import ImpalaLearner
 
-    core = ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 4, "algo.epochs": 3}), SPEC)
+    core = ImpalaLearner(Config().replace({"algo.name": "impala", "algo.minibatches": 4, "algo.epochs": 3}), SPEC)
     figures = core.update([trajectory(8, 2)])
     assert core.optimizer.steps == 3 * 2 and np.isfinite(figures["grad_norm"])

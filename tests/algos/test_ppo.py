@@ -9,8 +9,8 @@ import torch
 from samples import cartpole_trajectory
 from zddrl.algos.core import RewardScaler, RunningMeanStd, schedule
 from zddrl.algos.optim import Adam
-from zddrl.algos.ppo import PPOLearner, ppo_loss
-from zddrl.config import Config
+from zddrl.algos.ppo.learner import PPOLearner, ppo_loss
+from zddrl.config import Config, run_kind
 from zddrl.envs import EnvSpec
 from zddrl.protocol import Trajectory
 
@@ -136,7 +136,7 @@ def test_update_reports_figures_and_moves_parameters() -> None:
 @pytest.mark.parametrize("mode", ["sync", "async", "impala"])
 def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: str) -> None:
     """A batch of 8 env columns sent as 1 x 8, 2 x 4 or 4 x 2 trajectories trains the same parameters."""
-    from zddrl.algos.impala import ImpalaLearner
+    from zddrl.algos.impala.learner import ImpalaLearner
 
     T, N = 16, 8
     whole = cartpole_trajectory(T, N)
@@ -146,7 +146,7 @@ def test_splitting_the_same_data_over_1_2_4_actors_gives_the_same_update(mode: s
             if key == "terminated"
             else np.random.default_rng(2).standard_normal((T, N))
         )
-    config = Config().replace({"algo.mode": mode, "algo.minibatches": 1, "algo.epochs": 3})
+    config = Config().replace({**run_kind(mode), "algo.minibatches": 1, "algo.epochs": 3})
     results = []
     for parts in (1, 2, 4):
         w = N // parts

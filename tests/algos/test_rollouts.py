@@ -10,7 +10,7 @@ from loguru import logger
 
 from samples import traj, traj_arrays
 from zddrl import protocol as P
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.algos.rollout import mismatch, truncations
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
@@ -78,7 +78,7 @@ def test_truncations_are_empty_when_the_trajectory_carries_none() -> None:
 def test_a_step_with_a_non_finite_gradient_is_skipped_counted_and_logged_once_per_interval() -> None:
     """Whatever makes a gradient non-finite (here a weight poisoned to NaN), the step is skipped and counted, the
     weights stay as they were, and the warning is one line per interval with a count, not one per step."""
-    config = Config().replace({"algo.mode": "sync", "algo.epochs": 4, "algo.minibatches": 2})
+    config = Config().replace({"algo.name": "ppo", "algo.schedule": "sync", "algo.epochs": 4, "algo.minibatches": 2})
     core = PPOLearner(config, EnvSpec((3,), True, 2))
     with torch.no_grad():
         next(core.model.parameters())[0, 0] = float("nan")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from samples import rollout_of
-from zddrl.algos.impala import ImpalaLearner
-from zddrl.algos.ppo import PPOLearner, ppo_loss
+from zddrl.algos.impala.learner import ImpalaLearner
+from zddrl.algos.ppo.learner import PPOLearner, ppo_loss
 from zddrl.algos.returns import LOG_RATIO_BOUND, truncated_importance_weights, vtrace
 from zddrl.algos.rollout import LOGP_BOUND, mismatch
 from zddrl.config import Config
@@ -51,7 +51,7 @@ def test_implausible_continuous_log_probabilities_are_refused() -> None:
 
 def test_sync_ppo_takes_every_step_on_a_batch_with_poisoned_log_probabilities() -> None:
     """Behind the admission check: even if such a rollout reached the core, no step may be skipped."""
-    config = Config().replace({"algo.mode": "sync", "algo.epochs": 2, "algo.minibatches": 2})
+    config = Config().replace({"algo.name": "ppo", "algo.schedule": "sync", "algo.epochs": 2, "algo.minibatches": 2})
     core = PPOLearner(config, SPEC)
     before = [p.detach().clone() for p in core.model.parameters()]
     figures = core.update([poisoned(), rollout_of("b", 0, 0, 8, 2)])
@@ -96,8 +96,8 @@ def test_every_ratio_is_bounded_by_the_documented_log_ratio_bound() -> None:
 
 def test_impala_and_async_ppo_take_every_step_on_poisoned_log_probabilities() -> None:
     for core in (
-        ImpalaLearner(Config().replace({"algo.mode": "impala", "algo.minibatches": 2}), SPEC),
-        PPOLearner(Config().replace({"algo.mode": "async", "algo.minibatches": 2}), SPEC),
+        ImpalaLearner(Config().replace({"algo.name": "impala", "algo.minibatches": 2}), SPEC),
+        PPOLearner(Config().replace({"algo.name": "ppo", "algo.schedule": "async", "algo.minibatches": 2}), SPEC),
     ):
         figures = core.update([poisoned(), rollout_of("b", 0, 0, 8, 2)])
         assert core.skipped_steps == 0 and math.isfinite(figures["grad_norm"])

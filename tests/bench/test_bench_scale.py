@@ -56,7 +56,7 @@ def test_train_command_sets_the_point() -> None:
     text = " ".join(cmd)
     for part in (
         "train c.toml",
-        "--mode impala",
+        "--algorithm impala --schedule async",
         "--seed 4",
         "train.actors=8",
         "env.num_envs=2",

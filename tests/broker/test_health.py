@@ -481,7 +481,7 @@ def test_a_crashing_actor_leaves_its_exception_in_status(
         str(ROOT / "examples" / "cartpole_ppo.toml"),
         "--run-dir",
         str(tmp_path / "run"),
-        "--mode",
+        "--schedule",
         "async",
         "--set",
         "env.rollout_len=8",

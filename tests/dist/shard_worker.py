@@ -14,10 +14,10 @@ import sys
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.config import Config
+from zddrl.config import Config, run_kind
 from zddrl.envs import EnvSpec
-from zddrl.algos.impala import ImpalaLearner
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.impala.learner import ImpalaLearner
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.dist.launch import DevicePlan
 from zddrl.dist.shards import ShardGroup
 
@@ -32,7 +32,7 @@ UPDATES = len(SPLITS)
 
 
 def config(mode: str) -> Config:
-    return Config().replace({"algo.mode": mode, "algo.epochs": 3, "algo.minibatches": 1, "algo.normalize_obs": True,
+    return Config().replace({**run_kind(mode), "algo.epochs": 3, "algo.minibatches": 1, "algo.normalize_obs": True,
                              "algo.normalize_reward": True, "algo.lr": 3e-3, "algo.ent_coef": 0.01})
 
 

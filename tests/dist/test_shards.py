@@ -104,8 +104,8 @@ def test_two_shards_with_half_batches_learn_what_one_learner_learns(mode: str, t
 
 def _run_initial(mode: str) -> np.ndarray:
     from shard_worker import SPEC, config
-    from zddrl.algos.impala import ImpalaLearner
-    from zddrl.algos.ppo import PPOLearner
+    from zddrl.algos.impala.learner import ImpalaLearner
+    from zddrl.algos.ppo.learner import PPOLearner
 
     return (ImpalaLearner if mode == "impala" else PPOLearner)(config(mode), SPEC).params()[0]
 
@@ -129,12 +129,12 @@ def test_train_with_two_cpu_shards_learns_cartpole(tmp_path: Path) -> None:
 def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = CARTPOLE if mode == "async" else str(ROOT / "examples" / "cartpole_impala.toml")
-    done = subprocess.run([sys.executable, "-m", "zddrl", "train", config, "--mode", mode, "--gpus", "cpu:2",
+    done = subprocess.run([sys.executable, "-m", "zddrl", "train", config, "--schedule", "async", "--gpus", "cpu:2",
                            "--run-dir", str(run_dir), "--until-return", "100", "--max-seconds", "90"],
                           capture_output=True, text=True, timeout=150, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["reached"] is True and summary["mode"] == mode
+    assert summary["reached"] is True and summary["algorithm"] == ("impala" if mode == "impala" else "ppo")
     assert all(n > 0 for n in summary["shard_trajectories"])
 
 

@@ -15,7 +15,7 @@ import torch
 from conftest import wait_for
 from samples import cartpole_trajectory
 from test_train import CARTPOLE, ROOT, metrics, processes_mentioning, zddrl
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.learner.runlog import RunLog, latest_checkpoint, load_checkpoint

@@ -131,7 +131,9 @@ def forged(seq: int, T: int = 4) -> P.Trajectory:
 
 
 def test_forged_returns_and_step_totals_in_the_header_do_not_end_the_run() -> None:
-    config = Config().replace({"algo.mode": "async", "algo.batch_size": 4, "train.until_return": 500.0})
+    config = Config().replace(
+        {"algo.name": "ppo", "algo.schedule": "async", "algo.batch_size": 4, "train.until_return": 500.0}
+    )
     ledger = Ledger(config, logger, time.time())
     channel = FakeChannel([forged(seq) for seq in range(30)])
     poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(), lambda m: "", logger)

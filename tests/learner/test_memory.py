@@ -16,7 +16,7 @@ from loguru import logger
 
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import probe_spec

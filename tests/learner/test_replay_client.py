@@ -23,7 +23,13 @@ from zddrl.learner.replay_store import ReplayStore
 
 SPEC = EnvSpec((4,), True, 2)
 CONFIG = Config().replace(
-    {"algo.mode": "apex", "replay.placement": "service", "replay.capacity": 1024, "replay.beta": 0.5}
+    {
+        "algo.name": "apex",
+        "algo.schedule": "async",
+        "replay.placement": "service",
+        "replay.capacity": 1024,
+        "replay.beta": 0.5,
+    }
 )
 
 

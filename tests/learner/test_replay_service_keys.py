@@ -19,7 +19,7 @@ from zddrl.ops.train import throwaway_keys
 from zddrl.transport.io import NOBLOCK, recv_frames
 
 SPEC = EnvSpec((4,), True, 2)
-CONFIG = Config().replace({"algo.mode": "apex", "replay.placement": "service"})
+CONFIG = Config().replace({"algo.name": "apex", "replay.placement": "service"})
 WAIT_MS = 5000
 
 

@@ -19,7 +19,13 @@ SPEC = EnvSpec((4,), True, 2)
 
 
 def config(**over: object) -> Config:
-    base = {"algo.mode": "apex", "replay.placement": "service", "replay.capacity": 512, "env.rollout_len": 16}
+    base = {
+        "algo.name": "apex",
+        "algo.schedule": "async",
+        "replay.placement": "service",
+        "replay.capacity": 512,
+        "env.rollout_len": 16,
+    }
     return Config().replace({**base, **over})
 
 

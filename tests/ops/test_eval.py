@@ -29,7 +29,8 @@ def checkpoint(tmp_path: Path, game: str) -> Path:
             "env.screen_size": 42,
             "model.kind": "nature_cnn",
             "model.hidden": [64],
-            "algo.mode": "impala",
+            "algo.name": "impala",
+            "algo.schedule": "async",
         }
     )
     torch.manual_seed(0)

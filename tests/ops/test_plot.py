@@ -73,8 +73,8 @@ def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     other = tmp_path / "async-run"
     shutil.copytree(run_dir, other)
     summary = json.loads((other / "summary.json").read_text())
-    (other / "summary.json").write_text(json.dumps({**summary, "mode": "async", "seed": 2}))
-    twin = tmp_path / "twin"  # same name, mode and seed as run_dir: the legend adds the directory name
+    (other / "summary.json").write_text(json.dumps({**summary, "schedule": "async", "seed": 2}))
+    twin = tmp_path / "twin"  # same name, algorithm and seed as run_dir: the legend adds the directory name
     shutil.copytree(run_dir, twin)
     (twin / "summary.json").unlink()  # a run in progress: label from config.toml, no target line
     one, three = tmp_path / "one.png", tmp_path / "three.png"

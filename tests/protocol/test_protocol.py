@@ -18,7 +18,7 @@ from samples import traj, traj_arrays
 from zddrl import protocol as P
 from zddrl.transport.params import split as split_params
 
-RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync"}}
+RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"schedule": "sync"}}
 
 
 def carrier(arrays: dict, **kw) -> P.Parameters:

@@ -20,7 +20,7 @@ SIGNER = ("learner-0", KEY)
 PINS = {"learner-0": KEY.public_key()}
 ROGUE = ("learner-0", Ed25519PrivateKey.generate())
 """A key that claims a pinned name."""
-RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"mode": "sync", "lr": 3e-4}}
+RUN = {"name": "demo", "env": {"id": "CartPole-v1", "num_envs": 2}, "algo": {"schedule": "sync", "lr": 3e-4}}
 
 
 def head(signer: signing.Signer | None = SIGNER, **kw: Any) -> P.Parameters:

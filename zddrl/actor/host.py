@@ -1,10 +1,10 @@
 """Actor host: steps N gymnasium envs with the newest policy and pushes one trajectory per rollout.
 
-An actor needs only the broker address. It learns the run spec (env, model, rollout length, seed,
-mode) from the welcome and the weights from parameter broadcasts, which its ``BrokerLink`` thread
+An actor needs only the broker address. It learns the run spec (env, model, algorithm, schedule,
+rollout length, seed) from the welcome and the weights from parameter broadcasts, which its ``BrokerLink`` thread
 receives, verifies and decodes off the stepping path. Every trajectory is stamped with the policy
-version and parameter hash it was produced with. In sync mode the actor waits for a new version
-after each rollout; in async/impala modes it never waits and swaps versions between rollouts.
+version and parameter hash it was produced with. Under the sync schedule the actor waits for a new version
+after each rollout; under the async schedule it never waits and swaps versions between rollouts.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.actor.offpolicy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
-from zddrl.actor.policy import Policy, actor_critic_policy
 from zddrl.actor.rollout import Collected, collect
+from zddrl.algos.policy import Policy
+from zddrl.algos.spec import ActingVersion, algorithm_of
 from zddrl.config import Config
 from zddrl.envs import ActorEnvs, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
@@ -127,17 +127,11 @@ def build_policy(
     actor_id: int = 0,
     num_envs: int = 0,
 ) -> Policy:
-    """The run's acting network from a version's buffer, layout and extra arrays (the mode decides which network);
+    """The run's acting policy from a version's buffer, layout and extra arrays (the algorithm's spec builds it);
     raises on a layout that does not build it. ``actor_id`` and this host's ``num_envs`` (0: the config's) place
-    its envs in Ape-X's epsilon schedule."""
-    activation, num_envs = config.model.activation, num_envs or config.env.num_envs
-    if config.algo.mode == "apex":
-        a = config.algo
-        eps = apex_epsilons(a.eps_base, a.eps_alpha, actor_id * num_envs, num_envs, config.train.actors * num_envs)
-        return NumpyQPolicy(flat, layout, activation, eps, a.gamma, config.replay.n_step)
-    if config.algo.mode == "sac":
-        return NumpySACPolicy(flat, layout, activation, spec.action_low, spec.action_high)
-    return actor_critic_policy(flat, layout, config.model, spec, extras.get("obs_mean"), extras.get("obs_var"))
+    its envs in the fleet (Ape-X's epsilon schedule)."""
+    version = ActingVersion(flat, layout, extras, config, spec, actor_id, num_envs or config.env.num_envs)
+    return algorithm_of(config).acting_policy(version)
 
 
 def policy_of(
@@ -200,11 +194,11 @@ class ActorHost:
         env_latency_ms: float = 0.0,
         max_steps: int | None = None,
         context: zmq.Context | None = None,
-        allow_envs: frozenset[str] = frozenset(),
+        allowed_code: frozenset[str] = frozenset(),
         credentials: keys.Credentials | None = None,
     ) -> None:
         self.connect = connect
-        self.allow_envs = frozenset(allow_envs)
+        self.allowed_code = frozenset(allowed_code)
         """The ``module:callable`` env ids this host may import and call (envs.env_refusal); ids of the local
         gymnasium registry need no allowing."""
         self.credentials = credentials
@@ -243,7 +237,7 @@ class ActorHost:
                 if generation == judged:  # the refused run is still the broker's: wait for another welcome
                     stop.wait(REFUSED_RUN_WAIT_S)
                     continue
-                config, why = joinable(welcome, self.credentials, self.allow_envs)
+                config, why = joinable(welcome, self.credentials, self.allowed_code)
                 if config is None:
                     judged = generation
                     self._refuse_run(link, welcome.run_id, why)
@@ -276,11 +270,12 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = actor_envs(config.env, seeds, self.allow_envs, self.env_latency_ms)
+        vec = actor_envs(config.env, seeds, self.allowed_code, self.env_latency_ms)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(
-            f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, mode {config.algo.mode}"
+            f"run {run_id}: {num_envs} x {config.env.id}, seeds {seeds[0]}..{seeds[-1]}, {config.algo.name} "
+            f"({config.algo.schedule})"
         )
         generation, push = link.generation, self._push(link)
         params: P.Parameters | None = None
@@ -303,7 +298,7 @@ class ActorHost:
                     # wait for it and we for the next version. Sample once more with the version held.
                     resample = params is not None
                 judged = max(refused, params.policy_version if params is not None else -1)
-                newest = params if resample else self._next_params(link, params, judged, config.algo.mode)
+                newest = params if resample else self._next_params(link, params, judged, config.algo.schedule)
                 if newest is None or newest.run_id != run_id:
                     continue
                 if newest.policy_version > judged or policy is None:  # a version not judged yet
@@ -314,8 +309,9 @@ class ActorHost:
                         self._ratelog.warning("refused_params", f"refused version {newest.policy_version}: {why}")
                     else:
                         params, policy = newest, candidate
-                if params is None or policy is None or (config.algo.mode == "sync" and refused > params.policy_version):
-                    continue  # nothing usable yet; sync mode samples only with the newest version (wait for one)
+                waiting = config.algo.schedule == "sync" and refused > params.policy_version if params else False
+                if params is None or policy is None or waiting:
+                    continue  # nothing usable yet; a sync run samples only with the newest version (wait for one)
                 T = rollout_len(params, config)
                 rollout = self._collect(vec, policy, rng, T, config.env.id)
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
@@ -357,11 +353,11 @@ class ActorHost:
         self._ratelog.flush()
 
     def _next_params(
-        self, link: BrokerLink, current: P.Parameters | None, judged: int, mode: str
+        self, link: BrokerLink, current: P.Parameters | None, judged: int, schedule: str
     ) -> P.Parameters | None:
         """Sync: wait for a version newer than every one judged (used or refused). Async: the newest held, no
         waiting."""
-        if mode != "sync" and current is not None:
+        if schedule != "sync" and current is not None:
             return link.latest_params()
         t0 = time.monotonic()
         newest = link.wait_params(newer_than=judged, timeout_s=0.5)

@@ -9,8 +9,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zddrl.actor.offpolicy import NumpyQPolicy
-from zddrl.actor.policy import Policy
+from zddrl.algos.offpolicy_policy import NumpyQPolicy
+from zddrl.algos.policy import Policy
 from zddrl.envs import ActorEnvs
 
 

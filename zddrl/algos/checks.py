@@ -9,31 +9,19 @@ from __future__ import annotations
 import numpy as np
 
 from zddrl.algos.replay_memory import ReplayMemoryError, check_fits, replay_nbytes
-from zddrl.config import REPLAY_MODES, Config
+from zddrl.algos.spec import algorithm_of
+from zddrl.config import Config
 from zddrl.envs import EnvSpec
 
 
 def spec_refusal(config: Config, spec: EnvSpec) -> str:
-    """Why ``config``'s mode cannot learn in an env of ``spec``, or ""."""
-    mode = config.algo.mode
-    if mode in REPLAY_MODES and config.model.kind != "mlp":
-        return f"algo.mode {mode!r} runs with model.kind 'mlp' only (its CNN networks are not built yet)"
-    if mode in REPLAY_MODES and config.learner.autocast != "off":
-        return f"algo.mode {mode!r} does not take learner.autocast (PPO and IMPALA only)"
-    if mode in REPLAY_MODES and config.env.episodic_life:
-        return f"algo.mode {mode!r} does not take env.episodic_life (its n-step returns read no life_lost)"
-    if mode == "apex" and not spec.discrete:
-        return "algo.mode 'apex' needs a discrete (Discrete) action space"
-    if mode == "sac" and spec.discrete:
-        return "algo.mode 'sac' needs a continuous (1-D Box) action space"
-    if mode == "sac" and not np.all(np.isfinite(spec.action_low + spec.action_high)):
-        return "algo.mode 'sac' needs finite action bounds (it squashes actions into them)"
-    return ""
+    """Why ``config``'s algorithm cannot learn in an env of ``spec``, or "" (the algorithm's own ``check``)."""
+    return algorithm_of(config).check(config, spec)
 
 
 def replay_refusal(config: Config, spec: EnvSpec) -> str:
     """Why the replay buffer ``config`` asks for cannot be built here (it would not fit in memory), or ""."""
-    if config.algo.mode not in REPLAY_MODES:
+    if not algorithm_of(config).replay:
         return ""
     rc = config.replay
     action_shape = () if spec.discrete else (spec.action_dim,)

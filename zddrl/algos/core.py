@@ -1,8 +1,9 @@
 """What every learner core shares: the model, the optimizer, normalisers, parameters and state.
 
 Algorithm cores (``PPOLearner`` for sync/async PPO, ``ImpalaLearner`` for V-trace, ``ApexLearner`` and
-``SACLearner`` on a replay buffer) subclass ``LearnerCore`` and implement ``update(trajectories) -> figures``;
-``acting_model`` builds the network that travels to the actors. No sockets here.
+``SACLearner`` on a replay buffer, a user's own) subclass ``LearnerCore`` and implement
+``update(trajectories, staleness) -> figures``; the algorithm's spec (``zddrl.algos.spec``) builds the network
+that travels to the actors. No sockets here.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import numpy as np
 import torch
 
 from zddrl.algos.flat import normalize_obs
-from zddrl.algos.model import ActorCritic, flatten_params
-from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
+from zddrl.algos.model import flatten_params
 from zddrl.algos.optim import Adam
 from zddrl.algos.rollout import Rollout, terminal
+from zddrl.algos.spec import Figure, algorithm_of
 from zddrl.config import Config
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
@@ -151,13 +152,13 @@ def explained_variance(pred: torch.Tensor, target: torch.Tensor, group: ShardGro
     return float("nan") if var_y <= 0 else 1.0 - var_r / var_y
 
 
+CORE_FIGURES = (Figure("grad_norm"), Figure("lr", "perf"), Figure("batch_steps", "perf"))
+"""What every core's ``update`` reports (its algorithm's spec declares the rest)."""
+
+
 def acting_model(config: Config, spec: EnvSpec) -> torch.nn.Module:
-    """The network whose parameters travel to the actors in ``config``'s mode (what a checkpoint's ``model`` holds)."""
-    if config.algo.mode == "apex":
-        return DuelingQ(spec, config.model)
-    if config.algo.mode == "sac":
-        return SquashedGaussian(spec, config.model)
-    return ActorCritic(spec, config.model)
+    """The network whose parameters travel to the actors (what a checkpoint's ``model`` holds): the algorithm's."""
+    return algorithm_of(config).acting_model(config, spec)
 
 
 class LearnerCore:
@@ -172,6 +173,8 @@ class LearnerCore:
         self.config = config
         self.spec = spec
         self.algo = config.algo
+        self.settings: Any = config.algo.settings
+        """The algorithm's own ``[algo]`` keys (its spec's ``settings`` dataclass)."""
         self.device = self.group.device
         torch.manual_seed(config.env.seed)  # the network starts the same on every shard ...
         self.model = acting_model(config, spec).to(self.device)

@@ -2,7 +2,7 @@
 
 The learner trains ``ActorCritic`` (an MLP, or a CNN of zddrl.algos.cnn for pixels); parameters travel as one
 contiguous float32 buffer plus a layout (``[name, dtype, shape, offset]`` rows, offsets in elements), from which
-actors rebuild the weights (``zddrl.algos.flat``; actors use ``zddrl.actor.policy``).
+actors rebuild the weights (``zddrl.algos.flat``; actors use ``zddrl.algos.policy``).
 """
 
 from __future__ import annotations
@@ -87,6 +87,16 @@ class ActorCritic(nn.Module):
         """``(pi output [B, A], value [B])`` with one pass through the torso."""
         x = self.features(obs)
         return self.pi(x), self.v(x).squeeze(-1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(distribution parameters, value [B])``: the logits ``[B, A]`` (Discrete), or the Gaussian's mean and
+        ``log_std`` (broadcast to the batch) side by side, ``[B, 2A]`` (Box). Tensors only, so that
+        ``torch.jit.trace`` and the ONNX exporter can follow it (``zddrl.ops.export``); training uses
+        ``evaluate``, actors ``heads``."""
+        out, value = self.heads(obs)
+        if self.discrete:
+            return out, value
+        return torch.cat([out, self.log_std.expand_as(out)], dim=1), value
 
     def distribution_of(self, out: torch.Tensor) -> torch.distributions.Distribution:
         if self.discrete:

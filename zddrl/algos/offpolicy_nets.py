@@ -1,7 +1,7 @@
 """The networks of the replay modes: Ape-X's dueling Q-network and SAC's squashed Gaussian policy and twin critics.
 
 What travels to the actors is the acting network alone (``DuelingQ`` for apex, ``SquashedGaussian`` for sac) as
-the flat float32 buffer of ``model.flatten_params``; actors rebuild it in numpy (``zddrl.actor.offpolicy``), so
+the flat float32 buffer of ``model.flatten_params``; actors rebuild it in numpy (``zddrl.algos.offpolicy_policy``), so
 the layer names here are part of that contract: ``torso.{i}`` (Linear layers at even indices, each followed by
 the activation), then the heads.
 """

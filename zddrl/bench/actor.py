@@ -64,10 +64,11 @@ def inference(envs: int, repeats: int) -> dict[str, float]:
     """Milliseconds per ``act`` on ``envs`` observations, each way (see the module docstring)."""
     import torch
 
-    from zddrl.actor.policy import NumpyPolicy
-    from zddrl.actor.torch_policy import TorchPolicy
+    from zddrl.algos.actor_critic import actor_critic_network
     from zddrl.algos.flat import unflatten
     from zddrl.algos.model import ActorCritic, flatten_params
+    from zddrl.algos.policy import NumpyPolicy
+    from zddrl.algos.torch_policy import TorchPolicy
 
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
@@ -76,13 +77,13 @@ def inference(envs: int, repeats: int) -> dict[str, float]:
     policies, weights = {}, {}
     for kind in ("nature_cnn", "impala_cnn"):
         flat, layout = flatten_params(ActorCritic(spec, KINDS[kind]))
-        policies[kind] = TorchPolicy(flat, layout, KINDS[kind], spec)
+        policies[kind] = TorchPolicy(actor_critic_network(spec, KINDS[kind]), flat, layout, spec)
         weights[kind] = unflatten(flat, layout)
     mlp_spec = EnvSpec((4,), True, 2)
     mlp = NumpyPolicy(*flatten_params(ActorCritic(mlp_spec, KINDS["mlp"])), "tanh", True)
     vectors = rng.standard_normal((envs, 4)).astype(np.float32)
     logits, _ = numpy_nature_cnn(weights["nature_cnn"], pixels)  # the numpy forward is the same network
-    reference = policies["nature_cnn"].net.heads(torch.from_numpy(pixels))[0].detach().numpy()
+    reference = policies["nature_cnn"].net(torch.from_numpy(pixels))[0].detach().numpy()
     np.testing.assert_allclose(logits, reference, rtol=1e-3, atol=1e-4)
     calls = {
         "numpy_nature_cnn_ms": lambda: numpy_nature_cnn(weights["nature_cnn"], pixels),
@@ -102,7 +103,7 @@ import json, sys, time
 t0 = time.monotonic()
 import numpy as np
 from zddrl.actor.host import action_rng, env_seeds
-from zddrl.actor.policy import actor_critic_policy
+from zddrl.algos.actor_critic import actor_critic_policy
 from zddrl.config import Config
 from zddrl.envs import actor_envs
 from zddrl.proc import rss_mb

@@ -33,8 +33,8 @@ HWM = 16
 IO_TIMEOUT_MS = 100
 """Blocking socket calls give up after this so that workers notice a new mode promptly."""
 T_STEPS, N_ENVS = 16, 4
-RUN_SPEC = {"name": "bench-bus", "algo": {"mode": "sync", "max_in_flight": HWM}}
-"""A learner hello needs a run spec; the broker reads algo.mode, algo.max_staleness and algo.max_in_flight.
+RUN_SPEC = {"name": "bench-bus", "algo": {"schedule": "sync", "max_in_flight": HWM}}
+"""A learner hello needs a run spec; the broker reads algo.schedule, algo.max_staleness and algo.max_in_flight.
 The bench's sender pushes without waiting for credit, as far as its socket's HWM lets it: HWM trajectories in
 flight is what it does, so that is what the run declares (the broker returns its credit HWM / 2 at a time)."""
 SENDER_ID, LEARNER_ID = "bench-actor", "bench-learner"

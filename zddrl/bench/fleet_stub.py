@@ -22,7 +22,7 @@ from zddrl.bench.fleet_sim import FD_MARGIN, SOCKETS_PER_ACTOR, raise_nofile
 LEARNER_ID = "fleet-learner"
 MAX_IN_FLIGHT = 2
 """The run's ``algo.max_in_flight``: AlgoConfig's default, what an actor may have uncredited."""
-RUN_SPEC = {"name": "bench-fleet", "algo": {"mode": "async", "max_in_flight": MAX_IN_FLIGHT}}
+RUN_SPEC = {"name": "bench-fleet", "algo": {"schedule": "async", "max_in_flight": MAX_IN_FLIGHT}}
 """async: actors never wait for a new version (the stub publishes only version 0)."""
 RECV_TIMEOUT_MS = 50
 REPORT_CHECK_EVERY = 256

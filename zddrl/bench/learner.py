@@ -34,7 +34,7 @@ from loguru import logger
 from zddrl import protocol as P
 from zddrl.bench import common as C
 from zddrl.bench.broadcast import Publisher
-from zddrl.config import AUTOCASTS, Config, ConfigError, load_config
+from zddrl.config import AUTOCASTS, Config, ConfigError, kind_label, load_config, run_kind
 from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 from zddrl.proc import free_ports
 
@@ -102,13 +102,12 @@ def _synthetic(actor: int, update: int, T: int, N: int, spec: EnvSpec | None = N
 def shard_main(spec: dict[str, Any], out: str) -> None:
     """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures.
     With ``spec["config"]`` the run's model, algorithm and batch on rollouts shaped as its env's (probed here)."""
-    from zddrl.algos.impala import ImpalaLearner
-    from zddrl.algos.ppo import PPOLearner
+    from zddrl.algos.spec import algorithm_of
     from zddrl.dist.shards import ShardGroup
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
     config, env_spec, T, N, actors = _workload(spec)
-    core = (ImpalaLearner if config.algo.mode == "impala" else PPOLearner)(config, env_spec, group)
+    core = algorithm_of(config).learner(config, env_spec, group)
     mine = [s for s in range(actors) if s % group.world_size == group.rank]
     data = [[_synthetic(s, u, T, N, env_spec) for s in mine] for u in range(spec["updates"] + 1)]
     core.update(data[0])  # warm-up: allocations, first collectives
@@ -118,7 +117,11 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     wall = time.perf_counter() - t0
     if group.is_main:
         figures = {"wall_s": wall, "comm_s": group.comm_s - comm0, "samples_per_update": T * N * actors}
-        Path(out).write_text(json.dumps({**figures, "model": config.model.kind, "mode": config.algo.mode}))
+        Path(out).write_text(
+            json.dumps(
+                {**figures, "model": config.model.kind, "mode": kind_label(config.algo.name, config.algo.schedule)}
+            )
+        )
     group.close()
 
 
@@ -133,7 +136,7 @@ def _workload(spec: dict[str, Any]) -> tuple[Config, EnvSpec, int, int, int]:
         return config, probe_spec(config.env), T, N, max(1, config.algo.batch_size // (T * N))
     config = Config().replace(
         {
-            "algo.mode": spec["mode"],
+            **run_kind(spec["mode"]),
             "algo.epochs": spec["epochs"],
             "algo.minibatches": spec["minibatches"],
             "model.hidden": spec["hidden"],
@@ -427,7 +430,8 @@ def learner(
         raise click.UsageError(f"--autocast takes values of {AUTOCASTS}, got {autocasts!r}")
     if config_path is not None:
         try:
-            mode = load_config(config_path).algo.mode
+            algo = load_config(config_path).algo
+            mode = kind_label(algo.name, algo.schedule)
         except ConfigError as exc:
             raise click.UsageError(f"--config: {exc}") from None
         if mode not in ("sync", "async", "impala"):

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from zddrl.algos.apex import ApexLearner
-from zddrl.algos.sac import SACLearner
+from zddrl.algos.apex.learner import ApexLearner
+from zddrl.algos.sac.learner import SACLearner
 from zddrl.config import load_config
 from zddrl.envs import EnvSpec, probe_spec
 
@@ -49,7 +49,7 @@ def _rollout(spec: EnvSpec, T: int, N: int, version: int, rng: np.random.Generat
 
 def bench_learner(mode: str, threads: int, seconds: float) -> dict[str, Any]:
     config = load_config(LEARNER_EXAMPLES[mode], {"algo.torch_threads": threads})
-    spec = probe_spec(config.env.id)
+    spec = probe_spec(config.env)
     core = (ApexLearner if mode == "apex" else SACLearner)(config, spec)
     T, N = config.env.rollout_len, config.env.num_envs
     rng = np.random.default_rng(0)

@@ -43,7 +43,13 @@ WAIT_S = 120.0
 
 
 def _config(name: str, capacity: int) -> Config:
-    over = {**ENVS[name], "algo.mode": "apex", "replay.placement": "service", "replay.capacity": capacity}
+    over = {
+        **ENVS[name],
+        "algo.name": "apex",
+        "algo.schedule": "async",
+        "replay.placement": "service",
+        "replay.capacity": capacity,
+    }
     over.update({"env.rollout_len": T_STEPS, "env.num_envs": N_ENVS, "replay.memory_fraction": 0.95})
     return Config().replace(over)
 

@@ -52,7 +52,8 @@ def _config(
             **({} if base else {"env.id": env_id}),
             "env.num_envs": envs,
             "env.rollout_len": rollout_len,
-            "algo.mode": "async",
+            "algo.name": "ppo",
+            "algo.schedule": "async",
             "algo.max_staleness": 1_000_000,
             "algo.max_in_flight": max_in_flight,
         }
@@ -67,7 +68,7 @@ def _params(config: Config) -> tuple[np.ndarray, list]:
 
 def _plain_loop(config: Config, actor_id: int, flat: np.ndarray, layout: list, seconds: float, out: mp.Queue) -> None:
     """What an actor does minus the bus: step, infer (the actors' policy: numpy MLP or torch CNN), store nothing."""
-    from zddrl.actor.policy import actor_critic_policy
+    from zddrl.algos.actor_critic import actor_critic_policy
 
     envs = config.env.num_envs
     vec = actor_envs(config.env, env_seeds(1, actor_id, envs))

@@ -24,6 +24,7 @@ from typing import Any
 import click
 
 from zddrl.bench.train import DEFAULT_CONFIGS, config_paths
+from zddrl.config import run_kind_args
 
 DEFAULT_ACTORS = "1,2,4,8,16,32"
 DEFAULT_MODES = "sync,async,impala"
@@ -68,7 +69,7 @@ def train_command(config: Path, mode: str, actors: int, args: dict[str, Any], ru
     extra = [arg for s in args["sets"] for arg in ("--set", s)]
     return [
         *[sys.executable, "-m", "zddrl", "--log-level", "WARNING", "train", str(config)],
-        *["--mode", mode, "--seed", str(args["seed"]), "--run-dir", str(run_dir), *overrides, *extra],
+        *[*run_kind_args(mode), "--seed", str(args["seed"]), "--run-dir", str(run_dir), *overrides, *extra],
     ]
 
 

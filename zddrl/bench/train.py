@@ -23,6 +23,7 @@ from typing import Any
 import click
 
 from zddrl.bench.common import timed_json_run
+from zddrl.config import kind_label, run_kind_args
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 DEFAULT_CONFIGS = {
@@ -66,7 +67,7 @@ def run_zddrl(config: str | Path, seed: int, mode: str | None, extra: list[str],
         str(seed),
         "--run-dir",
         str(run_dir),
-        *(["--mode", mode] if mode else []),
+        *(run_kind_args(mode) if mode else []),
         *extra,
     ]
     t0 = time.perf_counter()
@@ -77,7 +78,7 @@ def run_zddrl(config: str | Path, seed: int, mode: str | None, extra: list[str],
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     return {
         "impl": "zddrl",
-        "mode": mode or summary["mode"],
+        "mode": mode or kind_label(summary["algorithm"], summary["schedule"]),
         "seed": seed,
         "reached": summary["reached"],
         "wall_s_to_target": summary["wall_s_to_target"],

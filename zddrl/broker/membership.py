@@ -15,8 +15,11 @@ from typing import Any
 from zddrl import protocol as P
 from zddrl.broker.fleet import Fleet
 from zddrl.broker.health import HealthWarning
-from zddrl.config import MODES, AlgoConfig
+from zddrl.config import AlgoConfig
 from zddrl.logs import RateLimitedLog
+
+RUN_SCHEDULES = ("sync", "async")
+"""What ``algo.schedule`` may say in a run spec (the learner resolves ``auto`` before it announces the run)."""
 
 MAX_STATS_KEYS = 4096
 """Entries a stats map keeps (the learner sends one lag/<actor> entry per actor); later ones are dropped."""
@@ -313,19 +316,20 @@ def checked_stats(stats: dict) -> tuple[dict, int, int]:
 
 
 def staleness_of(run: Any) -> int:
-    """Versions of lag the run allows (0 in sync mode); ProtocolError if the spec is unusable."""
+    """Versions of lag the run allows (0 under the sync schedule); ProtocolError if the spec is unusable. The
+    broker reads nothing else of how the run learns: ``algo.schedule`` and ``algo.max_staleness``."""
     if not isinstance(run, dict):
         raise P.ProtocolError("the run spec must be a map")
     algo = run.get("algo", {})
     if not isinstance(algo, dict):
         raise P.ProtocolError("run spec: 'algo' must be a map")
-    mode = algo.get("mode", "sync")
-    if mode not in MODES:
-        raise P.ProtocolError(f"run spec: algo.mode must be one of {MODES}, got {mode!r}")
+    schedule = algo.get("schedule", "sync")
+    if schedule not in RUN_SCHEDULES:
+        raise P.ProtocolError(f"run spec: algo.schedule must be one of {RUN_SCHEDULES}, got {schedule!r}")
     staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
     if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
         raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
-    return 0 if mode == "sync" else staleness
+    return 0 if schedule == "sync" else staleness
 
 
 def credit_batch_of(run: dict) -> int:

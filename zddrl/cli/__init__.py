@@ -17,17 +17,18 @@ from zddrl.cli.common import (
     _credentials,
     _load,
     _overrides,
-    allow_env_option,
-    allowed_envs,
+    allow_code_option,
+    allowed_code,
     key_option,
     keys_option,
     set_option,
     stop_on_signals,
 )
+from zddrl.cli.export import export
 from zddrl.cli.keys import keys
 from zddrl.cli.replay import replay
 from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
-from zddrl.config import MODES, ConfigError, load_broker_config
+from zddrl.config import ConfigError, load_broker_config
 from zddrl.logs import configure
 from zddrl.transport.link import Refused
 
@@ -161,16 +162,16 @@ def relay_credentials(config):
     help="Benchmark knob: every env step sleeps this long first, as a remote or slow simulator would.",
 )
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
-@allow_env_option("on this host")
+@allow_code_option("on this host")
 @keys_option
 @key_option
-def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_env, keys_dir, key_name) -> None:
+def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
-    allowed = allowed_envs(allow_env)
+    allowed = allowed_code(allow_code)
     creds = _credentials(keys_dir, "actor", key_name)
     try:
         ActorHost(
@@ -180,7 +181,7 @@ def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_en
             slowdown=slowdown,
             env_latency_ms=env_latency_ms,
             max_steps=max_steps,
-            allow_envs=allowed,
+            allowed_code=allowed,
             credentials=creds,
         ).run(stop_on_signals())
     except Refused as exc:
@@ -202,7 +203,8 @@ GPUS_HELP = (
     default=None,
     help="Run directory (default: train.run_dir/NAME-TIME).",
 )
-@click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Overrides algo.mode.")
+@click.option("--algorithm", default=None, help="Overrides algo.name (ppo, impala, apex, sac or module:ATTR).")
+@click.option("--schedule", type=click.Choice(["sync", "async"]), default=None, help="Overrides algo.schedule.")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
 @click.option("--gpus", default=None, envvar="ZDDRL_GPUS", help=GPUS_HELP)
 @click.option("--shards", type=click.IntRange(1, 64), default=None, help="N CPU shards: the same as --gpus cpu:N.")
@@ -268,7 +270,8 @@ def learner(
     config_path,
     connect,
     run_dir,
-    mode,
+    algorithm,
+    schedule,
     seed,
     gpus,
     shards,
@@ -307,7 +310,10 @@ def learner(
     if shards is not None:
         gpus = f"cpu:{shards}"
     creds = _credentials(keys_dir, "learner", key_name)  # checked before any shard or child starts
-    config = _load(config_path, _overrides(sets, **{"algo.mode": mode, "env.seed": seed, "learner.gpus": gpus}))
+    config = _load(
+        config_path,
+        _overrides(sets, **{"algo.name": algorithm, "algo.schedule": schedule, "env.seed": seed, "learner.gpus": gpus}),
+    )
     run_dir = run_dir or str(_default_run_dir(config))
     if restart:  # before plan_devices, which imports torch: the supervisor stays small
         _check_run_dir(config, Path(run_dir), resume)
@@ -329,10 +335,10 @@ def learner(
 
 def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | None) -> tuple[tuple[str, ...], bytes]:
     """The replay endpoints and (closed bus) their public key for a service-placement run; usage errors else."""
-    from zddrl.config import REPLAY_MODES
+    from zddrl.algos.spec import algorithm_of
 
     endpoints = tuple(e.strip() for e in replays.split(",") if e.strip())
-    service = config.replay.placement == "service" and config.algo.mode in REPLAY_MODES
+    service = config.replay.placement == "service" and algorithm_of(config).replay
     if service and not endpoints:
         raise click.UsageError("replay.placement = 'service' needs --replay tcp://HOST:PORT (a `zddrl replay`)")
     if endpoints and not service:
@@ -351,7 +357,8 @@ def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | N
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
 @click.option("--actors", type=int, default=None, help="Actor processes (overrides train.actors).")
 @click.option("--seed", type=int, default=None, help="Overrides env.seed.")
-@click.option("--mode", type=click.Choice(list(MODES)), default=None, help="Overrides algo.mode.")
+@click.option("--algorithm", default=None, help="Overrides algo.name (ppo, impala, apex, sac or module:ATTR).")
+@click.option("--schedule", type=click.Choice(["sync", "async"]), default=None, help="Overrides algo.schedule.")
 @click.option("--until-return", type=float, default=None, help="Stop at this target return (train.target_kind).")
 @click.option("--max-steps", type=int, default=None, help="Stop after this many env steps.")
 @click.option("--max-seconds", type=float, default=None, help="Stop after this many seconds.")
@@ -371,7 +378,19 @@ def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | N
 )
 @set_option
 def train(
-    config_path, actors, seed, mode, until_return, max_steps, max_seconds, run_dir, gpus, resume_dir, secure, sets
+    config_path,
+    actors,
+    seed,
+    algorithm,
+    schedule,
+    until_return,
+    max_steps,
+    max_seconds,
+    run_dir,
+    gpus,
+    resume_dir,
+    secure,
+    sets,
 ) -> None:
     """Run broker, actors and learner on this machine until the first limit is reached."""
     from zddrl.ops.train import run_training
@@ -383,7 +402,8 @@ def train(
             **{
                 "train.actors": actors,
                 "env.seed": seed,
-                "algo.mode": mode,
+                "algo.name": algorithm,
+                "algo.schedule": schedule,
                 "train.until_return": until_return,
                 "train.max_steps": max_steps,
                 "train.max_seconds": max_seconds,
@@ -483,3 +503,4 @@ def plot(run_dirs, output) -> None:
 
 main.add_command(keys)
 main.add_command(replay)
+main.add_command(export)

@@ -87,21 +87,25 @@ keys_option = click.option(
 )
 
 
-def allow_env_option(where: str):
-    """``--allow-env``, read with ``allowed_envs``: the env ids naming code (``module:callable``) that runs may use."""
+def allow_code_option(where: str):
+    """``--allow-code``, read with ``allowed_code``: the ``module:attr`` references (an env id, ``algo.name``,
+    ``model.kind``) whose code runs may have this host import (``zddrl.plugin``)."""
     return click.option(
+        "--allow-code",
         "--allow-env",
-        "allow_env",
+        "allow_code",
         multiple=True,
-        envvar="ZDDRL_ALLOW_ENV",
-        metavar="MODULE:CALLABLE",
-        help=f"An env id naming code (module:callable) that runs may use {where}; repeatable, or space/comma "
-        "separated. Runs with any other such env are refused; registered gymnasium ids need no allowing.",
+        envvar=["ZDDRL_ALLOW_CODE", "ZDDRL_ALLOW_ENV"],
+        metavar="MODULE:ATTR",
+        help=f"Code a run may have imported {where}: an env id, algo.name or model.kind naming a module "
+        "(module:attr, or gymnasium's module:Env-v0), exactly as the run spec says it; repeatable, or space/comma "
+        "separated. Runs naming any other code are refused; registered gymnasium ids and zddrl's own algorithms and "
+        "models need no allowing. --allow-env is the same option's older name.",
     )
 
 
-def allowed_envs(values: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(env_id for value in values for env_id in value.replace(",", " ").split())
+def allowed_code(values: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(ref for value in values for ref in value.replace(",", " ").split())
 
 
 key_option = click.option(

@@ -9,8 +9,8 @@ import click
 from zddrl.cli.common import (
     _connect_list,
     _credentials,
-    allow_env_option,
-    allowed_envs,
+    allow_code_option,
+    allowed_code,
     key_option,
     keys_option,
     stop_on_signals,
@@ -39,10 +39,10 @@ CONNECT_HELP = "The broker's control endpoint(s), tcp://HOST:PORT[,tcp://HOST2:P
 )
 @click.option("--save-every-s", type=click.FloatRange(min=1.0), default=60.0, show_default=True)
 @click.option("--ready-file", type=click.Path(dir_okay=False), default=None, help="Write the bound port here.")
-@allow_env_option("here (the replay builds the run's env once to learn its spaces)")
+@allow_code_option("here (the replay builds the run's env once to learn its spaces)")
 @keys_option
 @key_option
-def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_env, keys_dir, key_name) -> None:
+def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_code, keys_dir, key_name) -> None:
     """Run a replay service: take a replay run's trajectories from the broker, serve sampled batches to learners.
 
     For runs with replay.placement = "service" (modes apex, sac); learners reach it with --replay tcp://HOST:PORT.
@@ -53,14 +53,14 @@ def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_
     from zddrl.learner.replay_service import ReplayService
 
     creds = _credentials(keys_dir, "replay", key_name)
-    allowed = allowed_envs(allow_env)
+    allowed = allowed_code(allow_code)
     service = ReplayService(
         connect,
         bind,
         replay_id,
         credentials=creds,
         learner_keys=folder(keys_dir, "learner") if keys_dir else None,
-        allow_envs=allowed,
+        allowed_code=allowed,
         state_dir=Path(state_dir) if state_dir else None,
         save_every_s=save_every_s,
     )

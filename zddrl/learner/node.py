@@ -1,9 +1,9 @@
 """Learner node: the transport shell around an algorithm core; one process per learner shard.
 
 It announces the run (hello with the run spec), publishes version-0 parameters, then loops: collect a
-batch (``rounds.SyncRounds`` in sync mode, ``rounds.AsyncStream`` in the async modes), one update of
-the core, publish (every round in sync mode, every ``publish_every`` updates otherwise), report, and
-checkpoint. In sync mode a round with no usable rollout publishes v+1 with the weights unchanged, so
+batch (``rounds.SyncRounds`` under the sync schedule, ``rounds.AsyncStream`` under the async one), one update of
+the core, publish (every round when sync, every ``publish_every`` updates otherwise), report, and
+checkpoint. When sync, a round with no usable rollout publishes v+1 with the weights unchanged, so
 that actors (which wait for a newer version) sample again.
 
 Shards (``zddrl learner --gpus``): every shard takes its own share of the stream from the broker and polls
@@ -26,14 +26,11 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.algos.apex import ApexLearner
-from zddrl.algos.core import LearnerCore
-from zddrl.algos.impala import ImpalaLearner
-from zddrl.algos.ppo import PPOLearner
+from zddrl.algos.core import CORE_FIGURES, LearnerCore
 from zddrl.algos.replay_learner import REPLAY_FIGURES, ReplayLearner
 from zddrl.algos.rollout import mismatch
-from zddrl.algos.sac import SACLearner
-from zddrl.config import REPLAY_MODES, Config, ConfigError
+from zddrl.algos.spec import algorithm_of, declared
+from zddrl.config import Config, ConfigError
 from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
 from zddrl.learner.admit import AskedLengths, envs_of, refusal
@@ -58,38 +55,9 @@ FIRST_FLEET_TIMEOUT_S = 2.0
 """How long a learner waits for the fleet message that follows its welcome before it publishes version 0 (the
 rollout length it publishes depends on the fleet); without one it publishes with ``env.rollout_len``."""
 STATS_EVERY_S = 1.0
-REPORTED_FIGURES = (
-    "policy_loss",
-    "value_loss",
-    "entropy",
-    "approx_kl",
-    "clipfrac",
-    "explained_variance",
-    "grad_norm",
-    "lr",
-    "staleness_mean",
-    "staleness_max",
-    "staleness_hist",
-    "is_weight_mean",
-    "rho_mean",
-    "sps",
-    "loss",
-    "q_mean",
-    "temperature",
-    "eval_return",
-    *REPLAY_FIGURES,
-)
-"""The last update's figures that go to `zddrl status` with the learner's stats."""
-
-
-CORES: dict[str, type[LearnerCore]] = {
-    "sync": PPOLearner,
-    "async": PPOLearner,
-    "impala": ImpalaLearner,
-    "apex": ApexLearner,
-    "sac": SACLearner,
-}
-"""The learner core of each ``algo.mode``."""
+RUN_FIGURES = ("staleness_mean", "staleness_max", "staleness_hist", "sps", "eval_return", *REPLAY_FIGURES)
+"""Figures of the run, whatever its algorithm, that go to `zddrl status` with the learner's stats (the algorithm's
+own follow: its spec's ``figures``)."""
 
 
 class MainShard(NamedTuple):
@@ -137,7 +105,10 @@ class LearnerNode:
         self.run_id = self.group.broadcast(f"{config.name}-{uuid.uuid4().hex[:8]}")  # one run, whatever the shards
         self.log = logger.bind(role="learner", peer=self.peer_id)
         self.spec = probe_spec(config.env)
-        self.core: LearnerCore = CORES[config.algo.mode](config, self.spec, self.group)
+        self.algorithm = algorithm_of(config)
+        self.figures = declared(self.algorithm, CORE_FIGURES)
+        """Everything an update of this algorithm may report, by name."""
+        self.core: LearnerCore = self.algorithm.learner(config, self.spec, self.group)
         self.policy_version = 0
         self.rollout_len = config.env.rollout_len
         """Per-env rollout length the actors are told to sample (sync mode sizes it from the fleet)."""
@@ -167,7 +138,7 @@ class LearnerNode:
     def open_run(self) -> MainShard:
         """The main shard's record of the run, from here on in its run directory (written now)."""
         config, resume_version = self.config, self.policy_version if self.resume else None
-        runlog = RunLog(self.run_dir, config.to_dict(), resume_version=resume_version)
+        runlog = RunLog(self.run_dir, config.to_dict(), resume_version, tuple(self.figures.values()))
         return MainShard(
             Ledger(config, self.log, self.t0, self.group.world_size, self.restored),
             runlog,
@@ -177,7 +148,7 @@ class LearnerNode:
                 self.algo.batch_size,
                 self.rollout_len,
                 self.log,
-                sizes_rollouts=self.algo.mode == "sync",
+                sizes_rollouts=self.algo.schedule == "sync",
             ),
             Evaluator(config),
         )
@@ -221,7 +192,7 @@ class LearnerNode:
         welcome = await_welcome(link, stop, self.connect)
         if self.main:
             self.own = self.open_run()
-        service = self.config.replay.placement == "service" and self.algo.mode in REPLAY_MODES
+        service = self.config.replay.placement == "service" and self.algorithm.replay
         window, limit = (0 if service else self._window()), welcome.max_message_bytes  # service: the replays' data
         self.poller = ShardPoller(
             link,
@@ -243,20 +214,22 @@ class LearnerNode:
         if own is not None:
             meta = {
                 "run_id": self.run_id,
-                "mode": self.algo.mode,
+                "algorithm": self.algo.name,
+                "schedule": self.algo.schedule,
                 "resumed_from_version": self.policy_version,
                 "broker": self.connect,
                 "shards": self.group.world_size,
             }
             own.runlog.meta(meta)
             self.log.info(
-                f"run {self.run_id}: {self.config.env.id}, mode {self.algo.mode}, batch {self.algo.batch_size} "
-                f"steps, {self.group.world_size} shard(s), version {self.policy_version} published"
+                f"run {self.run_id}: {self.config.env.id}, {self.algo.name} ({self.algo.schedule}), "
+                f"batch {self.algo.batch_size} steps, {self.group.world_size} shard(s), "
+                f"version {self.policy_version} published"
             )
         ledger = own.ledger if own is not None else None
         if service:
             return self._service_feed(ledger)
-        if self.algo.mode != "sync":
+        if self.algo.schedule != "sync":
             return AsyncStream(self.poller, self.algo, ledger)
         fleet = own.fleet if own is not None else None
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
@@ -294,7 +267,7 @@ class LearnerNode:
         self.timing["updates"] += 1
         self.timing["samples"] += int(figures.get("batch_steps", 0))
         self.timing["wait_s"] += got.round_s
-        if publish_due(self.algo.mode, self.updates, self.algo.publish_every):
+        if publish_due(self.algo.schedule, self.updates, self.algo.publish_every):
             self._publish()
         self.lengths.asked(self.rollout_len)
         if self.own is not None:
@@ -305,7 +278,7 @@ class LearnerNode:
             if evaluator.due(ledger.env_steps()):
                 ledger.progress.eval_return = evaluator.run(self.core.greedy, ledger.env_steps())
                 figures["eval_s"] = evaluator.last_s
-            if self.algo.mode != "sync":
+            if self.algo.schedule != "sync":
                 ledger.watch_lag()
             row = ledger.row(
                 figures,
@@ -347,7 +320,7 @@ class LearnerNode:
 
     def _window(self) -> int:
         """Credit window: sync rounds keep a deep one; async modes keep the group's near one batch."""
-        return CREDIT_WINDOW if self.algo.mode == "sync" else stream_window(self.config, self.group.world_size)
+        return CREDIT_WINDOW if self.algo.schedule == "sync" else stream_window(self.config, self.group.world_size)
 
     def _refresh_fleet(self) -> bool:
         """Main shard: take the broker's newest fleet message; True when it changed."""
@@ -366,11 +339,12 @@ class LearnerNode:
         )
 
     def _mismatch(self, msg: P.Trajectory) -> str:
-        """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". IMPALA stacks rollouts
-        time-major, so there every one must have the run's length."""
+        """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". An algorithm that stacks rollouts
+        time-major (IMPALA) takes only the run's length."""
         try:
-            T = self.rollout_len if self.algo.mode == "impala" else None
-            return mismatch(msg.arrays, self.core.spec, T, self.algo.mode == "sac") or self.core.refusal(msg.arrays)
+            T = self.rollout_len if self.algorithm.fixed_rollout_len else None
+            bounded = self.algorithm.bounded_actions
+            return mismatch(msg.arrays, self.core.spec, T, bounded) or self.core.refusal(msg.arrays)
         except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it, never the run
             return f"its check failed ({type(exc).__name__}: {exc})"
 
@@ -436,7 +410,7 @@ class LearnerNode:
                 **{
                     k: v
                     for k, v in ledger.last_row.items()
-                    if k in REPORTED_FIGURES and isinstance(v, (int, float, str))
+                    if (k in RUN_FIGURES or k in self.figures) and isinstance(v, (int, float, str))
                 },
                 **stats,
                 "updates": self.updates,
@@ -450,7 +424,8 @@ class LearnerNode:
     def _summary(self) -> dict[str, Any]:
         run = {
             "policy_version": self.policy_version,
-            "mode": self.algo.mode,
+            "algorithm": self.algo.name,
+            "schedule": self.algo.schedule,
             "seed": self.config.env.seed,
             "run_id": self.run_id,
             "shards": self.group.world_size,
@@ -495,6 +470,6 @@ class LearnerNode:
         return progress
 
 
-def publish_due(mode: str, updates: int, publish_every: int) -> bool:
-    """Sync mode publishes every round (actors wait for it); the async modes every ``publish_every`` updates."""
-    return mode == "sync" or updates % publish_every == 0
+def publish_due(schedule: str, updates: int, publish_every: int) -> bool:
+    """The sync schedule publishes every round (actors wait for it); the async one every ``publish_every`` updates."""
+    return schedule == "sync" or updates % publish_every == 0

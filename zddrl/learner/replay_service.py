@@ -34,7 +34,8 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.config import REPLAY_MODES, Config
+from zddrl.algos.spec import algorithm_of
+from zddrl.config import Config
 from zddrl.envs import EnvError, probe_spec
 from zddrl.learner.replay_store import ReplayStore
 from zddrl.learner.rounds import stream_window
@@ -65,13 +66,13 @@ class ReplayService:
         context: zmq.Context | None = None,
         credentials: keys.Credentials | None = None,
         learner_keys: Path | None = None,
-        allow_envs: frozenset[str] = frozenset(),
+        allowed_code: frozenset[str] = frozenset(),
         state_dir: Path | None = None,
         save_every_s: float = 60.0,
     ) -> None:
         self.connect, self.bind, self.peer_id = connect, bind, peer_id
         self.ctx = context or zmq.Context.instance()
-        self.credentials, self.learner_keys, self.allow_envs = credentials, learner_keys, allow_envs
+        self.credentials, self.learner_keys, self.allowed_code = credentials, learner_keys, allowed_code
         self.save_every_s = save_every_s
         self.log = logger.bind(role="replay", peer=peer_id)
         self.store = ReplayStore(peer_id, state_dir, self.log)
@@ -175,9 +176,9 @@ class ReplayService:
             self.channel = DataChannel(link, self.peer_id, welcome.max_message_bytes, window)
 
     def _adopt(self, welcome: P.Welcome) -> None:
-        config, why = joinable(welcome, self.credentials, self.allow_envs) if welcome.run else (None, "no run yet")
-        if config is not None and (config.algo.mode not in REPLAY_MODES or config.replay.placement != "service"):
-            why = f"mode {config.algo.mode} with replay.placement {config.replay.placement!r}"
+        config, why = joinable(welcome, self.credentials, self.allowed_code) if welcome.run else (None, "no run yet")
+        if config is not None and (not algorithm_of(config).replay or config.replay.placement != "service"):
+            why = f"algorithm {config.algo.name!r} with replay.placement {config.replay.placement!r}"
             config = None
         spec = None
         if config is not None:

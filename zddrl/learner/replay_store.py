@@ -36,6 +36,7 @@ from zddrl import protocol as P
 from zddrl.algos.replay import PrioritizedReplay
 from zddrl.algos.replay_learner import block_refusal, buffer_for
 from zddrl.algos.rollout import mismatch
+from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.learner.admit import envs_of, refusal
@@ -114,7 +115,7 @@ class ReplayStore:
         readable = not why
         if not why:
             try:
-                why = mismatch(msg.arrays, self.spec, None, self.config.algo.mode == "sac")
+                why = mismatch(msg.arrays, self.spec, None, algorithm_of(self.config).bounded_actions)
                 why = why or block_refusal(msg.arrays, self.buffer.capacity)
             except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it
                 why = f"its check failed ({type(exc).__name__}: {exc})"

@@ -26,8 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
+
+from zddrl.algos.spec import Figure
 from zddrl.config import to_toml
-from zddrl.learner.tensorboard import make_tensorboard_writer
+from zddrl.learner.tensorboard import make_tensorboard_writer, with_figures
 from zddrl.learner.wandb_log import make_wandb_writer
 
 METRIC_COLUMNS = (
@@ -73,6 +76,11 @@ METRIC_COLUMNS = (
     "rollout_len",
     "round_s",
     "update_s",
+    "clip",
+    "beta",
+    "grad_steps_total",
+    "replay_stale_updates",
+    "replay_dropped_by_version",
 )
 SUMMARY_KEYS = (
     "target_return",
@@ -93,7 +101,8 @@ SUMMARY_KEYS = (
     "dropped_stale",
     "dropped_invalid",
     "lag",
-    "mode",
+    "algorithm",
+    "schedule",
     "seed",
     "shards",
     "shard_trajectories",
@@ -116,21 +125,33 @@ class RunLog:
     after the checkpoint (work lost with the crash, done again now) are dropped, the rest kept.
     """
 
-    def __init__(self, run_dir: str | Path, config: dict[str, Any], resume_version: int | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: dict[str, Any],
+        resume_version: int | None = None,
+        figures: tuple[Figure, ...] = (),
+    ) -> None:
+        """``figures``: what the run's algorithm declares; those not among ``METRIC_COLUMNS`` (a user's algorithm's)
+        become columns after them, and TensorBoard and W&B scalars under their group."""
         self.dir = Path(run_dir)
+        self.columns = METRIC_COLUMNS + tuple(dict.fromkeys(f.name for f in figures if f.name not in METRIC_COLUMNS))
+        self.algorithm = str(config.get("algo", {}).get("name", ""))
+        self._undeclared: set[str] = set()
+        tags = with_figures(figures)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._meta: dict[str, Any] | None = None
         (self.dir / "config.toml").write_text(to_toml(config))
         kept = self._rows_up_to(resume_version) if resume_version is not None else []
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
-        self._csv = csv.DictWriter(self._csv_file, fieldnames=METRIC_COLUMNS, extrasaction="ignore")
+        self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")
         self._csv.writeheader()
         self._csv.writerows(kept)
         self._csv_file.flush()
         # TensorBoard when installed (extra `tensorboard`); a resumed run hides events written after its checkpoint.
         purge = None if resume_version is None else (int(kept[-1]["env_steps"]) + 1 if kept else 0)
-        self._tb = make_tensorboard_writer(self.dir, purge_step=purge)
-        self._wandb = make_wandb_writer(self.dir, config)  # W&B when train.wandb_project is set (extra `wandb`)
+        self._tb = make_tensorboard_writer(self.dir, purge_step=purge, tags=tags)
+        self._wandb = make_wandb_writer(self.dir, config, tags)  # W&B when train.wandb_project is set (extra `wandb`)
 
     def _rows_up_to(self, version: int) -> list[dict[str, str]]:
         try:
@@ -141,12 +162,24 @@ class RunLog:
         return [r for r in rows if r.get("policy_version", "").isdigit() and int(r["policy_version"]) <= version]
 
     def write(self, row: dict[str, Any]) -> None:
-        self._csv.writerow({k: _fmt(row.get(k)) for k in METRIC_COLUMNS})
+        self._warn_undeclared(row)
+        self._csv.writerow({k: _fmt(row.get(k)) for k in self.columns})
         self._csv_file.flush()
         if self._tb is not None:
             self._tb.write(int(row["env_steps"]), row)
         if self._wandb is not None:
             self._wandb.write(int(row["env_steps"]), row)
+
+    def _warn_undeclared(self, row: dict[str, Any]) -> None:
+        """A figure no column takes is said once, by name: an algorithm that reports a figure it did not declare
+        (``AlgorithmSpec.figures``) must learn of it, not lose it silently."""
+        new = set(row) - set(self.columns) - self._undeclared
+        if new:
+            self._undeclared |= new
+            logger.warning(
+                f"figure(s) {', '.join(sorted(new))} of algorithm {self.algorithm!r} are not declared in its "
+                "spec's figures: not written to metrics.csv, TensorBoard or W&B"
+            )
 
     def meta(self, extra: dict[str, Any]) -> None:
         """Run metadata (``meta.json``): zddrl and library versions, git SHA, host, command line, plus ``extra``.

@@ -18,6 +18,7 @@ from typing import Any
 
 from loguru import logger
 
+from zddrl.algos.spec import Figure
 from zddrl.values import finite_float
 
 TB_DIR = "tb"
@@ -40,10 +41,20 @@ TAGS: dict[str, tuple[str, ...]] = {
 FLUSH_SECS = 10
 
 
-def tagged(row: dict[str, Any]) -> dict[str, float]:
-    """The finite figures of a metrics row that ``TAGS`` names, as ``namespace/column`` -> value."""
+def with_figures(figures: tuple[Figure, ...]) -> dict[str, tuple[str, ...]]:
+    """``TAGS`` and the declared ``figures`` of a run's algorithm, each under its group."""
+    tags = {namespace: list(keys) for namespace, keys in TAGS.items()}
+    for figure in figures:
+        names = tags.setdefault(figure.group, [])
+        if figure.name not in names and not any(figure.name in keys for keys in TAGS.values()):
+            names.append(figure.name)
+    return {namespace: tuple(keys) for namespace, keys in tags.items()}
+
+
+def tagged(row: dict[str, Any], tags: dict[str, tuple[str, ...]] | None = None) -> dict[str, float]:
+    """The finite figures of a metrics row that ``tags`` (default ``TAGS``) names, as ``namespace/column``."""
     scalars = {}
-    for namespace, keys in TAGS.items():
+    for namespace, keys in (TAGS if tags is None else tags).items():
         for key in keys:
             value = finite_float(row.get(key))
             if value is not None:
@@ -57,11 +68,14 @@ INSTALL_HINT = "pip install 'zddrl[tensorboard]'"
 class TensorBoardWriter:
     """Writes one event file under RUN_DIR/tb; ``write`` once per learner update, ``close`` at the end."""
 
-    def __init__(self, run_dir: str | Path, purge_step: int | None = None) -> None:
+    def __init__(
+        self, run_dir: str | Path, purge_step: int | None = None, tags: dict[str, tuple[str, ...]] | None = None
+    ) -> None:
         """``purge_step``: on a resumed run, the first step to be written again (checkpoint's env steps + 1);
         TensorBoard hides the events of the crashed process from that step on, so nothing shows twice."""
         from torch.utils.tensorboard import SummaryWriter  # ImportError without the tensorboard package
 
+        self.tags = TAGS if tags is None else tags
         self.dir = Path(run_dir) / TB_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         self._writer: Any = SummaryWriter(log_dir=str(self.dir), flush_secs=FLUSH_SECS, purge_step=purge_step)
@@ -70,7 +84,7 @@ class TensorBoardWriter:
         """Log the known figures of ``row`` at ``step`` (env steps); returns how many scalars were written."""
         if self._writer is None:
             raise RuntimeError("TensorBoardWriter is closed")
-        scalars = tagged(row)
+        scalars = tagged(row, self.tags)
         for tag, value in scalars.items():
             self._writer.add_scalar(tag, value, global_step=int(step))
         return len(scalars)
@@ -92,10 +106,12 @@ class TensorBoardWriter:
         self.close()
 
 
-def make_tensorboard_writer(run_dir: str | Path, purge_step: int | None = None) -> TensorBoardWriter | None:
+def make_tensorboard_writer(
+    run_dir: str | Path, purge_step: int | None = None, tags: dict[str, tuple[str, ...]] | None = None
+) -> TensorBoardWriter | None:
     """A writer for RUN_DIR/tb, or None (one log line) when tensorboard is not installed or cannot load."""
     try:
-        return TensorBoardWriter(run_dir, purge_step)
+        return TensorBoardWriter(run_dir, purge_step, tags)
     except ImportError:
         logger.info(f"tensorboard is not installed: no TensorBoard events for this run ({INSTALL_HINT})")
     except Exception as exc:  # a broken install (protobuf mismatch, ...) must not stop training

@@ -26,7 +26,16 @@ STEP_METRIC = "env_steps"
 class WandbWriter:
     """``write(step, row)`` once per learner update, ``close()`` at the end."""
 
-    def __init__(self, run_dir: Path, config: dict[str, Any], project: str, name: str, mode: str) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        config: dict[str, Any],
+        project: str,
+        name: str,
+        mode: str,
+        tags: dict[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        self.tags = tags
         import wandb  # ImportError without the extra
 
         run_dir = Path(run_dir).resolve()
@@ -48,7 +57,7 @@ class WandbWriter:
 
     def write(self, step: int, row: dict[str, Any]) -> int:
         """Log the known figures of ``row`` at ``step`` (env steps); returns how many were logged."""
-        values = tagged(row)
+        values = tagged(row, self.tags)
         if values and self._run is not None:
             self._run.log({STEP_METRIC: int(step), **values})
         return len(values)
@@ -60,14 +69,17 @@ class WandbWriter:
             self._run = None
 
 
-def make_wandb_writer(run_dir: Path, config: dict[str, Any]) -> WandbWriter | None:
+def make_wandb_writer(
+    run_dir: Path, config: dict[str, Any], tags: dict[str, tuple[str, ...]] | None = None
+) -> WandbWriter | None:
     """A writer when ``config``'s ``train.wandb_project`` is set and wandb starts, else None."""
     train = config.get("train", {})
     project = train.get("wandb_project", "")
     if not project:
         return None
     try:
-        return WandbWriter(run_dir, config, project, train.get("wandb_run_name", ""), train.get("wandb_mode", "online"))
+        name, mode = train.get("wandb_run_name", ""), train.get("wandb_mode", "online")
+        return WandbWriter(run_dir, config, project, name, mode, tags)
     except ImportError:
         logger.warning(f"train.wandb_project is set but wandb is not installed: no W&B logging ({INSTALL_HINT})")
     except Exception as exc:  # no login, no network, a broken install: the run goes on without it

@@ -18,12 +18,10 @@ from typing import Any, NamedTuple
 import gymnasium as gym
 import numpy as np
 
-from zddrl.actor.host import build_policy
-from zddrl.algos.core import acting_model
-from zddrl.algos.model import flatten_params
 from zddrl.config import Config, EnvConfig
 from zddrl.envs import env_action, env_spec, evaluation_factory
 from zddrl.learner.runlog import CheckpointError, load_checkpoint
+from zddrl.ops.api import checkpoint_policy
 from zddrl.ops.video import Mp4Writer, VideoError
 
 ATARI_FPS = 15.0
@@ -60,12 +58,7 @@ def evaluate(
         env = gym.wrappers.TimeLimit(env, max_episode_steps)
     try:
         spec = env_spec(env)
-        model = acting_model(config, spec)
-        model.load_state_dict(state["model"])
-        flat, layout = flatten_params(model)
-        rms = state.get("obs_rms")
-        extras = {} if rms is None else {"obs_mean": rms["mean"].numpy(), "obs_var": rms["var"].numpy()}
-        policy = build_policy(flat, layout, extras, config, spec, num_envs=1)
+        policy = checkpoint_policy(state, config, spec)
         act = _greedy(policy, spec.obs_dtype, env_action(spec), np.random.default_rng(seed))
         played = []
         for k in range(episodes):

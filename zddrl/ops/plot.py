@@ -46,8 +46,12 @@ class Run:
         return str(self.config.get("name") or self.dir.name)
 
     @property
-    def mode(self) -> str | None:
-        return self.summary.get("mode") or self.config.get("algo", {}).get("mode")
+    def algorithm(self) -> str | None:
+        """``ppo (async)``: the run's algorithm and schedule, from its summary or its config."""
+        algo = self.config.get("algo", {})
+        name = self.summary.get("algorithm") or algo.get("name")
+        schedule = self.summary.get("schedule") or algo.get("schedule")
+        return f"{name} ({schedule})" if name and schedule else name
 
     @property
     def seed(self) -> Any:
@@ -63,7 +67,7 @@ class Run:
         return finite_float(self.summary.get("target_return"))
 
     def label(self) -> str:
-        parts = [self.name, self.mode, None if self.seed is None else f"seed {self.seed}"]
+        parts = [self.name, self.algorithm, None if self.seed is None else f"seed {self.seed}"]
         return ", ".join(str(p) for p in parts if p)
 
 

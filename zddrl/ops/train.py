@@ -32,7 +32,9 @@ from typing import Any
 import click
 from loguru import logger
 
-from zddrl.config import REPLAY_MODES, Config, TrainConfig, to_toml
+from zddrl import plugin
+from zddrl.algos.spec import algorithm_of
+from zddrl.config import Config, TrainConfig, to_toml
 from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
@@ -81,6 +83,7 @@ class LocalProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=plugin.child_environment(),
             preexec_fn=own_group_dying_with_parent if own_group else partial(_nice_dying_with_parent, nice),
         )
         log.close()
@@ -189,7 +192,7 @@ def _start(
     broker = ["broker", "--bind", connect, "--trajectory-port", traj, "--learner-port", learn, "--params-port", params]
     procs.start("broker", [*broker, *keys])
     if replay_port:  # before the learner, which samples from it (ZeroMQ waits for the bind either way)
-        allow = ["--allow-env", config.env.id]  # the user's own env id (see the actors below)
+        allow = allow_own_code(config)  # the user's own code (see the actors below)
         bind = f"tcp://127.0.0.1:{replay_port}"
         state = ["--state-dir", str(run_dir / "replay")]
         procs.start("replay", ["replay", "--connect", connect, "--bind", bind, *state, *allow, *keys])
@@ -199,11 +202,16 @@ def _start(
         slow = ["--slowdown", str(slowdowns[i])] if i < len(slowdowns) and slowdowns[i] > 1 else []
         if config.train.env_latency_ms > 0:
             slow += ["--env-latency-ms", repr(config.train.env_latency_ms)]
-        # The env id comes from the user's own config, so these actors may build it (a module:callable too).
-        allow = ["--allow-env", config.env.id]
+        allow = allow_own_code(config)
         actor = ["actor", "--connect", connect, "--actor-id", str(i), *slow, *allow, *keys]
         procs.start(f"actor-{i}", actor, nice=config.train.actor_nice)
     return learner
+
+
+def allow_own_code(config: Config) -> list[str]:
+    """``--allow-code`` for each piece of code the user's own config names (env, algorithm, model): the processes
+    this command starts may import it, where a host joining from the network would have to allow it itself."""
+    return [arg for ref in config.references() for arg in ("--allow-code", ref)]
 
 
 def run_training(
@@ -222,7 +230,7 @@ def run_training(
     t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
     _check_env_id(config)  # a misspelt env id: one line, before anything is written
-    if config.algo.mode in REPLAY_MODES:  # a buffer that cannot fit must not cost a learner's failed starts
+    if algorithm_of(config).replay:  # a buffer that cannot fit must not cost a learner's failed starts
         _check_env(config)
     fresh = not run_dir.exists()
     """A directory this command makes is removed again if the env is refused after the start (nothing ran)."""
@@ -232,7 +240,7 @@ def run_training(
     config_path.write_text(to_toml(config.to_dict()))
     control, traj, learn, params, replay_port = free_ports(5)
     connect = f"tcp://127.0.0.1:{control}"
-    if config.algo.mode not in REPLAY_MODES or config.replay.placement != "service":
+    if not algorithm_of(config).replay or config.replay.placement != "service":
         replay_port = 0
     procs = LocalProcesses(log_dir)
     budget = RestartBudget(config.train.max_restarts)
@@ -255,7 +263,7 @@ def run_training(
             replay_port,
             run_dir,
         )
-        if config.algo.mode not in REPLAY_MODES:
+        if not algorithm_of(config).replay:
             try:
                 _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
             except click.UsageError:

@@ -14,11 +14,12 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import env_refusal
+from zddrl.plugin import PluginError
 from zddrl.transport import signatures as signing
 
 
 def joinable(
-    welcome: P.Welcome, credentials: keys.Credentials | None, allow_envs: frozenset[str]
+    welcome: P.Welcome, credentials: keys.Credentials | None, allowed_code: frozenset[str]
 ) -> tuple[Config | None, str]:
     """``(config, "")`` of the welcome's run if this host may join it, else ``(None, why)``."""
     if welcome.run is None:
@@ -29,6 +30,9 @@ def joinable(
         )
         if why:
             return None, f"run spec {why}"
-    config = Config.from_dict(welcome.run)
-    why = env_refusal(config.env.id, allow_envs)
+    try:  # an algorithm or model of the user's own must be allowed here (checked before any import)
+        config = Config.from_dict(welcome.run, allowed=allowed_code)
+    except PluginError as exc:
+        return None, str(exc)
+    why = env_refusal(config.env.id, allowed_code)
     return (None, why) if why else (config, "")

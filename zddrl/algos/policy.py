@@ -3,7 +3,7 @@
 Actors do not import torch: for the MLPs used on vector observations a numpy forward pass is
 several times cheaper per step than a torch call, and an actor host starts in a fraction of the
 time. The maths mirrors ``zddrl.algos.model.ActorCritic`` exactly (tests check it against torch).
-CNN policies run in torch instead (``zddrl.actor.torch_policy``, chosen by ``actor_critic_policy``).
+CNN policies run in torch instead (``zddrl.algos.torch_policy``, chosen by ``actor_critic_policy``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from zddrl.algos.flat import normalize_obs, unflatten
-from zddrl.config import ModelConfig
-from zddrl.envs import EnvSpec
 
 
 def _relu(x: np.ndarray) -> np.ndarray:
@@ -123,21 +121,3 @@ def sample(
     actions = out + std * noise
     logp = (-0.5 * noise**2 - log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)
     return ActOutput(actions.astype(np.float32), logp.astype(np.float32), values.astype(np.float32))
-
-
-def actor_critic_policy(
-    flat: np.ndarray,
-    layout: list,
-    model: ModelConfig,
-    spec: EnvSpec,
-    obs_mean: np.ndarray | None = None,
-    obs_var: np.ndarray | None = None,
-) -> Policy:
-    """The actor-side policy of a parameter version: numpy for the MLPs; torch (imported only then) for the
-    CNNs, whose convolutions numpy runs far slower (docs/benchmarks.md, actor inference). Raises on a layout that
-    does not build this network."""
-    if model.kind == "mlp":
-        return NumpyPolicy(flat, layout, model.activation, spec.discrete, obs_mean, obs_var)
-    from zddrl.actor.torch_policy import TorchPolicy
-
-    return TorchPolicy(flat, layout, model, spec, obs_mean, obs_var)

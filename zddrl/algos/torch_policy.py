@@ -1,6 +1,6 @@
-"""Actor-side inference in torch, for the CNN policies (``model.kind`` nature_cnn or impala_cnn).
+"""Actor-side inference in torch, for the CNN policies and custom networks (every ``model.kind`` but ``mlp``).
 
-Same interface as ``zddrl.actor.policy.NumpyPolicy`` (``act``, ``value``, ``outputs``), and the same action
+Same interface as ``zddrl.algos.policy.NumpyPolicy`` (``act``, ``value``, ``outputs``), and the same action
 sampling (``policy.sample``, from the actor's numpy generator): only the forward pass differs. Why torch here:
 a numpy convolution (im2col and a matmul) of the Nature CNN on 8 frames of 4x84x84 costs several times a torch
 forward on one thread (docs/benchmarks.md, actor inference). The MLP actor never imports this module.
@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from zddrl.actor.policy import ActOutput, sample
 from zddrl.algos.flat import normalize_obs
-from zddrl.algos.model import ActorCritic, load_flat
-from zddrl.config import ModelConfig
+from zddrl.algos.model import load_flat
+from zddrl.algos.policy import ActOutput, sample
 from zddrl.envs import EnvSpec
 
 INFERENCE_THREADS = 1
@@ -27,20 +26,20 @@ class TorchPolicy:
 
     def __init__(
         self,
+        net: torch.nn.Module,
         flat: np.ndarray,
         layout: list,
-        model: ModelConfig,
         spec: EnvSpec,
         obs_mean: np.ndarray | None = None,
         obs_var: np.ndarray | None = None,
     ) -> None:
+        """``net``: the acting network, built afresh; its ``forward(obs)`` gives ``(dist_params, value)``
+        (``model.ActorCritic.forward``, ``custom_model``)."""
         torch.set_num_threads(INFERENCE_THREADS)
-        self.net = ActorCritic(spec, model)
+        self.net = net
         load_flat(self.net, np.asarray(flat, dtype=np.float32), layout)
         self.net.eval()
-        self.log_std = (
-            np.zeros(0, np.float32) if spec.discrete else self.net.log_std.detach().numpy().astype(np.float32)
-        )
+        self.discrete, self.action_dim = spec.discrete, spec.action_dim
         self.outputs = int(spec.action_dim)
         """load_flat refuses a layout of other sizes: the output is the env's, by construction."""
         self.obs_mean = None if obs_mean is None else np.asarray(obs_mean, dtype=np.float32)
@@ -54,9 +53,13 @@ class TorchPolicy:
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            return self.net.value(self.prepare(obs)).numpy().astype(np.float32)
+            return self.net(self.prepare(obs))[1].numpy().astype(np.float32)
 
     def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput:
         with torch.inference_mode():
-            out, values = self.net.heads(self.prepare(obs))
-        return sample(out.numpy(), values.numpy(), self.log_std, rng, deterministic)
+            params, values = self.net(self.prepare(obs))
+        params = params.float().numpy()
+        if self.discrete:
+            return sample(params, values.numpy(), np.zeros(0, np.float32), rng, deterministic)
+        mean, log_std = params[:, : self.action_dim], params[:, self.action_dim :]
+        return sample(mean, values.numpy(), log_std, rng, deterministic)

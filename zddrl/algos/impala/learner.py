@@ -87,9 +87,9 @@ class ImpalaLearner(LearnerCore):
         obs = self.tensor(self.normalize(tm.obs)) if tm is not None else None
         total = int(self.group.sum(T * B)[0])
         lr = self.set_lr(staleness)
-        k = self.algo.minibatches
+        k = self.settings.minibatches
         sums: dict[str, float] = defaultdict(float)
-        for _ in range(self.algo.epochs):
+        for _ in range(self.settings.epochs):
             perm = torch.randperm(B)
             for j in range(k):
                 figures, grad_norm = self._step(tm, obs, perm[j * B // k : (j + 1) * B // k])
@@ -107,7 +107,7 @@ class ImpalaLearner(LearnerCore):
             )
         self.steps_trained += total
         pooled = self.group.sum(*(sums[name] for name in IMPALA_FIGURES))
-        seen = max(total * self.algo.epochs, 1)
+        seen = max(total * self.settings.epochs, 1)
         return {
             **{name: v / seen for name, v in zip(IMPALA_FIGURES, pooled)},
             "grad_norm": sums["grad_norm"] / max(sums["steps"], 1),
@@ -131,8 +131,8 @@ class ImpalaLearner(LearnerCore):
             discounts,
             values.cpu(),
             self.value(tm.next_obs[c]),
-            rho_bar=self.algo.rho_bar,
-            c_bar=self.algo.c_bar,
+            rho_bar=self.settings.rho_bar,
+            c_bar=self.settings.c_bar,
         )
 
     def _step(
@@ -142,7 +142,7 @@ class ImpalaLearner(LearnerCore):
         (none if it has no columns this step), and the global gradient norm (None: no step taken)."""
         if tm is None or obs is None or len(cols) == 0:  # obs is None exactly when tm is
             return {}, self.step_optimizer(None, 0)
-        a = self.algo
+        s = self.settings
         T, b = obs.shape[0], len(cols)
         mb_obs = obs[:, cols.to(self.device)].reshape(T * b, *obs.shape[2:])
         actions = self.tensor(tm.actions[:, cols.numpy()]).reshape(T * b, *tm.actions.shape[2:])
@@ -152,7 +152,7 @@ class ImpalaLearner(LearnerCore):
         policy_loss = -(pg_advantages * logp).mean()
         value_loss = 0.5 * ((vs - values) ** 2).mean()
         entropy_mean = entropy.mean()
-        loss = policy_loss + a.vf_coef * value_loss - a.ent_coef * entropy_mean
+        loss = policy_loss + s.vf_coef * value_loss - s.ent_coef * entropy_mean
         grad_norm = self.step_optimizer(loss, T * b)
         figures = {
             "policy_loss": policy_loss.item(),

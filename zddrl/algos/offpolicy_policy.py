@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from zddrl.actor.policy import ACTIVATIONS, ActOutput
 from zddrl.algos.flat import unflatten
+from zddrl.algos.policy import ACTIVATIONS, ActOutput
 from zddrl.algos.replay_nstep import nstep_td_errors
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0

@@ -44,7 +44,7 @@ class ApexLearner(ReplayLearner):
             figures: dict[str, float] = {}
         else:
             figures = self._learn(batch)
-        if (self.grad_steps + 1) % self.algo.target_update_every == 0:  # on every shard alike
+        if (self.grad_steps + 1) % self.settings.target_update_every == 0:  # on every shard alike
             self.target.load_state_dict(self.model.state_dict())
         return figures
 

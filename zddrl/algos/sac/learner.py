@@ -42,10 +42,11 @@ class SACLearner(ReplayLearner):
         self.group.sync_module(self.critic.parameters())
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.critic_optimizer = Adam(self.critic.parameters(), lr=a.lr)
+        s = self.settings
         self.log_alpha = torch.tensor(
-            [math.log(a.init_temperature)], device=self.device, requires_grad=a.autotune_temperature
+            [math.log(s.init_temperature)], device=self.device, requires_grad=s.autotune_temperature
         )
-        self.alpha_optimizer = Adam([self.log_alpha], lr=a.lr) if a.autotune_temperature else None
+        self.alpha_optimizer = Adam([self.log_alpha], lr=a.lr) if s.autotune_temperature else None
         self.target_entropy = -float(spec.action_dim)
         low, high = np.asarray(spec.action_low, np.float32), np.asarray(spec.action_high, np.float32)
         self.action_mid = self.tensor((high + low) / 2)
@@ -63,7 +64,7 @@ class SACLearner(ReplayLearner):
         with torch.no_grad():  # on every shard alike
             target: list[torch.Tensor] = list(self.critic_target.parameters())
             online: list[torch.Tensor] = list(self.critic.parameters())
-            torch._foreach_lerp_(target, online, self.algo.tau)
+            torch._foreach_lerp_(target, online, self.settings.tau)
         return figures
 
     def _idle(self) -> dict[str, float]:

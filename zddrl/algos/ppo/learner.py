@@ -96,8 +96,8 @@ class PPOLearner(LearnerCore):
     def make_batch(self, trajectories: Sequence[Rollout]) -> Batch:
         """GAE per trajectory (each ``[T, N]``), then everything flattened to ``[M]`` (M may be 0 on a
         shard that got no data this update; it still takes part in every collective)."""
-        a = self.algo
-        recompute = a.mode != "sync"  # stale data: values and log-probs of the current network
+        a, s = self.algo, self.settings
+        recompute = a.schedule != "sync"  # stale data: values and log-probs of the current network
         parts: dict[str, list[np.ndarray]] = defaultdict(list)
         rewards_of = self.learning_rewards(trajectories)
         for traj, rewards in zip(trajectories, rewards_of):
@@ -120,7 +120,7 @@ class PPOLearner(LearnerCore):
                 next_value,
                 trunc_value,
                 gamma=a.gamma,
-                gae_lambda=a.gae_lambda,
+                gae_lambda=s.gae_lambda,
             )
             parts["obs"].append(obs_flat)
             parts["actions"].append(x["actions"].reshape(T * N, *x["actions"].shape[2:]))
@@ -137,7 +137,7 @@ class PPOLearner(LearnerCore):
         if recompute and len(behaviour):
             with torch.no_grad():
                 logp = self.evaluate(obs, actions)[0]  # proximal policy: this update's start (as the steps compute it)
-            weights = truncated_importance_weights(logp, behaviour, a.rho_bar)
+            weights = truncated_importance_weights(logp, behaviour, s.rho_bar)
         return Batch(obs, actions, logp, weights, *(self.tensor(cat[k]) for k in ("values", "advantages", "returns")))
 
     def _empty(self) -> dict[str, np.ndarray]:
@@ -159,19 +159,19 @@ class PPOLearner(LearnerCore):
         sample-weighted mean over the shards (so it equals one learner's step on the union).
         """
         batch = self.make_batch(trajectories)
-        a = self.algo
+        a, s = self.algo, self.settings
         M = batch.obs.shape[0]
         total = int(self.group.sum(M)[0])
         lr = self.set_lr(staleness)
-        clip = schedule(a.clip, a.clip_schedule, self.steps_trained / a.total_steps)
+        clip = schedule(s.clip, s.clip_schedule, self.steps_trained / a.total_steps)
         sums: dict[str, float] = defaultdict(float)
-        mbs = a.minibatches
-        for _ in range(a.epochs):
+        mbs = s.minibatches
+        for _ in range(s.epochs):
             perm = torch.randperm(M, device=self.device)
             slices = [perm[j * M // mbs : (j + 1) * M // mbs] for j in range(mbs)]
             # Each minibatch's advantages are standardised over that minibatch on every shard; the
             # statistics of the epoch's k minibatches travel in one all-reduce, not one per step.
-            stats = self._advantage_stats(batch.advantages, slices) if a.norm_adv else [None] * mbs
+            stats = self._advantage_stats(batch.advantages, slices) if s.norm_adv else [None] * mbs
             for idx, stat in zip(slices, stats):
                 figures, grad_norm = self._minibatch_step(batch, idx, clip, stat)
                 for name, v in figures.items():
@@ -181,7 +181,7 @@ class PPOLearner(LearnerCore):
                     sums["steps"] += 1
         self.steps_trained += total
         pooled = self.group.sum(*(sums[k] for k in LOSS_FIGURES), batch.weights.sum())
-        samples_seen = total * a.epochs
+        samples_seen = total * s.epochs
         figures = {k: v / max(samples_seen, 1) for k, v in zip(LOSS_FIGURES, pooled)}
         return {
             **figures,
@@ -213,7 +213,7 @@ class PPOLearner(LearnerCore):
         """One optimizer step, advantages standardised with ``adv_stat`` (mean, std) if given; this
         shard's loss figures (none if its slice is empty) and the global gradient norm (None: no
         shard had a sample, no step taken)."""
-        a = self.algo
+        a, s = self.algo, self.settings
         adv = batch.advantages[idx]
         if adv_stat is not None:
             adv = (adv - adv_stat[0]) / (adv_stat[1] + 1e-8)
@@ -221,7 +221,7 @@ class PPOLearner(LearnerCore):
         figures: dict[str, float] = {}
         if len(idx):
             logp, entropy, value = self.evaluate(batch.obs[idx], batch.actions[idx])
-            weights = None if a.mode == "sync" else batch.weights[idx]
+            weights = None if a.schedule == "sync" else batch.weights[idx]
             loss, figures = ppo_loss(
                 logp,
                 batch.logp[idx],
@@ -231,9 +231,9 @@ class PPOLearner(LearnerCore):
                 batch.returns[idx],
                 entropy,
                 clip,
-                a.vf_coef,
-                a.ent_coef,
-                a.clip_vloss,
+                s.vf_coef,
+                s.ent_coef,
+                s.clip_vloss,
                 weights,
             )
         return figures, self.step_optimizer(loss, len(idx))

@@ -1,0 +1,90 @@
+"""A framework extended from the user's own files: an algorithm (examples/plugins/a2c.py), a network
+(examples/plugins/nets.py) and an env class in a script (examples/plugins/custom_env.py) train CartPole or their env
+through `zddrl train` and `zddrl.train`, with no file under zddrl/ naming them; hosts import only allowed code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zddrl import protocol as P
+from zddrl.config import Config, ConfigError, load_config
+from zddrl.transport.trust import joinable
+
+pytestmark = pytest.mark.slow  # real zddrl processes learning
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGINS = ROOT / "examples" / "plugins"
+
+
+def train(config: Path, run_dir: Path, cwd: Path) -> dict:
+    """`zddrl train CONFIG` from ``cwd`` (not the config's directory: that one is importable by the config's rule)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "zddrl", "train", str(config), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("example", ["a2c_cartpole.toml", "ppo_custom_model.toml"])
+def test_a_plugin_algorithm_and_a_plugin_network_train_cartpole_to_475(example: str, tmp_path: Path) -> None:
+    summary = train(PLUGINS / example, tmp_path / "run", cwd=tmp_path)
+    assert summary["reached"] and summary["return_at_target"] >= 475, summary
+    saved = (tmp_path / "run" / "config.toml").read_text()
+    assert ('name = "a2c:ALGORITHM"' in saved) or ('kind = "nets:make"' in saved)
+    names = [p.read_text() for p in (ROOT / "zddrl").rglob("*.py")]
+    assert not any("a2c" in text or '"nets:make"' in text for text in names)  # nothing in zddrl/ names them
+
+
+def test_an_env_class_defined_in_a_script_trains_through_zddrl_train(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(PLUGINS / "custom_env.py"), str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reached True" in done.stdout and "from +3 the policy moves left" in done.stdout, done.stdout
+    assert (tmp_path / "run" / "env.cloudpickle").stat().st_mode & 0o077 == 0  # the user's own file, owner-only
+
+
+def test_a_host_imports_code_a_run_names_only_when_its_command_line_allows_it(tmp_path: Path) -> None:
+    """The run spec reaches actors from the network: its algorithm and model references are refused before any
+    import unless allowed exactly, and allowed ones load."""
+    spec = load_config(PLUGINS / "a2c_cartpole.toml").replace({"model.kind": "nets:make"}).to_dict()
+    welcome = P.Welcome(
+        "actor-0", "run-1", spec, ports={}, heartbeat_interval_s=1.0, heartbeat_liveness=3, max_message_bytes=1 << 20
+    )
+    config, why = joinable(welcome, None, frozenset())
+    assert config is None and "--allow-code a2c:ALGORITHM" in why
+    config, why = joinable(welcome, None, frozenset({"a2c:ALGORITHM"}))
+    assert config is None and "--allow-code nets:make" in why
+    config, why = joinable(welcome, None, frozenset({"a2c:ALGORITHM", "nets:make"}))
+    assert config is not None and not why and config.algo.name == "a2c:ALGORITHM"
+    with pytest.raises(ConfigError, match="--allow-code"):
+        Config.from_dict(spec, allowed=frozenset({"nets:make"}))
+
+
+def test_the_python_api_trains_and_loads_a_policy(tmp_path: Path) -> None:
+    import zddrl
+
+    result = zddrl.train(
+        ROOT / "examples" / "cartpole_ppo.toml", run_dir=tmp_path / "run", progress=False, train={"actors": 1}
+    )
+    assert result.summary["reached"] and result.run_dir == tmp_path / "run"
+    assert result.policy is not None and result.policy.act(np.zeros(4, np.float32)) in (0, 1)
+    policy = zddrl.load_policy(tmp_path / "run")
+    batch = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    assert np.array_equal(policy.act(batch), result.policy.act(batch))
+    with pytest.raises(ConfigError, match="algo.lrr"):
+        zddrl.train(ROOT / "examples" / "cartpole_ppo.toml", algo={"lrr": 1.0})

@@ -1,0 +1,109 @@
+"""Code named in a config: ``module:attr`` references to algorithms, models and envs, loaded by import.
+
+A run config names code of its own with a ``module:attr`` string (``algo.name = "mypkg.myalgo:ALGORITHM"``,
+``model.kind = "mypkg.nets:make"``, ``env.id = "mypkg.envs:make"``). Loading one imports that module, which runs
+its code, so a process that learned the name from the network (an actor host, a replay service: the run spec
+reaches them from the broker) loads only the references its own command line allows, exactly
+(``--allow-code``); ``allowed=None`` is a process reading the user's own config file, which trusts it. zddrl's
+own algorithms are named by short names (``ppo``) that map to references inside zddrl, always allowed.
+
+Where the module is looked up: installed packages, ``PYTHONPATH``, and the directory of the config file
+(``importable``): a config's ``algo.name = "myalgo:ALGORITHM"`` finds ``myalgo.py`` next to the TOML file, in
+`zddrl train` and in the learner and actors it starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from zddrl.tomlconf import ConfigError
+
+BUILTIN_ALGORITHMS = {
+    "ppo": "zddrl.algos.ppo:ALGORITHM",
+    "impala": "zddrl.algos.impala:ALGORITHM",
+    "apex": "zddrl.algos.apex:ALGORITHM",
+    "sac": "zddrl.algos.sac:ALGORITHM",
+}
+"""The algorithms that ship with zddrl: ``algo.name`` -> the spec object's reference."""
+
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class PluginError(ConfigError):
+    """A ``module:attr`` reference that is malformed, not allowed here, or cannot be imported."""
+
+
+def is_reference(name: str) -> bool:
+    """``"pkg.module:attr"`` (an identifier after the colon): names code to import."""
+    return bool(_REFERENCE.match(name))
+
+
+def refusal(reference: str, allowed: frozenset[str] | None) -> str:
+    """Why this process must not import ``reference`` (nothing imported yet), or ""."""
+    if allowed is None or reference in allowed or reference in BUILTIN_ALGORITHMS.values():
+        return ""
+    return (
+        f"{reference!r} names code to import, and this host does not allow it "
+        f"(allow it on its command line: --allow-code {reference})"
+    )
+
+
+def load(reference: str, what: str, allowed: frozenset[str] | None = None) -> Any:
+    """The object ``reference`` (``module:attr``) names; PluginError, one line naming ``what`` (the config key),
+    when it is malformed, refused by ``allowed`` (checked before importing) or cannot be imported."""
+    if not is_reference(reference):
+        raise PluginError(f"{what} {reference!r} must look like 'package.module:attr'")
+    why = refusal(reference, allowed)
+    if why:
+        raise PluginError(f"{what}: {why}")
+    module_name, _, attr = reference.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise PluginError(
+            f"{what} {reference!r} cannot be imported: {exc} (the module must be installed, on PYTHONPATH or next "
+            "to the config file)"
+        ) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise PluginError(f"{what} {reference!r}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def algorithm_reference(name: str) -> str:
+    """``algo.name`` -> the reference of its spec: a built-in's, or the name itself (``module:attr``)."""
+    if name in BUILTIN_ALGORITHMS:
+        return BUILTIN_ALGORITHMS[name]
+    if not is_reference(name):
+        raise PluginError(
+            f"algo.name must be one of {tuple(BUILTIN_ALGORITHMS)} or a 'package.module:ALGORITHM' of your own, "
+            f"got {name!r}"
+        )
+    return name
+
+
+_ADDED: list[str] = []
+"""Directories ``importable`` put on the path: the processes this one starts get them too."""
+
+
+def importable(directory: str | Path) -> None:
+    """Put ``directory`` (a config file's) first on the import path of this process (and of the processes it
+    starts with ``child_environment``), once."""
+    path = str(Path(directory).resolve())
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    if path not in _ADDED:
+        _ADDED.append(path)
+
+
+def child_environment() -> dict[str, str]:
+    """This process's environment with ``PYTHONPATH`` led by the directories made importable here."""
+    env = dict(os.environ)
+    if _ADDED:
+        env["PYTHONPATH"] = os.pathsep.join([*_ADDED, *filter(None, [env.get("PYTHONPATH", "")])])
+    return env
