@@ -3,7 +3,7 @@
 This module is the one source of defaults. A run config has six sections::
 
     [env]    what the actors step          [algo]    how the learner learns
-    [model]  the policy/value network      [replay]  the buffer of the replay modes
+    [model]  the policy/value network      [replay]  the buffer of the replay algorithms
     [train]  limits of `zddrl train`       [learner] its shards and parameter transport
 
 ``load_config(path, overrides)`` reads a TOML file, applies dotted ``section.key=value`` overrides
@@ -304,7 +304,7 @@ def _algo_from_table(table: Any, allowed: frozenset[str] | None) -> AlgoConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """The replay buffer of the apex and sac modes (zddrl/algos/replay.py), one per learner shard."""
+    """The replay buffer of the replay algorithms (apex, sac; zddrl/algos/replay.py), one per learner shard."""
 
     capacity: int = 100_000
     """Transitions held (per learner shard, or per replay service); a capacity that would not fit in memory is an
@@ -450,10 +450,10 @@ class LearnerConfig:
     param_dtype: str = "float32"
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
     autocast: str = "off"
-    """``bf16``: in the PPO and IMPALA modes, the torso of the training forward pass (the CNN: nearly all of its
-    compute) runs under torch's autocast in bfloat16; heads, log-probs, values, losses, weights and Adam stay
-    float32. On GPU or CPU; meant for the CNNs on hardware with bf16 units (`zddrl bench learner --config FILE
-    --autocast off,bf16` measures it). ``off``: float32 throughout."""
+    """``bf16``: with ppo and impala and a built-in ``model.kind``, the torso of the training forward pass (the CNN:
+    nearly all of its compute) runs under torch's autocast in bfloat16; heads, log-probs, values, losses, weights
+    and Adam stay float32. On GPU or CPU; meant for the CNNs on hardware with bf16 units (`zddrl bench learner
+    --config FILE --autocast off,bf16` measures it). ``off``: float32 throughout."""
 
     def __post_init__(self) -> None:
         _require(self.autocast in AUTOCASTS, f"learner.autocast must be one of {AUTOCASTS}, got {self.autocast!r}")

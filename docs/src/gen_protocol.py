@@ -21,7 +21,7 @@ RUN = {
     "name": "demo",
     "env": {"id": "CartPole-v1", "num_envs": 2, "rollout_len": 2},
     "model": {"hidden": [1], "activation": "tanh"},
-    "algo": {"mode": "sync", "batch_size": 4},
+    "algo": {"name": "ppo", "schedule": "sync", "batch_size": 4},
 }
 RUN_ID = "demo-1a2b3c4d"
 DEMO_SIGNER = ("learner-0", Ed25519PrivateKey.from_private_bytes(bytes(range(32))))

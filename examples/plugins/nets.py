@@ -1,9 +1,12 @@
-"""A network of the user's own for the actor-critic algorithms (``model.kind = "nets:make"``): one torso shared by
-the policy and value heads, with layer normalisation, which none of zddrl's built-in MLPs has.
+"""Networks of the user's own, one factory per algorithm family (docs/extending.md), each with layer normalisation,
+which none of zddrl's built-in MLPs has. The learner and every actor call the factory with the run's
+``zddrl.envs.EnvSpec`` and ``[model]`` section:
 
-``make(env, model)`` is called by the learner and by every actor with the run's ``zddrl.envs.EnvSpec`` and
-``[model]`` section; ``forward(obs)`` returns ``(dist_params, value)``: the logits for a Discrete action space,
-the mean and log standard deviation side by side for a Box one, and ``V(obs)`` (docs/extending.md).
+- ``model.kind = "nets:make"`` (ppo, impala): one torso shared by the policy and value heads; ``forward(obs)`` returns
+  ``(dist_params, value)``: the logits (Discrete) or the mean and log standard deviation side by side (Box), and V.
+- ``model.kind = "nets:make_q"`` (apex): ``forward(obs)`` returns Q-values, one per action.
+- ``model.kind = "nets:make_sac"`` (sac): the policy, ``forward(obs) -> (mean, log_std)``, and with ``critic=True``
+  one critic, ``forward(obs, action) -> Q``.
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ from zddrl.config import ModelConfig
 from zddrl.envs import EnvSpec
 
 
+def torso(size: int, hidden: tuple[int, ...]) -> tuple[nn.Sequential, int]:
+    """Linear, LayerNorm, tanh per width of ``model.hidden``; the torso and its output width."""
+    layers: list[nn.Module] = []
+    for width in hidden:
+        layers += [nn.Linear(size, width), nn.LayerNorm(width), nn.Tanh()]
+        size = width
+    return nn.Sequential(*layers), size
+
+
 class SharedTorso(nn.Module):
     def __init__(self, env: EnvSpec, model: ModelConfig) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        size = math.prod(env.obs_shape)
-        for width in model.hidden:  # the run's model.hidden sizes the torso
-            layers += [nn.Linear(size, width), nn.LayerNorm(width), nn.Tanh()]
-            size = width
-        self.torso = nn.Sequential(*layers)
+        self.torso, size = torso(math.prod(env.obs_shape), model.hidden)
         self.discrete = env.discrete
         self.pi = nn.Linear(size, env.action_dim)
         self.v = nn.Linear(size, 1)
@@ -44,3 +51,42 @@ class SharedTorso(nn.Module):
 
 def make(env: EnvSpec, model: ModelConfig) -> nn.Module:
     return SharedTorso(env, model)
+
+
+class QNet(nn.Module):
+    def __init__(self, env: EnvSpec, model: ModelConfig) -> None:
+        super().__init__()
+        self.torso, size = torso(math.prod(env.obs_shape), model.hidden)
+        self.q = nn.Linear(size, env.action_dim)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.q(self.torso(obs.flatten(1).float()))
+
+
+def make_q(env: EnvSpec, model: ModelConfig) -> nn.Module:
+    return QNet(env, model)
+
+
+class GaussianNet(nn.Module):
+    def __init__(self, env: EnvSpec, model: ModelConfig) -> None:
+        super().__init__()
+        self.torso, size = torso(math.prod(env.obs_shape), model.hidden)
+        self.mu, self.log_std = nn.Linear(size, env.action_dim), nn.Linear(size, env.action_dim)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.torso(obs.flatten(1).float())
+        return self.mu(x), self.log_std(x)
+
+
+class Critic(nn.Module):
+    def __init__(self, env: EnvSpec, model: ModelConfig) -> None:
+        super().__init__()
+        self.torso, size = torso(math.prod(env.obs_shape) + env.action_dim, model.hidden)
+        self.q = nn.Linear(size, 1)
+
+    def forward(self, obs: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
+        return self.q(self.torso(torch.cat([obs.flatten(1).float(), action], dim=1))).squeeze(-1)
+
+
+def make_sac(env: EnvSpec, model: ModelConfig, critic: bool = False) -> nn.Module:
+    return Critic(env, model) if critic else GaussianNet(env, model)

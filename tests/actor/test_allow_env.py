@@ -52,7 +52,7 @@ def welcome_of(env_id: str) -> Welcome:
 @pytest.mark.parametrize("env_id", ["os:abort", "os:system", "gymnasium.envs.classic_control:CartPoleEnv", ENV_ID])
 def test_a_module_env_id_is_refused_unless_allowed(env_id: str) -> None:
     config, why = joinable(welcome_of(env_id), None, frozenset())
-    assert config is None and f"--allow-env {env_id}" in why
+    assert config is None and f"--allow-code {env_id}" in why
     with pytest.raises(EnvError, match="does not allow it"):
         env_factory(env_id, allowed=frozenset({"some.other:env"}))
     config, why = joinable(welcome_of(env_id), None, frozenset({env_id}))
@@ -86,7 +86,7 @@ def test_an_actor_refuses_a_run_whose_env_it_does_not_allow_and_waits_idle(
     refusing = procs.start("refusing", "actor", "--connect", broker.connect, "--actor-id", "0")
     wait_for(lambda: "refused run 'run-x'" in procs.log("refusing"), 30, "the actor to refuse the run")
     log = procs.log("refusing")
-    assert f"env '{ENV_ID}' names code to import" in log and f"--allow-env {ENV_ID}" in log, log[-2000:]
+    assert f"env '{ENV_ID}' names code to import" in log and f"--allow-code {ENV_ID}" in log, log[-2000:]
     wait_for(
         lambda: status(broker, bus)["members"]["actor-0"]["stats"].get("refused_runs") == 1, WAIT_S, "refused_runs"
     )

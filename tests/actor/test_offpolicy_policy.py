@@ -11,7 +11,7 @@ from zddrl.actor.host import build_policy, policy_of
 from zddrl.actor.rollout import collect
 from zddrl.algos.model import flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
-from zddrl.algos.offpolicy_policy import NumpyQPolicy, NumpySACPolicy, apex_epsilons
+from zddrl.algos.offpolicy_policy import NumpyDuelingQ, NumpyGaussian, QPolicy, SACPolicy, apex_epsilons
 from zddrl.algos.replay_nstep import nstep_td_errors
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, VecEnv
@@ -29,7 +29,7 @@ def test_numpy_q_values_match_the_torch_dueling_network() -> None:
     torch.manual_seed(0)
     net = DuelingQ(DISCRETE, model_config().model)
     flat, layout = flatten_params(net)
-    policy = NumpyQPolicy(flat, layout, "relu", np.zeros(5, np.float32), 0.99, 3)
+    policy = QPolicy(NumpyDuelingQ(flat, layout, "relu"), 2, np.zeros(5, np.float32), 0.99, 3)
     obs = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     np.testing.assert_allclose(policy.q(obs), net(torch.as_tensor(obs)).detach().numpy(), atol=1e-5)
     out = policy.act(obs, np.random.default_rng(0))  # eps 0: greedy
@@ -42,7 +42,7 @@ def test_epsilon_greedy_explores_at_each_envs_own_rate() -> None:
     torch.manual_seed(0)
     flat, layout = flatten_params(DuelingQ(DISCRETE, model_config().model))
     eps = np.array([0.0, 0.5, 1.0], np.float32)
-    policy = NumpyQPolicy(flat, layout, "relu", eps, 0.99, 3)
+    policy = QPolicy(NumpyDuelingQ(flat, layout, "relu"), 2, eps, 0.99, 3)
     obs = np.zeros((3, 4), np.float32)
     greedy = policy.q(obs).argmax(axis=1)
     rng = np.random.default_rng(1)
@@ -63,7 +63,7 @@ def test_numpy_sac_policy_matches_the_torch_squashed_gaussian() -> None:
     torch.manual_seed(0)
     net = SquashedGaussian(BOX, model_config().model)
     flat, layout = flatten_params(net)
-    policy = NumpySACPolicy(flat, layout, "relu", BOX.action_low, BOX.action_high)
+    policy = SACPolicy(NumpyGaussian(flat, layout, "relu"), 1, BOX.action_low, BOX.action_high)
     obs = np.random.default_rng(0).standard_normal((6, 3)).astype(np.float32)
     greedy = policy.act(obs, np.random.default_rng(0), deterministic=True).actions
     np.testing.assert_allclose(greedy, 2.0 * net.greedy(torch.as_tensor(obs)).detach().numpy(), atol=1e-5)
@@ -87,7 +87,7 @@ def test_an_apex_rollout_carries_the_actors_td_errors() -> None:
     vec = VecEnv(lambda: gym.make("CartPole-v1"), [1, 2])
     torch.manual_seed(0)
     policy, why = policy_of(params_of(DuelingQ(vec.spec, cfg.model)), cfg, vec, 1 << 20, actor_id=1)
-    assert why == "" and isinstance(policy, NumpyQPolicy)
+    assert why == "" and isinstance(policy, QPolicy)
     np.testing.assert_allclose(policy.eps, apex_epsilons(0.4, 7.0, 2, 2, 4))
     rollout = collect(vec, policy, np.random.default_rng(0), 40)
     a = rollout.arrays
@@ -103,5 +103,5 @@ def test_a_version_whose_layout_is_not_the_modes_network_is_refused() -> None:
     policy, why = policy_of(params_of(DuelingQ(DISCRETE, cfg.model)), cfg, vec, 1 << 20)
     assert policy is None and "does not build" in why
     params = params_of(SquashedGaussian(vec.spec, cfg.model))
-    assert isinstance(build_policy(params.arrays["flat"], params.layout, {}, cfg, vec.spec), NumpySACPolicy)
+    assert isinstance(build_policy(params.arrays["flat"], params.layout, {}, cfg, vec.spec), SACPolicy)
     vec.close()

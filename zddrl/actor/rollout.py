@@ -9,7 +9,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zddrl.algos.offpolicy_policy import NumpyQPolicy
 from zddrl.algos.policy import Policy
 from zddrl.envs import ActorEnvs
 
@@ -88,7 +87,8 @@ def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, sl
         )
     if vec.episodic_life:
         arrays["life_lost"] = buf.life_lost
-    if isinstance(policy, NumpyQPolicy):  # Ape-X: the initial priorities, from this actor's own estimates
-        arrays["td_errors"] = policy.td_errors(arrays, buf.q_taken)
+    td_errors = getattr(policy, "td_errors", None)  # Ape-X's: the initial priorities, from this actor's estimates
+    if td_errors is not None:
+        arrays["td_errors"] = td_errors(arrays, buf.q_taken)
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
     return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))

@@ -1,55 +1,77 @@
-"""A network of the user's own for the actor-critic algorithms: ``model.kind = "package.module:make"``.
+"""Networks of the user's own: ``model.kind = "package.module:make"``, one factory per run, called as
+``make(env: zddrl.envs.EnvSpec, model: zddrl.config.ModelConfig) -> torch.nn.Module`` by the learner and by every
+actor, so that its parameters travel by name and shape (``model.flatten_params``). What ``forward`` must return
+depends on the algorithm's family (tensors only: ``zddrl export`` traces it):
 
-``make(env: zddrl.envs.EnvSpec, model: zddrl.config.ModelConfig) -> torch.nn.Module`` builds it; its
-``forward(obs)`` takes a batch of raw observations ``[B, *env.obs_shape]`` (float32, or uint8 pixels to scale
-itself) and returns ``(dist_params, value)``: the logits ``[B, env.action_dim]`` for a Discrete action space,
-or the Gaussian's mean and log standard deviation side by side, ``[B, 2 * env.action_dim]``, for a Box one;
-and the state value ``[B]``. Tensors only: the exporters (``zddrl export``) trace it.
+- actor-critic (ppo, impala, a2c-like plug-ins): ``forward(obs) -> (dist_params, value)``: the logits
+  ``[B, action_dim]`` (Discrete) or the Gaussian's mean and log standard deviation side by side,
+  ``[B, 2 * action_dim]`` (Box); and the state value ``[B]``.
+- Q-learning (apex): ``forward(obs) -> q`` ``[B, action_dim]``.
+- SAC: ``forward(obs) -> (mean, log_std)``, each ``[B, action_dim]``, of the Gaussian before the tanh squashing
+  (log_std is clamped to [-20, 2] after it). The critics are SAC's own MLPs unless the factory also takes
+  ``critic=True``: ``make(env, model, critic=True)`` then builds one critic, ``forward(obs, action) -> q [B]``
+  (actions in [-1, 1]), and the learner builds two (the twin critics).
 
-Learner and actors build the same network with the same call, so its parameters travel by name and shape
-(``model.flatten_params``). A recurrent network will add ``initial_state(batch) -> state`` and take and return
-the state in ``forward(obs, state, first)``; a module without ``initial_state`` is feed-forward, so this
-interface stays as it is when that comes.
+``obs`` is a batch of raw observations ``[B, *env.obs_shape]``: float32, or uint8 pixels for the network to scale.
+Every network is checked once when built, on a batch of two zero observations: a wrong shape is a one-line
+ConfigError naming the interface. A recurrent network will add ``initial_state(batch) -> state`` and take and return
+the state in ``forward``; a module without ``initial_state`` is feed-forward, so this interface stays as it is then.
 """
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
 from torch import nn
 
+from zddrl.algos.offpolicy_nets import LOG_STD_MAX, LOG_STD_MIN, SquashedPolicy
 from zddrl.config import ConfigError, ModelConfig
 from zddrl.envs import EnvSpec
 from zddrl.plugin import load
 
+PROBE = 2
+"""Observations in the batch each network is checked on."""
 
-def build_custom(env: EnvSpec, config: ModelConfig) -> nn.Module:
-    """The user's module, checked: an ``nn.Module`` whose forward gives the shapes the interface promises."""
+
+def build_custom(env: EnvSpec, config: ModelConfig, family: str, expected: tuple, **kwargs: Any) -> nn.Module:
+    """The user's module for ``family``, checked: an ``nn.Module`` whose forward gives ``expected`` shapes (a tuple of
+    shapes, or one shape) on a probe batch."""
     make = load(config.kind, "model.kind")
-    net = make(env, config)
+    net = make(env, config, **kwargs)
     if not isinstance(net, nn.Module):
         raise ConfigError(f"model.kind {config.kind!r} returned a {type(net).__name__}, not a torch.nn.Module")
-    probe = torch.zeros((2, *env.obs_shape), dtype=torch.uint8 if env.obs_dtype == "uint8" else torch.float32)
     with torch.no_grad():
-        out = net(probe)
-    width = env.action_dim if env.discrete else 2 * env.action_dim
-    ok = isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)
-    if not ok or tuple(out[0].shape) != (2, width) or tuple(out[1].shape) != (2,):
-        got = [tuple(t.shape) for t in out] if isinstance(out, tuple) else type(out).__name__
+        out = net(*probe_inputs(env, **kwargs))
+    got = tuple(tuple(t.shape) for t in out) if isinstance(out, tuple) else tuple(getattr(out, "shape", ()))
+    if got != expected:
         raise ConfigError(
-            f"model.kind {config.kind!r}: forward(obs [2, *obs_shape]) must return (dist_params [2, {width}], "
-            f"value [2]), got {got} (docs/extending.md)"
+            f"model.kind {config.kind!r} ({family}): forward on a batch of {PROBE} must return shapes {expected}, "
+            f"got {got} (docs/extending.md)"
         )
     return net
 
 
+def probe_inputs(env: EnvSpec, critic: bool = False) -> tuple[torch.Tensor, ...]:
+    obs = torch.zeros((PROBE, *env.obs_shape), dtype=torch.uint8 if env.obs_dtype == "uint8" else torch.float32)
+    return (obs, torch.zeros(PROBE, env.action_dim)) if critic else (obs,)
+
+
+def takes_critic(config: ModelConfig) -> bool:
+    """Whether the user's factory builds SAC's critics too (it takes a ``critic`` keyword)."""
+    return "critic" in inspect.signature(load(config.kind, "model.kind")).parameters
+
+
 class CustomActorCritic(nn.Module):
-    """The user's network behind the interface the actor-critic cores use (``model.ActorCritic``'s)."""
+    """The user's actor-critic network behind the interface the actor-critic cores use (``model.ActorCritic``'s)."""
 
     def __init__(self, env: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
         self.discrete = env.discrete
         self.action_dim = env.action_dim
-        self.net = build_custom(env, config)
+        width = env.action_dim if env.discrete else 2 * env.action_dim
+        self.net = build_custom(env, config, "actor-critic", ((PROBE, width), (PROBE,)))
 
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.net(obs)
@@ -81,3 +103,38 @@ class CustomActorCritic(nn.Module):
         self, x: torch.Tensor, actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.evaluate(x, actions)
+
+
+class CustomQ(nn.Module):
+    """The user's Q-network (apex): ``forward(obs) -> q [B, actions]``."""
+
+    def __init__(self, env: EnvSpec, config: ModelConfig) -> None:
+        super().__init__()
+        self.net = build_custom(env, config, "Q", (PROBE, env.action_dim))
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs)
+
+
+class CustomGaussian(SquashedPolicy):
+    """The user's SAC policy network: ``forward(obs) -> (mean, log_std)`` before the squashing (log_std clamped)."""
+
+    def __init__(self, env: EnvSpec, config: ModelConfig) -> None:
+        super().__init__()
+        shape = (PROBE, env.action_dim)
+        self.net = build_custom(env, config, "SAC policy", (shape, shape))
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mu, log_std = self.net(obs)
+        return mu, log_std.clamp(LOG_STD_MIN, LOG_STD_MAX)
+
+
+class CustomTwinQ(nn.Module):
+    """Two of the user's critics, ``make(env, model, critic=True)``: ``forward(obs, actions) -> (q1, q2)``."""
+
+    def __init__(self, env: EnvSpec, config: ModelConfig) -> None:
+        super().__init__()
+        self.q1, self.q2 = (build_custom(env, config, "SAC critic", (PROBE,), critic=True) for _ in range(2))
+
+    def forward(self, obs: torch.Tensor, actions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q1(obs, actions), self.q2(obs, actions)

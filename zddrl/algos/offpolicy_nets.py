@@ -1,4 +1,4 @@
-"""The networks of the replay modes: Ape-X's dueling Q-network and SAC's squashed Gaussian policy and twin critics.
+"""The networks of the replay algorithms: Ape-X's dueling Q-network and SAC's squashed Gaussian policy and twin critics.
 
 What travels to the actors is the acting network alone (``DuelingQ`` for apex, ``SquashedGaussian`` for sac) as
 the flat float32 buffer of ``model.flatten_params``; actors rebuild it in numpy (``zddrl.algos.offpolicy_policy``), so
@@ -60,8 +60,26 @@ class DuelingQ(nn.Module):
         return self.value(x) + adv - adv.mean(dim=1, keepdim=True)
 
 
-class SquashedGaussian(nn.Module):
-    """SAC's policy: ``a = tanh(u)``, ``u ~ N(mu(s), sigma(s))``, in ``[-1, 1]^A`` (actors scale to the bounds)."""
+class SquashedPolicy(nn.Module):
+    """SAC's policy from any ``forward(obs) -> (mu, log_std)``: ``a = tanh(u)``, ``u ~ N(mu(s), sigma(s))``, in
+    ``[-1, 1]^A`` (actors scale to the bounds). ``SquashedGaussian`` is zddrl's; ``custom_model.CustomGaussian``
+    the user's."""
+
+    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A reparameterised action in ``[-1, 1]`` and its log-density ``[B]`` (tanh's Jacobian included)."""
+        mu, log_std = self(obs)
+        noise = torch.randn_like(mu)
+        u = mu + log_std.exp() * noise
+        a = torch.tanh(u)
+        logp = (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        return a, logp - torch.log1p(-a.pow(2) + SQUASH_EPS).sum(-1)
+
+    def greedy(self, obs: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self(obs)[0])
+
+
+class SquashedGaussian(SquashedPolicy):
+    """SAC's policy network: an MLP torso, then the mean and the log standard deviation heads."""
 
     def __init__(self, spec: EnvSpec, config: ModelConfig) -> None:
         super().__init__()
@@ -75,18 +93,6 @@ class SquashedGaussian(nn.Module):
     def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.torso(obs.flatten(1).float())
         return self.mu(x), self.log_std(x).clamp(LOG_STD_MIN, LOG_STD_MAX)
-
-    def sample(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A reparameterised action in ``[-1, 1]`` and its log-density ``[B]`` (tanh's Jacobian included)."""
-        mu, log_std = self(obs)
-        noise = torch.randn_like(mu)
-        u = mu + log_std.exp() * noise
-        a = torch.tanh(u)
-        logp = (-0.5 * noise.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
-        return a, logp - torch.log1p(-a.pow(2) + SQUASH_EPS).sum(-1)
-
-    def greedy(self, obs: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self(obs)[0])
 
 
 class TwinQ(nn.Module):

@@ -1,6 +1,8 @@
-"""Actor-side inference of the replay modes in numpy: Ape-X's epsilon-greedy dueling Q and SAC's squashed Gaussian.
+"""Actor-side inference of the replay algorithms: Ape-X's epsilon-greedy Q and SAC's squashed Gaussian.
 
-The maths mirrors ``zddrl.algos.offpolicy_nets`` (tests check both against torch). Like ``NumpyPolicy``
+Each policy takes a forward function: the built-in MLPs' in numpy (``NumpyDuelingQ``, ``NumpyGaussian``, several
+times cheaper per step than a torch call), a network of the user's own in torch (``torch_policy.TorchForward``).
+The numpy maths mirrors ``zddrl.algos.offpolicy_nets`` (tests check both against torch). Like ``NumpyPolicy``
 their ``act(obs, rng, deterministic)`` returns an ``ActOutput`` and ``value(obs)`` a state value; Ape-X's also
 returns ``Q(s, a)`` of the action taken, from which the actor computes its TD errors (``td_errors``): the
 initial priorities of what it sends (Horgan et al. 2018).
@@ -8,7 +10,7 @@ initial priorities of what it sends (Horgan et al. 2018).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -51,24 +53,31 @@ def _linear(weights: Mapping[str, np.ndarray], name: str) -> tuple[np.ndarray, n
     return np.ascontiguousarray(weights[f"{name}.weight"].T), weights[f"{name}.bias"].copy()
 
 
-class NumpyQPolicy:
-    """Epsilon-greedy on a dueling Q-network; ``eps`` ``[N]``: each env's exploration (``apex_epsilons``)."""
+class NumpyDuelingQ:
+    """``offpolicy_nets.DuelingQ``'s forward pass in numpy: ``q(obs) -> [N, actions]``."""
 
-    def __init__(
-        self, flat: np.ndarray, layout: list, activation: str, eps: np.ndarray, gamma: float, n_step: int
-    ) -> None:
+    def __init__(self, flat: np.ndarray, layout: list, activation: str) -> None:
         weights = unflatten(np.asarray(flat, dtype=np.float32), layout)
         self.torso = _Torso(weights, activation)
         self.value_head = _linear(weights, "value")
         self.advantage_head = _linear(weights, "advantage")
-        self.outputs = self.advantage_head[1].shape[0]
-        self.eps = np.asarray(eps, dtype=np.float32)
-        self.gamma, self.n_step = gamma, n_step
 
-    def q(self, obs: np.ndarray) -> np.ndarray:
+    def __call__(self, obs: np.ndarray) -> np.ndarray:
         x = self.torso(obs)
         adv = x @ self.advantage_head[0] + self.advantage_head[1]
         return x @ self.value_head[0] + self.value_head[1] + adv - adv.mean(axis=1, keepdims=True)
+
+
+class QPolicy:
+    """Epsilon-greedy on a Q-function ``q(obs) -> [N, actions]`` (numpy ``NumpyDuelingQ``, or a torch network
+    through ``torch_policy.TorchForward``); ``eps`` ``[N]``: each env's exploration (``apex_epsilons``)."""
+
+    def __init__(
+        self, q: Callable[[np.ndarray], np.ndarray], outputs: int, eps: np.ndarray, gamma: float, n_step: int
+    ) -> None:
+        self.q, self.outputs = q, outputs
+        self.eps = np.asarray(eps, dtype=np.float32)
+        self.gamma, self.n_step = gamma, n_step
 
     def value(self, obs: np.ndarray) -> np.ndarray:
         """``max_a Q(s, a)``: the greedy policy's value, what n-step targets bootstrap from."""
@@ -92,20 +101,36 @@ class NumpyQPolicy:
         )
 
     def td_errors(self, arrays: Mapping[str, np.ndarray], q_taken: np.ndarray) -> np.ndarray:
+        """The initial priorities of what this actor sampled (the actor sends them when its policy has this)."""
         return nstep_td_errors(arrays, q_taken, self.gamma, self.n_step)
 
 
-class NumpySACPolicy:
-    """``a = tanh(u)``, ``u ~ N(mu(s), sigma(s))``, scaled to the action bounds; no critic on the actor (values 0)."""
+class NumpyGaussian:
+    """``offpolicy_nets.SquashedGaussian``'s forward pass in numpy: ``(mu, log_std)`` before the squashing."""
 
-    def __init__(
-        self, flat: np.ndarray, layout: list, activation: str, low: tuple[float, ...], high: tuple[float, ...]
-    ) -> None:
+    def __init__(self, flat: np.ndarray, layout: list, activation: str) -> None:
         weights = unflatten(np.asarray(flat, dtype=np.float32), layout)
         self.torso = _Torso(weights, activation)
         self.mu = _linear(weights, "mu")
         self.log_std = _linear(weights, "log_std")
-        self.outputs = self.mu[1].shape[0]
+
+    def __call__(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = self.torso(obs)
+        return x @ self.mu[0] + self.mu[1], x @ self.log_std[0] + self.log_std[1]
+
+
+class SACPolicy:
+    """``a = tanh(u)``, ``u ~ N(mu(s), sigma(s))``, scaled to the action bounds; no critic on the actor (values 0).
+    ``gaussian(obs) -> (mu, log_std)``: ``NumpyGaussian`` or a torch network (``torch_policy.TorchForward``)."""
+
+    def __init__(
+        self,
+        gaussian: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+        outputs: int,
+        low: tuple[float, ...],
+        high: tuple[float, ...],
+    ) -> None:
+        self.gaussian, self.outputs = gaussian, outputs
         lo, hi = np.asarray(low, np.float32), np.asarray(high, np.float32)
         self.mid, self.half = (hi + lo) / 2, (hi - lo) / 2
 
@@ -113,9 +138,8 @@ class NumpySACPolicy:
         return np.zeros(obs.shape[0], dtype=np.float32)
 
     def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput:
-        x = self.torso(obs)
-        mu = x @ self.mu[0] + self.mu[1]
-        log_std = np.clip(x @ self.log_std[0] + self.log_std[1], LOG_STD_MIN, LOG_STD_MAX)
+        mu, log_std = self.gaussian(obs)
+        log_std = np.clip(log_std, LOG_STD_MIN, LOG_STD_MAX)
         noise = np.zeros_like(mu) if deterministic else rng.standard_normal(mu.shape, dtype=np.float32)
         a = np.tanh(mu + np.exp(log_std) * noise)
         logp = (-0.5 * noise**2 - log_std - 0.5 * np.log(2 * np.pi)).sum(axis=1)

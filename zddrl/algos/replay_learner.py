@@ -1,4 +1,4 @@
-"""What the replay modes (apex, sac) share: intake into the buffer and the gradient steps the replay ratio owes.
+"""What the replay algorithms (apex, sac) share: intake into the buffer and the gradient steps the replay ratio owes.
 
 An update takes in the batch's rollouts (``replay.PrioritizedReplay.insert_arrays``: n-step returns, the
 policy version that acted, the actor's initial priorities where it sends them), then takes

@@ -26,8 +26,8 @@ REPLAY_ALGO_FIGURES = (
 def replay_algo_refusal(config: Config, env: EnvSpec) -> str:
     """Why a replay algorithm cannot run this config, whatever its env, or ""."""
     name = config.algo.name
-    if config.model.kind != "mlp":
-        return f"algo.name {name!r} runs with model.kind 'mlp' only (its CNN networks are not built yet)"
+    if config.model.kind != "mlp" and not config.model.is_custom:
+        return f"algo.name {name!r} runs with model.kind 'mlp' or a network of your own (no built-in CNN for it yet)"
     if config.learner.autocast != "off":
         return f"algo.name {name!r} does not take learner.autocast (the actor-critic algorithms only)"
     if config.env.episodic_life:

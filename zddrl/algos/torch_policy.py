@@ -8,6 +8,8 @@ forward on one thread (docs/benchmarks.md, actor inference). The MLP actor never
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -63,3 +65,21 @@ class TorchPolicy:
             return sample(params, values.numpy(), np.zeros(0, np.float32), rng, deterministic)
         mean, log_std = params[:, : self.action_dim], params[:, self.action_dim :]
         return sample(mean, values.numpy(), log_std, rng, deterministic)
+
+
+class TorchForward:
+    """A torch network as a numpy function for the actors: ``f(obs)`` is its forward pass on raw observations
+    (one thread, no gradient), its tensors returned as float32 arrays; the parameters are a version's."""
+
+    def __init__(self, net: torch.nn.Module, flat: np.ndarray, layout: list) -> None:
+        torch.set_num_threads(INFERENCE_THREADS)
+        self.net = net
+        load_flat(self.net, np.asarray(flat, dtype=np.float32), layout)
+        self.net.eval()
+
+    def __call__(self, obs: np.ndarray) -> Any:
+        with torch.inference_mode():
+            out = self.net(torch.from_numpy(np.ascontiguousarray(obs)))
+        if isinstance(out, tuple):
+            return tuple(t.float().numpy() for t in out)
+        return out.float().numpy()

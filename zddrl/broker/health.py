@@ -48,7 +48,7 @@ COMM_SHARE_REPORTS = 3
 warning: one slow learner update is not a condition."""
 STUCK_VERSIONS = 3
 """Policy versions an actor may act behind the latest published one (at least the run's
-max_staleness, which async modes accept by design)."""
+max_staleness, which async runs accept by design)."""
 STUCK_AFTER_S = 10.0
 """Seconds an actor must stay more than the allowed versions behind before the warning."""
 RSS_SAMPLE_EVERY_S = 10.0

@@ -91,7 +91,7 @@ class Joining:
             # A learner's credit starts again from zero with every hello: a shard re-grants its window
             # after every welcome (it cannot tell a restarted broker, which holds no credit for it, from
             # this one). Keeping the old credit as well counted the window twice and broke the bound
-            # on queued data that async modes rely on.
+            # on queued data that async runs rely on.
             member.counters = old.counters
         self.members[msg.peer_id] = member
         self.by_identity[identity] = member

@@ -45,7 +45,7 @@ CONNECT_HELP = "The broker's control endpoint(s), tcp://HOST:PORT[,tcp://HOST2:P
 def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_code, keys_dir, key_name) -> None:
     """Run a replay service: take a replay run's trajectories from the broker, serve sampled batches to learners.
 
-    For runs with replay.placement = "service" (modes apex, sac); learners reach it with --replay tcp://HOST:PORT.
+    For runs with replay.placement = "service" (algorithms apex, sac); learners reach it with --replay tcp://HOST:PORT.
     It keeps its buffer across learner restarts while the run's buffer layout stays the same."""
     import threading
 

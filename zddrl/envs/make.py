@@ -11,7 +11,7 @@ with zddrl's preprocessing (``atari_wrappers``, zddrl.envs.atari). The spaces zd
 
 An id with a ``:`` names a module to import (a factory's, or gymnasium's ``module:Env-v0``), which runs its code.
 An actor host learns the env id from the network, so it builds such an env only if its own command line
-allows that exact id (``zddrl actor --allow-env``): ``env_refusal``, checked before importing. Ids of the local
+allows that exact id (``zddrl actor --allow-code``): ``env_refusal``, checked before importing. Ids of the local
 gymnasium registry import nothing that is not already installed and registered here (ale_py, if installed, to
 recognise an Atari id).
 
@@ -44,7 +44,7 @@ def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
     if ":" in env_id and env_id not in allowed:
         return (
             f"env {env_id!r} names code to import, and this host does not allow it "
-            f"(allow it on its command line: --allow-env {env_id})"
+            f"(allow it on its command line: --allow-code {env_id})"
         )
     return ""
 

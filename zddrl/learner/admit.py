@@ -8,7 +8,7 @@ message limit (256 MiB by default) lets one CartPole rollout hold millions of st
 
 * at most ``ROLLOUT_SLACK x L`` steps per env, where ``L`` is the longest per-env rollout length the run asked for
   in its last ``LENGTHS_KEPT`` versions (sync mode sizes it from the fleet and publishes it with each version; the
-  async modes ask ``env.rollout_len``);
+  the async schedule asks ``env.rollout_len``);
 * at most ``ROLLOUT_SLACK x L x E`` steps in all, where ``E`` is the sender's env count as the broker's fleet
   message announces it (the run's ``env.num_envs`` when it says 0; an actor the fleet does not list yet gets
   the most envs of any listed actor, or ``env.num_envs`` if that is more).

@@ -33,7 +33,7 @@ class Fleet:
         self.rollout_len = rollout_len
         """Per-env steps of the next round's rollouts (published with the parameters)."""
         self.sizes_rollouts = sizes_rollouts
-        """Sync mode sizes rollouts from the fleet; the async modes keep ``env.rollout_len``."""
+        """The sync schedule sizes rollouts from the fleet; the async one keeps ``env.rollout_len``."""
         self.actors: dict[str, int] = {}
         """Connected actors and their env counts, as the broker last reported them."""
         self.seq = -1

@@ -319,7 +319,7 @@ class LearnerNode:
         return summary
 
     def _window(self) -> int:
-        """Credit window: sync rounds keep a deep one; async modes keep the group's near one batch."""
+        """Credit window: sync rounds keep a deep one; async schedule keeps the group's near one batch."""
         return CREDIT_WINDOW if self.algo.schedule == "sync" else stream_window(self.config, self.group.world_size)
 
     def _refresh_fleet(self) -> bool:
@@ -389,7 +389,7 @@ class LearnerNode:
         now = time.monotonic()
         if now < self.next_stats:
             return
-        self._refresh_fleet()  # sync rounds read it every poll; the async modes only keep its hosts
+        self._refresh_fleet()  # sync rounds read it every poll; the async schedule only keeps its hosts
         elapsed = now - self.next_stats + STATS_EVERY_S
         self.next_stats = now + STATS_EVERY_S
         timing, self.timing = self.timing, {"updates": 0, "samples": 0, "wait_s": 0.0, "comm_s": self.group.comm_s}

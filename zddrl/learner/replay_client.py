@@ -1,7 +1,7 @@
 """A learner shard's side of the replay services (``replay.placement = "service"``; the services:
 ``replay_service.py``).
 
-``RemoteReplay`` is the ``ReplaySource`` the replay modes' gradient steps sample from (``algos.replay_learner``).
+``RemoteReplay`` is the ``ReplaySource`` the replay algorithms' gradient steps sample from (``algos.replay_learner``).
 It holds one DEALER per replay endpoint (``zddrl learner --replay tcp://H:P,...``) and speaks ``replay_sample`` /
 ``replay_batch`` with each (docs/protocol.md section 5.9):
 

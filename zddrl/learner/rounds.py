@@ -60,7 +60,7 @@ class CollectedBatch(NamedTuple):
     staleness: float = 0.0
     """Mean staleness of the global batch's env steps, in versions (0 in sync mode by construction)."""
     figures: dict[str, Any] | None = None
-    """Staleness figures for the update's metrics row (async modes)."""
+    """Staleness figures for the update's metrics row (async schedule)."""
     stopped: bool = False
 
 

@@ -43,10 +43,10 @@ from torch import nn
 
 from zddrl import __version__
 from zddrl.algos.core import acting_model
-from zddrl.algos.custom_model import CustomActorCritic
+from zddrl.algos.custom_model import CustomActorCritic, CustomQ
 from zddrl.algos.flat import OBS_CLIP
 from zddrl.algos.model import ActorCritic
-from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
+from zddrl.algos.offpolicy_nets import DuelingQ, SquashedPolicy
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, probe_spec
 from zddrl.learner.runlog import CheckpointError, load_checkpoint
@@ -188,7 +188,8 @@ FAMILIES: dict[type[nn.Module], type[ExportedPolicy]] = {
     ActorCritic: ActorCriticPolicy,
     CustomActorCritic: ActorCriticPolicy,  # the same forward(obs) -> (dist_params, value): algos/custom_model.py
     DuelingQ: GreedyQPolicy,
-    SquashedGaussian: SquashedGaussianPolicy,
+    CustomQ: GreedyQPolicy,  # forward(obs) -> q
+    SquashedPolicy: SquashedGaussianPolicy,  # zddrl's SquashedGaussian and custom_model.CustomGaussian
 }
 """The exported module of each acting network."""
 

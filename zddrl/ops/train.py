@@ -369,22 +369,24 @@ def _summary(learner: subprocess.Popen, run_dir: Path, t0: float, restarts: int)
 
 
 def _check_env_id(config: Config) -> None:
-    """A usage error if the run's env id names no env (a misspelt id): resolving it builds nothing (a module:callable
-    id is imported), so it comes before the run directory is made, where building the env (``_check_env``) would
-    delay the learner's start."""
+    """A usage error if the run's env id names no env (a misspelt id) or its model.kind no importable code: resolving
+    them builds nothing (a module:callable is imported), so it comes before the run directory is made, where building
+    the env (``_check_env``) would delay the learner's start."""
     from zddrl.envs import EnvError, make_factory, rom_name
 
     try:
         make_factory(config.env)
         if config.env.backend == "ale_vector":
             rom_name(config.env.id)
-    except EnvError as exc:
+        if config.model.is_custom:  # the algorithm's module was imported when the config was read
+            plugin.load(config.model.kind, "model.kind")
+    except (EnvError, plugin.PluginError) as exc:
         raise click.UsageError(str(exc)) from None
 
 
 def _check_env(config: Config) -> None:
     """A usage error (the ``finally`` stops the processes) if the run's env cannot be built, zddrl cannot handle
-    its spaces, the mode cannot learn in it or its replay buffer cannot fit (``algos.checks``): one clear line here
+    its spaces, the algorithm cannot learn in it or its replay buffer cannot fit (``algos.checks``): one clear line here
     instead of a learner that fails in its log."""
     from zddrl.algos.checks import replay_refusal, spec_refusal
     from zddrl.envs import EnvError, probe_spec

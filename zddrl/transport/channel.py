@@ -10,7 +10,7 @@ from zddrl.transport.io import NOBLOCK, recv_frames
 from zddrl.transport.link import BrokerLink
 
 CREDIT_WINDOW = 64
-"""Most trajectories a shard lets the broker send ahead of what it has consumed (sync mode; async modes
+"""Most trajectories a shard lets the broker send ahead of what it has consumed (a sync run; async runs
 size theirs from the batch). The window is the only queue between broker and shard, and a shard with a
 short one runs dry whenever the broker waits for a core: on 2 cores the broker path ran at 0.70-0.84x a
 zmq.proxy forwarder at 64 KiB with 16, 0.87-0.88x with 64 (docs/bench/bus_window.json). In sync mode an

@@ -4,8 +4,9 @@ The run spec comes from the broker's welcome. Two things are judged before any o
 
 * with keys (``credentials``), the spec must be signed by a learner key this host pins (protocol.signing):
   a broker or a peer that forges or alters a run cannot make actors join it;
-* whatever the keys, its env id must not name code this host did not allow (envs.env_refusal): an id
-  ``module:callable`` is imported and called, so it runs only if the host's own ``--allow-env`` lists it.
+* whatever the keys, it must not name code this host did not allow (``envs.env_refusal``, ``plugin.refusal``): an
+  env id ``module:callable``, an ``algo.name`` or a ``model.kind`` ``module:attr`` is imported and run only if the
+  host's own ``--allow-code`` lists it.
 """
 
 from __future__ import annotations

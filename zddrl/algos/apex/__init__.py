@@ -3,10 +3,13 @@ filled by epsilon-greedy actors of fixed epsilons (``learner.ApexLearner``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from zddrl.algos.offpolicy_policy import NumpyQPolicy, apex_epsilons
+import numpy as np
+
+from zddrl.algos.offpolicy_policy import NumpyDuelingQ, QPolicy, apex_epsilons
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
 from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
 from zddrl.config import Config
@@ -43,16 +46,29 @@ def _learner(config: Config, env: EnvSpec, group: ShardGroup) -> ApexLearner:
 
 
 def _model(config: Config, env: EnvSpec) -> torch.nn.Module:
+    if config.model.is_custom:
+        from zddrl.algos.custom_model import CustomQ
+
+        return CustomQ(env, config.model)
     from zddrl.algos.offpolicy_nets import DuelingQ
 
     return DuelingQ(env, config.model)
 
 
-def _policy(v: ActingVersion) -> NumpyQPolicy:
-    """Epsilon-greedy with this host's envs' places in the fleet's epsilon schedule."""
+def _policy(v: ActingVersion) -> QPolicy:
+    """Epsilon-greedy with this host's envs' places in the fleet's epsilon schedule; the Q-network in numpy (the
+    built-in MLP) or torch (a network of the user's own)."""
     s, num_envs = v.config.algo.settings, v.num_envs or v.config.env.num_envs
     eps = apex_epsilons(s.eps_base, s.eps_alpha, v.actor_id * num_envs, num_envs, v.config.train.actors * num_envs)
-    return NumpyQPolicy(v.flat, v.layout, v.config.model.activation, eps, v.config.algo.gamma, v.config.replay.n_step)
+    if v.config.model.is_custom:
+        from zddrl.algos.torch_policy import TorchForward
+
+        q: Callable[[np.ndarray], np.ndarray] = TorchForward(_model(v.config, v.env), v.flat, v.layout)
+        outputs = v.env.action_dim  # load_flat refuses a layout of other sizes
+    else:
+        dueling = NumpyDuelingQ(v.flat, v.layout, v.config.model.activation)
+        q, outputs = dueling, dueling.advantage_head[1].shape[0]
+    return QPolicy(q, outputs, eps, v.config.algo.gamma, v.config.replay.n_step)
 
 
 def _check(config: Config, env: EnvSpec) -> str:

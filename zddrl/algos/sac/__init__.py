@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zddrl.algos.offpolicy_policy import NumpySACPolicy
+from zddrl.algos.offpolicy_policy import NumpyGaussian, SACPolicy
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
 from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
 from zddrl.config import Config
@@ -44,13 +44,24 @@ def _learner(config: Config, env: EnvSpec, group: ShardGroup) -> SACLearner:
 
 
 def _model(config: Config, env: EnvSpec) -> torch.nn.Module:
+    if config.model.is_custom:
+        from zddrl.algos.custom_model import CustomGaussian
+
+        return CustomGaussian(env, config.model)
     from zddrl.algos.offpolicy_nets import SquashedGaussian
 
     return SquashedGaussian(env, config.model)
 
 
-def _policy(v: ActingVersion) -> NumpySACPolicy:
-    return NumpySACPolicy(v.flat, v.layout, v.config.model.activation, v.env.action_low, v.env.action_high)
+def _policy(v: ActingVersion) -> SACPolicy:
+    """The squashed Gaussian in numpy (the built-in MLP) or torch (a network of the user's own)."""
+    if v.config.model.is_custom:
+        from zddrl.algos.torch_policy import TorchForward
+
+        forward = TorchForward(_model(v.config, v.env), v.flat, v.layout)
+        return SACPolicy(forward, v.env.action_dim, v.env.action_low, v.env.action_high)
+    gaussian = NumpyGaussian(v.flat, v.layout, v.config.model.activation)
+    return SACPolicy(gaussian, gaussian.mu[1].shape[0], v.env.action_low, v.env.action_high)
 
 
 def _check(config: Config, env: EnvSpec) -> str:

@@ -26,9 +26,19 @@ from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
 from zddrl.algos.replay import ReplayBatch
 from zddrl.algos.replay_learner import ReplayLearner
-from zddrl.config import Config
+from zddrl.config import Config, ModelConfig
 from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+
+
+def twin_critics(spec: EnvSpec, model: ModelConfig) -> torch.nn.Module:
+    """SAC's MLP critics, or the user's when the network factory builds critics too (``custom_model``)."""
+    if model.is_custom:
+        from zddrl.algos.custom_model import CustomTwinQ, takes_critic
+
+        if takes_critic(model):
+            return CustomTwinQ(spec, model)
+    return TwinQ(spec, model)
 
 
 class SACLearner(ReplayLearner):
@@ -38,7 +48,7 @@ class SACLearner(ReplayLearner):
             raise ValueError(why)
         super().__init__(config, spec, group)
         a = config.algo
-        self.critic = TwinQ(spec, config.model).to(self.device)
+        self.critic = twin_critics(spec, config.model).to(self.device)
         self.group.sync_module(self.critic.parameters())
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.critic_optimizer = Adam(self.critic.parameters(), lr=a.lr)
