@@ -145,7 +145,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
 def test_round_trip_every_kind(msg: P.Message) -> None:
     frames = msg.encode()
-    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x06"
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x07"
     assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
     assert_same(msg, P.decode(wire(frames)))
     assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
@@ -360,7 +360,7 @@ BAD = [
     ("bad signature", frames_of(HB, preamble=b"ZDRX\x01"), "bad signature"),
     ("empty preamble", frames_of(HB, preamble=b""), "bad signature"),
     ("wrong version", frames_of(HB, preamble=b"ZDRL\x01"), "unsupported protocol version 1"),
-    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x06\x00"), "unsupported protocol version 6 in a 6-byte"),
+    ("preamble too long", frames_of(HB, preamble=b"ZDRL\x07\x00"), "unsupported protocol version 7 in a 6-byte"),
     ("preamble without version", frames_of(HB, preamble=b"ZDRL"), "unsupported protocol version None"),
     ("oversized header", frames_of(b"\x00" * (P.MAX_HEADER_BYTES + 1)), "exceeds the 1048576-byte limit"),
     ("header not msgpack", frames_of(b"\xc1"), "not valid msgpack"),
