@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
 LAYERS = [
     {"protocol"},
     {"tomlconf"},
-    {"brokerconf", "plugin"},
+    {"plugin"},
+    {"brokerconf", "algoconf"},
     {"config", "keys", "logs", "proc", "values"},
     {"envs"},
     {"dist"},

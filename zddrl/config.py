@@ -22,6 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from zddrl import plugin
+from zddrl.algoconf import RUN_KINDS as RUN_KINDS
+from zddrl.algoconf import SCHEDULES as SCHEDULES
+from zddrl.algoconf import SHARED_ALGO_KEYS as SHARED_ALGO_KEYS
+from zddrl.algoconf import AlgoConfig as AlgoConfig
+from zddrl.algoconf import algo_from_table, reset_for
+from zddrl.algoconf import algorithm_spec as algorithm_spec
+from zddrl.algoconf import kind_label as kind_label
+from zddrl.algoconf import run_kind as run_kind
+from zddrl.algoconf import run_kind_args as run_kind_args
 from zddrl.brokerconf import BrokerConfig as BrokerConfig  # re-exported, as ConfigError below
 from zddrl.brokerconf import load_broker_config as load_broker_config
 from zddrl.brokerconf import split_endpoint as split_endpoint
@@ -32,7 +41,6 @@ from zddrl.tomlconf import build as _build
 from zddrl.tomlconf import parse_override as parse_override
 from zddrl.tomlconf import require as _require
 from zddrl.tomlconf import to_toml as to_toml
-from zddrl.tomlconf import with_guess
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,7 +49,6 @@ else:  # pragma: no cover
 
 TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner", "service")
-SCHEDULES = ("constant", "linear")
 ACTIVATIONS = ("tanh", "relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn", "small_cnn")
 AUTOCASTS = ("off", "bf16")
@@ -143,163 +150,6 @@ class ModelConfig:
         )
         _require(len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), "model.hidden must be positive sizes")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}")
-
-
-@dataclass(frozen=True)
-class AlgoConfig:
-    """How the learner learns: the keys every algorithm shares, and ``settings``, the algorithm's own keys.
-
-    In TOML both sit in one ``[algo]`` table; the keys this class does not declare belong to the algorithm
-    ``name`` chooses, whose spec declares them in a dataclass of its own (``AlgorithmSpec.settings``)."""
-
-    name: str = "ppo"
-    """The algorithm: ppo (clipped surrogate; truncated IS when data is stale) | impala (V-trace) | apex (Ape-X
-    dueling double DQN) | sac (soft actor-critic) | ``package.module:ALGORITHM`` (a spec of your own:
-    docs/extending.md); apex and sac learn from a replay buffer ([replay])."""
-    schedule: str = "auto"
-    """When the learner updates and with which data: sync (every actor samples with the newest version, one round
-    per update) | async (actors never wait; data up to ``max_staleness`` versions old, corrected by the algorithm)
-    | auto (the algorithm's first: sync for ppo, async for the others)."""
-    batch_size: int = 256
-    """Env steps per update, summed over all actors; fixed whatever the number of actors. apex/sac: env steps taken
-    into the replay buffer per update (each update then takes ``replay.replay_ratio`` gradient steps per step)."""
-    gamma: float = 0.99
-    """Discount factor."""
-    lr: float = 3e-4
-    """Adam learning rate (start value of the schedule)."""
-    lr_schedule: str = "constant"
-    """constant | linear (to 0 at total_steps)."""
-    max_grad_norm: float = 0.5
-    """Global gradient-norm clip."""
-    normalize_obs: bool = False
-    """Running mean/std of observations, applied by actors; the statistics travel with the parameters."""
-    normalize_reward: bool = False
-    """Scale rewards by the running std of the discounted return (learner side, per env stream)."""
-    total_steps: int = 100_000
-    """Horizon of the linear schedules, in env steps trained on."""
-    straggler_factor: float = 3.0
-    """Sync schedule: a round closes without the actors slower than this times the normal round (when the slowest
-    actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
-    min_round_timeout_s: float = 0.05
-    """Sync schedule: never close a round on the straggler rule sooner than this."""
-    max_staleness: int = 4
-    """Async schedule: trajectories older than this many versions are dropped (counted)."""
-    publish_every: int = 1
-    """Async schedule: publish parameters every k updates."""
-    max_in_flight: int = 2
-    """Trajectories an actor may have pushed that the broker has not read yet (it returns their credit in batches
-    of half this, at least 1, and what is left at each heartbeat). Bounds the queues between actors and learner,
-    hence the data's staleness."""
-    staleness_lr_decay: float = 0.0
-    """Async schedule: learning rate divided by (1 + this * mean staleness of the batch)."""
-    torch_threads: int = 1
-    """Intra-op threads of the learner (small MLPs run fastest on one)."""
-    settings: Any = None
-    """The algorithm's own keys (its spec's ``settings`` dataclass), built from the rest of ``[algo]``."""
-
-    def __post_init__(self) -> None:
-        if self.settings is None:  # built in code, not from a table: the algorithm's defaults
-            object.__setattr__(self, "settings", algorithm_spec(self.name).settings())
-        if self.schedule == "auto":
-            object.__setattr__(self, "schedule", algorithm_spec(self.name).schedules[0])
-        _require(self.schedule in SCHEDULES_OF_RUNS, f"algo.schedule must be one of {SCHEDULES_OF_RUNS}")
-        _require(self.batch_size >= 1, "algo.batch_size must be >= 1")
-        _require(0.0 < self.gamma <= 1.0, "algo.gamma must be in (0, 1]")
-        _require(self.lr > 0, "algo.lr must be > 0")
-        _require(self.lr_schedule in SCHEDULES, f"algo.lr_schedule must be one of {SCHEDULES}")
-        _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
-        _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
-        _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
-        _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
-        _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
-        _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
-        _require(
-            self.schedule == "sync" or self.publish_every <= self.max_staleness + 1,
-            f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
-            f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
-            "too stale to train on before the next version is published",
-        )
-        _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
-
-    def table(self) -> dict[str, Any]:
-        """The ``[algo]`` table: the shared keys and the algorithm's own, side by side."""
-        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}
-        return {**shared, **dataclasses.asdict(self.settings)}
-
-
-SCHEDULES_OF_RUNS = ("sync", "async", "auto")
-SHARED_ALGO_KEYS = frozenset(f.name for f in dataclasses.fields(AlgoConfig)) - {"settings"}
-RUN_KINDS = {
-    "sync": ("ppo", "sync"),
-    "async": ("ppo", "async"),
-    "impala": ("impala", "async"),
-    "apex": ("apex", "async"),
-    "sac": ("sac", "async"),
-}
-"""Short labels of the built-in (algorithm, schedule) pairs, as benchmarks and tests name their runs and as the
-former ``algo.mode`` key did (refused now, with the keys that replace it)."""
-
-
-def run_kind(label: str) -> dict[str, str]:
-    """``{"algo.name": ..., "algo.schedule": ...}`` overrides of a ``RUN_KINDS`` label."""
-    name, schedule = RUN_KINDS[label]
-    return {"algo.name": name, "algo.schedule": schedule}
-
-
-def run_kind_args(label: str) -> list[str]:
-    """The `zddrl train`/`learner` options of a ``RUN_KINDS`` label."""
-    name, schedule = RUN_KINDS[label]
-    return ["--algorithm", name, "--schedule", schedule]
-
-
-def kind_label(name: str, schedule: str) -> str:
-    """The ``RUN_KINDS`` label of an algorithm and schedule (the algorithm's name when it has none)."""
-    return next((label for label, pair in RUN_KINDS.items() if pair == (name, schedule)), name)
-
-
-def algorithm_spec(name: str, allowed: frozenset[str] | None = None) -> Any:
-    """The spec object ``algo.name`` names (``zddrl.algos.spec.AlgorithmSpec``; a ``module:attr`` must be allowed:
-    ``zddrl.plugin``); ConfigError if it cannot be loaded or is not a spec."""
-    spec = plugin.load(plugin.algorithm_reference(name), "algo.name", allowed)
-    _require(
-        all(hasattr(spec, a) for a in ("settings", "schedules", "learner")),
-        f"algo.name {name!r} does not name an AlgorithmSpec (zddrl.algos.spec)",
-    )
-    clash = sorted({f.name for f in dataclasses.fields(spec.settings)} & SHARED_ALGO_KEYS)
-    _require(not clash, f"algo.name {name!r}: its settings redeclare the shared [algo] keys {clash}")
-    return spec
-
-
-def _algo_from_table(table: Any, allowed: frozenset[str] | None) -> AlgoConfig:
-    """``[algo]`` -> AlgoConfig: the shared keys, and the rest as the named algorithm's settings."""
-    _require(isinstance(table, dict), "algo must be a table")
-    if "mode" in table:
-        name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
-        raise ConfigError(
-            f"algo.mode was split in two: write algo.name = {name!r} and algo.schedule = {schedule!r} "
-            f"instead of algo.mode = {table['mode']!r}"
-        )
-    name = table.get("name", "ppo")
-    _require(isinstance(name, str), "algo.name must be a string")
-    spec = algorithm_spec(name, allowed)
-    own = {k: v for k, v in table.items() if k not in SHARED_ALGO_KEYS}
-    shared = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS}
-    mine = [f.name for f in dataclasses.fields(spec.settings)]
-    unknown = sorted(set(own) - set(mine))
-    _require(
-        not unknown,
-        f"unknown config key(s) {', '.join(with_guess('algo.', k, {*mine, *SHARED_ALGO_KEYS}) for k in unknown)} "
-        f"for algorithm {name!r}; its own keys: {', '.join(mine) or 'none'}; every algorithm's: "
-        f"{', '.join(sorted(SHARED_ALGO_KEYS))}",
-    )
-    settings = _build(spec.settings, own, "algo.")
-    schedule = shared.get("schedule", "auto")
-    if schedule == "auto":
-        shared["schedule"] = spec.schedules[0]
-    elif schedule not in spec.schedules:
-        raise ConfigError(f"algo.schedule {schedule!r}: algorithm {name!r} runs with {spec.schedules} only")
-    algo: AlgoConfig = _build(AlgoConfig, {**shared, "settings": settings, "name": name}, "algo.")
-    return algo
 
 
 @dataclass(frozen=True)
@@ -487,16 +337,18 @@ class Config:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], allowed: frozenset[str] | None = None) -> Config:
-        """Build and check a config; ``allowed``: the ``module:attr`` references this process may import (None:
-        all, a config of the user's own; a run spec from the network passes its host's ``--allow-code``)."""
+    def from_dict(cls, data: dict[str, Any], allowed: frozenset[str] | None = None, stored: bool = False) -> Config:
+        """Build and check a config. ``allowed``: the ``module:attr`` references this process may import (None:
+        all, a config of the user's own; a run spec from the network, or a checkpoint's config, is read with the
+        host's ``--allow-code``); the env id's is checked where the env is built (``envs.env_refusal``).
+        ``stored``: a config zddrl wrote, perhaps an older zddrl (``algoconf.stored_table``)."""
         _require(isinstance(data, dict), "config must be a table")
-        algo = _algo_from_table(data.get("algo", {}), allowed)
-        config = _build(cls, {k: v for k, v in data.items() if k != "algo"}, "", NONE_IS_INF)
-        if config.model.is_custom:
-            why = plugin.refusal(config.model.kind, allowed)
+        if allowed is not None and plugin.is_reference(str(data.get("model", {}).get("kind", ""))):
+            why = plugin.refusal(data["model"]["kind"], allowed)  # before the table is built: that imports nothing
             if why:
                 raise plugin.PluginError(f"model.kind: {why}")
+        algo = algo_from_table(data.get("algo", {}), allowed, stored)
+        config = _build(cls, {k: v for k, v in data.items() if k != "algo"}, "", NONE_IS_INF)
         return dataclasses.replace(config, algo=algo)
 
     def references(self) -> tuple[str, ...]:
@@ -506,17 +358,22 @@ class Config:
 
     def replace(self, overrides: dict[str, Any]) -> Config:
         """A copy with dotted-key overrides applied (``{"algo.lr": 1e-3}``), validated. Naming another algorithm
-        starts from its own defaults (and its default schedule unless one is given too)."""
+        keeps the keys the two share and takes the new one's default schedule unless one is given too."""
         data = self.to_dict()
-        if overrides.get("algo.name", self.algo.name) != self.algo.name:
-            data["algo"] = {k: v for k, v in data["algo"].items() if k in SHARED_ALGO_KEYS}
-            data["algo"]["schedule"] = "auto"
-        for key, value in overrides.items():
-            _set_dotted(data, key, value)
-        return Config.from_dict(data)
+        name = overrides.get("algo.name", self.algo.name)
+        if name != self.algo.name and isinstance(name, str):
+            data["algo"] = reset_for(name, data["algo"])
+        return Config.from_dict(with_overrides(data, overrides))
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def with_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """``data`` (a config table) with dotted-key overrides set in it."""
+    for key, value in (overrides or {}).items():
+        _set_dotted(data, key, value)
+    return data
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -529,8 +386,9 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         data[parts[0]] = value
 
 
-def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
-    """Read a TOML config (or the defaults when ``path`` is None) and apply dotted overrides."""
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None, stored: bool = False) -> Config:
+    """Read a TOML config (or the defaults when ``path`` is None) with dotted overrides set in it before it is
+    checked (``--algorithm impala`` on a file of IMPALA keys); ``stored``: a run directory's config.toml."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -540,5 +398,4 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
-    config = Config.from_dict(data)
-    return config.replace(overrides) if overrides else config
+    return Config.from_dict(with_overrides(data, overrides), stored=stored)

@@ -31,6 +31,11 @@ BUILTIN_ALGORITHMS = {
 }
 """The algorithms that ship with zddrl: ``algo.name`` -> the spec object's reference."""
 
+PICKLED = "cloudpickle:"
+"""``cloudpickle:PATH``: an env given to ``zddrl.train`` as a Python callable or class, pickled by value into a
+file of the run by the calling process, which alone may have made it (``pickled_env``). A process loads it only if
+that exact id is allowed (the ones ``zddrl.train`` starts are); one joining from the network never gets it."""
+
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -87,23 +92,25 @@ def algorithm_reference(name: str) -> str:
     return name
 
 
-_ADDED: list[str] = []
-"""Directories ``importable`` put on the path: the processes this one starts get them too."""
+IMPORT_PATH_VAR = "ZDDRL_IMPORT_PATH"
+"""How the directories made importable here reach the processes this one starts (learner, shards, actors, a replay
+service): they inherit it and zddrl's command line reads it (``importable_from_environment``). Not ``PYTHONPATH``,
+whose entries would come before the standard library's."""
 
 
 def importable(directory: str | Path) -> None:
-    """Put ``directory`` (a config file's) first on the import path of this process (and of the processes it
-    starts with ``child_environment``), once."""
+    """Put ``directory`` (a config file's) last on the import path of this process and of the processes it starts,
+    once. Last: a file next to a config never shadows an installed module."""
     path = str(Path(directory).resolve())
     if path not in sys.path:
-        sys.path.insert(0, path)
-    if path not in _ADDED:
-        _ADDED.append(path)
+        sys.path.append(path)
+    known = os.environ.get(IMPORT_PATH_VAR, "").split(os.pathsep)
+    if path not in known:
+        os.environ[IMPORT_PATH_VAR] = os.pathsep.join([*filter(None, known), path])
 
 
-def child_environment() -> dict[str, str]:
-    """This process's environment with ``PYTHONPATH`` led by the directories made importable here."""
-    env = dict(os.environ)
-    if _ADDED:
-        env["PYTHONPATH"] = os.pathsep.join([*_ADDED, *filter(None, [env.get("PYTHONPATH", "")])])
-    return env
+def importable_from_environment() -> None:
+    """The directories a parent process made importable (``IMPORT_PATH_VAR``), made importable here too."""
+    for directory in filter(None, os.environ.get(IMPORT_PATH_VAR, "").split(os.pathsep)):
+        if directory not in sys.path:
+            sys.path.append(directory)

@@ -49,6 +49,7 @@ def coerce(value: Any, hint: Any, key: str, none_is_inf: frozenset[str] = frozen
         return value
     if origin is dict:
         require(isinstance(value, dict) and all(isinstance(k, str) for k in value), f"{key} must be a table")
+        require(_tomlish(value), f"{key} must hold TOML values only (strings, numbers, booleans, lists, tables)")
         return dict(value)
     if origin is tuple:
         item = typing.get_args(hint)[0]
@@ -59,6 +60,15 @@ def coerce(value: Any, hint: Any, key: str, none_is_inf: frozenset[str] = frozen
         )
         return tuple(item(v) for v in value)
     return value
+
+
+def _tomlish(value: Any) -> bool:
+    """What TOML can write and read back the same (no null, no other objects)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _tomlish(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_tomlish(v) for v in value)
+    return isinstance(value, (str, int, float, bool))
 
 
 def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = frozenset()) -> Any:

@@ -80,7 +80,7 @@ def test_an_actor_refuses_a_run_whose_env_it_does_not_allow_and_waits_idle(
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     )
-    monkeypatch.delenv("ZDDRL_ALLOW_ENV", raising=False)
+    monkeypatch.delenv("ZDDRL_ALLOW_CODE", raising=False)
     Shard(bus, broker, "learner-0", "run-x", Config().replace({"env.id": ENV_ID}).to_dict())
 
     refusing = procs.start("refusing", "actor", "--connect", broker.connect, "--actor-id", "0")
@@ -97,7 +97,16 @@ def test_an_actor_refuses_a_run_whose_env_it_does_not_allow_and_waits_idle(
     assert not sentinel.exists(), "the refusing actor imported and called the env factory"
 
     # The same run, on a host that allows the env (by the environment variable, comma separated): it is built.
-    monkeypatch.setenv("ZDDRL_ALLOW_ENV", f"some.other:env,{ENV_ID}")
+    monkeypatch.setenv("ZDDRL_ALLOW_CODE", f"some.other:env,{ENV_ID}")
     procs.start("allowing", "actor", "--connect", broker.connect, "--actor-id", "1")
     wait_for(sentinel.exists, 30, "the allowing actor to build the env")
     assert str(refusing.pid) not in sentinel.read_text().split()
+
+
+def test_allow_code_takes_several_references_in_one_value_and_a_pickled_envs_path_whole() -> None:
+    from zddrl.cli.common import allowed_code
+
+    assert allowed_code(("a:b, c:d", "e:f")) == {"a:b", "c:d", "e:f"}
+    assert allowed_code(("cloudpickle:/runs/my run, 2/env.cloudpickle",)) == {
+        "cloudpickle:/runs/my run, 2/env.cloudpickle"
+    }

@@ -89,7 +89,10 @@ def test_export_writes_the_networks_of_ones_own(name: str, kind: str, env: EnvSp
     net = algorithm_of(cfg).acting_model(cfg, env)
     path = tmp_path / "ckpt.pt"
     torch.save({"config": cfg.to_dict(), "model": net.state_dict(), "policy_version": 3}, path)
-    done = CliRunner().invoke(export, [str(path), "--format", "torchscript", "-o", str(tmp_path / "p.pt")])
+    args = [str(path), "--format", "torchscript", "-o", str(tmp_path / "p.pt")]
+    refused = CliRunner().invoke(export, args)  # a checkpoint may come from anywhere: its code must be allowed
+    assert refused.exit_code == 1 and f"--allow-code {kind}" in refused.output and not (tmp_path / "p.pt").exists()
+    done = CliRunner().invoke(export, [*args, "--allow-code", kind])
     assert done.exit_code == 0, done.output
     loaded = torch.jit.load(str(tmp_path / "p.pt"))
     obs = torch.randn(10, *env.obs_shape)

@@ -488,7 +488,7 @@ def test_a_crashing_actor_leaves_its_exception_in_status(
         "--set",
         "env.id=tests.broker.test_health:exploding_cartpole",
     )
-    allow = ("--allow-env", "tests.broker.test_health:exploding_cartpole")  # actors import only what they allow
+    allow = ("--allow-code", "tests.broker.test_health:exploding_cartpole")  # actors import only what they allow
     procs.start("actor-1", "actor", "--connect", broker.connect, "--actor-id", "1", "--envs", "2", *allow)
     monkeypatch.setenv(EXPLODE_ENV, "20")
     crashing = procs.start("actor-0", "actor", "--connect", broker.connect, "--actor-id", "0", "--envs", "2", *allow)

@@ -106,3 +106,30 @@ def test_a_resumed_run_hides_the_events_written_after_its_checkpoint(tmp_path: P
     assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
     ret = _read(tmp_path / "tb").Scalars("charts/return_mean_20")
     assert [(e.step, e.value) for e in ret] == [(256, 1.0), (512, 1.0), (768, 2.0), (1024, 2.0), (1280, 2.0)]
+
+
+def test_an_algorithms_own_figures_become_columns_and_scalars_and_undeclared_ones_are_named(tmp_path: Path) -> None:
+    """A user's algorithm declares ``grad_variance`` (group perf): metrics.csv gets the column after the standard
+    ones and TensorBoard ``perf/grad_variance``; ``mystery``, which it reports undeclared, is named once in the log
+    and written nowhere."""
+    from loguru import logger
+
+    from zddrl.algos.spec import Figure
+    from zddrl.learner.runlog import RunLog
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        log = RunLog(tmp_path / "run", {"algo": {"name": "mine:ALGORITHM"}}, figures=(Figure("grad_variance", "perf"),))
+        for step in (256, 512):
+            log.write(_row(step, grad_variance=0.5 * step, mystery=1.0))
+        log.close()
+    finally:
+        logger.remove(sink)
+    header = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[: len(METRIC_COLUMNS)] == list(METRIC_COLUMNS) and header[len(METRIC_COLUMNS) :] == ["grad_variance"]
+    assert "mystery" not in header
+    named = [line for line in lines if "mystery" in line]
+    assert len(named) == 1 and "'mine:ALGORITHM'" in named[0] and "not declared" in named[0]
+    scalars = _read(tmp_path / "run" / "tb").Tags()["scalars"]  # skips here without tensorboard
+    assert "perf/grad_variance" in scalars and not any("mystery" in tag for tag in scalars)

@@ -16,10 +16,11 @@ import numpy as np
 from zddrl.algos.policy import NumpyPolicy, Policy
 from zddrl.algos.spec import ActingVersion, Figure
 from zddrl.config import Config, ModelConfig
-from zddrl.envs import EnvSpec
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+    from zddrl.envs import EnvSpec
 
 ACTOR_CRITIC_FIGURES = (Figure("policy_loss"), Figure("value_loss"), Figure("entropy"), Figure("explained_variance"))
 

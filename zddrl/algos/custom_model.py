@@ -3,8 +3,8 @@
 actor, so that its parameters travel by name and shape (``model.flatten_params``). What ``forward`` must return
 depends on the algorithm's family (tensors only: ``zddrl export`` traces it):
 
-- actor-critic (ppo, impala, a2c-like plug-ins): ``forward(obs) -> (dist_params, value)``: the logits
-  ``[B, action_dim]`` (Discrete) or the Gaussian's mean and log standard deviation side by side,
+- actor-critic (ppo, impala, plug-ins such as examples/plugins' A2C): ``forward(obs) -> (dist_params, value)``:
+  the logits ``[B, action_dim]`` (Discrete) or the Gaussian's mean and log standard deviation side by side,
   ``[B, 2 * action_dim]`` (Box); and the state value ``[B]``.
 - Q-learning (apex): ``forward(obs) -> q`` ``[B, action_dim]``.
 - SAC: ``forward(obs) -> (mean, log_std)``, each ``[B, action_dim]``, of the Gaussian before the tanh squashing

@@ -1,12 +1,16 @@
 """What the replay algorithms (Ape-X, SAC) share in their specs: the checks of a run and the buffer's figures.
 
-Numpy-free and torch-free: spec modules import it when a config is read."""
+Torch-free and gymnasium-free: spec modules import it when a config is read."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from zddrl.algos.spec import Figure
 from zddrl.config import Config
-from zddrl.envs import EnvSpec
+
+if TYPE_CHECKING:  # pragma: no cover - types only: a spec module imports cheaply
+    from zddrl.envs import EnvSpec
 
 REPLAY_ALGO_FIGURES = (
     Figure("grad_steps", "perf"),

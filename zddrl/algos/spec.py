@@ -7,8 +7,10 @@ updates report. ``algo.name`` chooses it (``zddrl.plugin``); ``algo.schedule`` c
 updates (sync rounds or an async stream), which is the framework's business, not the algorithm's, beyond saying
 which schedules it corrects for.
 
-A spec module must import cheaply: the config reads its ``settings`` to parse ``[algo]`` in every process,
-brokers and actors included, so the built-in specs reach their torch code through small functions.
+A spec module should import cheaply: the config reads its ``settings`` to parse ``[algo]`` in every process that
+reads a run, actors included, so the built-in specs reach their torch code through small functions and name
+gymnasium's types for the type checker only. A plug-in in one file (examples/plugins/a2c.py) imports torch at its
+top, which costs its actors torch's import time at start-up, nothing more.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from zddrl.config import Config, algorithm_spec
-from zddrl.envs import EnvSpec
 
 if TYPE_CHECKING:  # pragma: no cover - types only: a spec module must not import torch
     import torch
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover - types only: a spec module must not impor
     from zddrl.algos.core import LearnerCore
     from zddrl.algos.policy import Policy
     from zddrl.dist.shards import ShardGroup
+    from zddrl.envs import EnvSpec
 
 FIGURE_GROUPS = ("charts", "losses", "perf", "replay")
 """TensorBoard namespaces of the figures (``losses/entropy``)."""

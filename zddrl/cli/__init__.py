@@ -24,12 +24,14 @@ from zddrl.cli.common import (
     set_option,
     stop_on_signals,
 )
+from zddrl.cli.evaluate import eval_cmd
 from zddrl.cli.export import export
 from zddrl.cli.keys import keys
 from zddrl.cli.replay import replay
 from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
 from zddrl.config import ConfigError, load_broker_config
 from zddrl.logs import configure
+from zddrl.plugin import importable_from_environment
 from zddrl.transport.link import Refused
 
 
@@ -57,6 +59,7 @@ class _LazyGroup(click.Group):
 def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     """zddrl: distributed deep RL on a ZeroMQ bus (broker, actors, learners)."""
     configure(log_level, log_file, role=ctx.invoked_subcommand or "main")
+    importable_from_environment()  # code next to the config of the command that started this one
 
 
 @main.command()
@@ -417,50 +420,6 @@ def train(
     click.echo(json.dumps(summary))
 
 
-@main.command("eval")
-@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
-@click.option("--episodes", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--seed", type=int, default=10_000, show_default=True)
-@click.option(
-    "--max-episode-steps",
-    type=click.IntRange(min=0),
-    default=0,
-    help="Cut an episode after this many agent steps (counted as truncated); 0: the env's own limit.",
-)
-@click.option(
-    "--video",
-    "video_dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    help='Write each episode as DIR/episode-NNN.mp4 (H.264; needs the video extra: pip install -e ".[video]").',
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (the per-episode lines go to stderr).")
-def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json) -> None:
-    """Deterministic evaluation of a checkpoint: a line per episode, then the mean/std return."""
-    from zddrl.learner.runlog import CheckpointError
-    from zddrl.ops.evaluate import Episode, evaluate
-
-    def progress(k: int, ep: Episode) -> None:
-        cut = " (cut by the step limit)" if ep.truncated else ""
-        film = f", video {ep.video}" if ep.video else ""
-        click.echo(
-            f"episode {k + 1}/{episodes}: return {ep.ret:g} in {ep.steps:,} steps{cut}, {ep.seconds:.1f} s{film}",
-            err=as_json,
-        )
-
-    try:
-        result = evaluate(checkpoint, episodes, seed, max_episode_steps, video_dir, progress)
-    except CheckpointError as exc:
-        raise click.ClickException(str(exc)) from None
-    except Exception as exc:  # an env that cannot be built here, no encoder, a checkpoint of another network
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise click.ClickException(f"cannot evaluate {checkpoint}: {type(exc).__name__}: {first_line}") from None
-    click.echo(
-        json.dumps(result)
-        if as_json
-        else f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} +- {result['std']:.2f}"
-    )
-
-
 @main.command()
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the broker's status as JSON.")
@@ -504,3 +463,4 @@ def plot(run_dirs, output) -> None:
 main.add_command(keys)
 main.add_command(replay)
 main.add_command(export)
+main.add_command(eval_cmd)

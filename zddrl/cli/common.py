@@ -12,6 +12,7 @@ import click
 from loguru import logger
 
 from zddrl.config import ConfigError, load_config, parse_override, split_endpoints
+from zddrl.plugin import PICKLED
 
 CONNECT_HELP = (
     "Broker control endpoint, the only address a client needs; or a fallback list tcp://A:5555,tcp://B:5555, "
@@ -92,20 +93,23 @@ def allow_code_option(where: str):
     ``model.kind``) whose code runs may have this host import (``zddrl.plugin``)."""
     return click.option(
         "--allow-code",
-        "--allow-env",
         "allow_code",
         multiple=True,
-        envvar=["ZDDRL_ALLOW_CODE", "ZDDRL_ALLOW_ENV"],
+        envvar="ZDDRL_ALLOW_CODE",
         metavar="MODULE:ATTR",
         help=f"Code a run may have imported {where}: an env id, algo.name or model.kind naming a module "
         "(module:attr, or gymnasium's module:Env-v0), exactly as the run spec says it; repeatable, or space/comma "
         "separated. Runs naming any other code are refused; registered gymnasium ids and zddrl's own algorithms and "
-        "models need no allowing. --allow-env is the same option's older name.",
+        "models need no allowing.",
     )
 
 
 def allowed_code(values: tuple[str, ...]) -> frozenset[str]:
-    return frozenset(ref for value in values for ref in value.replace(",", " ").split())
+    """The references of ``--allow-code`` values; a ``cloudpickle:PATH`` one is a path, taken whole (it may hold
+    spaces or commas)."""
+    return frozenset(
+        ref for value in values for ref in ([value] if value.startswith(PICKLED) else value.replace(",", " ").split())
+    )
 
 
 key_option = click.option(

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from zddrl.cli.common import allow_code_option, allowed_code
+
 FORMATS = ("torchscript", "onnx")
 """``zddrl.ops.export.FORMATS``, repeated so that ``--help`` does not import torch."""
 
@@ -26,14 +28,15 @@ FORMATS = ("torchscript", "onnx")
     type=click.Path(dir_okay=False, path_type=Path),
     help="File to write (its folder is made if missing; an existing file is replaced).",
 )
-def export(checkpoint: str, fmt: str, output: Path) -> None:
+@allow_code_option("when reading the checkpoint's run (a checkpoint may come from anywhere)")
+def export(checkpoint: str, fmt: str, output: Path, allow_code: tuple[str, ...]) -> None:
     """Write CHECKPOINT's acting policy (RUN_DIR/checkpoints/*.pt) as one file: obs [B, *obs_shape] ->
     (deterministic action, distribution parameters), observation normalisation included (docs/export.md)."""
     from zddrl.learner.runlog import CheckpointError
     from zddrl.ops.export import ExportError, export_policy
 
     try:
-        result = export_policy(checkpoint, fmt, output)
+        result = export_policy(checkpoint, fmt, output, allowed_code(allow_code))
     except (CheckpointError, ExportError) as exc:
         raise click.ClickException(str(exc)) from None
     except Exception as exc:  # an env that cannot be built here, a checkpoint of another network, a torch refusal

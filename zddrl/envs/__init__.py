@@ -21,7 +21,6 @@ from zddrl.envs.atari import atari_wrappers as atari_wrappers
 from zddrl.envs.atari import rom_name as rom_name
 from zddrl.envs.make import ATARI_HINT as ATARI_HINT
 from zddrl.envs.make import ATARI_KWARGS as ATARI_KWARGS
-from zddrl.envs.make import PICKLED as PICKLED
 from zddrl.envs.make import TYPED_KWARGS as TYPED_KWARGS
 from zddrl.envs.make import env_factory as env_factory
 from zddrl.envs.make import env_refusal as env_refusal
@@ -40,3 +39,4 @@ from zddrl.envs.vector import EnvLatency as EnvLatency
 from zddrl.envs.vector import VecEnv as VecEnv
 from zddrl.envs.vector import actor_envs as actor_envs
 from zddrl.envs.vector import with_latency as with_latency
+from zddrl.plugin import PICKLED as PICKLED

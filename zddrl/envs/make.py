@@ -36,6 +36,7 @@ from gymnasium.envs.registration import find_highest_version, get_env_id, parse_
 from zddrl.config import EnvConfig
 from zddrl.envs.atari import ALE_VECTOR_KWARGS, _register_ale, atari_wrappers
 from zddrl.envs.spaces import EnvError, EnvSpec, spec_of
+from zddrl.plugin import PICKLED
 
 
 def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
@@ -135,12 +136,6 @@ def probe_spec(env: EnvConfig | str, max_episode_steps: int = 0) -> EnvSpec:
     if isinstance(env, str):
         return spec_of(env_factory(env, max_episode_steps))
     return spec_of(make_factory(env))
-
-
-PICKLED = "cloudpickle:"
-"""``cloudpickle:PATH``: an env given to ``zddrl.train`` as a Python callable or class, pickled by value into a
-file of the run by the calling process, which alone may have made it (``pickled_env``). A process loads it only if
-that exact id is allowed (the ones ``zddrl.train`` starts are); one joining from the network never gets it."""
 
 
 def pickled_env(make: Callable[..., gym.Env], path: Path) -> str:

@@ -4,7 +4,9 @@ The first checkpoint is written right after the first update, so that a run kill
 minute can still be resumed (or restarted by `zddrl train`); then every ``train.checkpoint_every``
 updates (when set) and every ``train.checkpoint_every_s`` seconds, and a final one at a clean end.
 ``check_run_dir`` is the one place that decides whether a run directory may be used: `zddrl train`,
-`zddrl learner` and the learner node itself all call it.
+`zddrl learner` and the learner node itself all call it. ``read_checkpoint`` is how everything else (`zddrl eval`,
+`zddrl export`, ``zddrl.load_policy``) reads one: a checkpoint may come from anywhere, so the code its config
+names (an env, an algorithm or a network ``module:attr``) is imported only if the caller allows it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from zddrl.config import Config, ConfigError, TrainConfig, load_config
-from zddrl.learner.runlog import RunLog, latest_checkpoint
+from zddrl.envs import env_refusal
+from zddrl.learner.runlog import CheckpointError, RunLog, latest_checkpoint, load_checkpoint
+from zddrl.plugin import PluginError
 
 
 def check_run_dir(config: Config, run_dir: Path | None, resume: bool) -> Path | None:
@@ -38,11 +42,31 @@ def check_run_dir(config: Config, run_dir: Path | None, resume: bool) -> Path | 
         raise ConfigError(f"--resume: no checkpoint in {run_dir / 'checkpoints'}")
     saved = run_dir / "config.toml"
     if saved.exists():
-        before = load_config(saved)
+        before = load_config(saved, stored=True)
         for section in ("env", "model"):
             if getattr(before, section) != getattr(config, section):
                 raise ConfigError(f"--resume: [{section}] differs from the run's {saved}; resume with it")
+        if before.algo.name != config.algo.name:
+            raise ConfigError(f"--resume: algo.name differs from the run's {saved} ({before.algo.name!r})")
     return checkpoint
+
+
+def read_checkpoint(path: str | Path, allowed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], Config]:
+    """A checkpoint's state and its run's config; CheckpointError (one line) for a file that is not one, or whose
+    config names code (``module:attr``) that ``allowed`` does not list exactly (nothing is imported then)."""
+    state = load_checkpoint(path)
+    if not {"config", "model"} <= state.keys():
+        raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds no config and model")
+    try:
+        config = Config.from_dict(state["config"], allowed=allowed, stored=True)
+    except PluginError as exc:
+        raise CheckpointError(f"{path}: its run's {exc}") from None
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: its run's config is refused: {exc}") from None
+    why = env_refusal(config.env.id, allowed)
+    if why:
+        raise CheckpointError(f"{path}: its run's {why}")
+    return state, config
 
 
 class Checkpoints:

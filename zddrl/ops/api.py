@@ -14,7 +14,8 @@ multi-host run names its env by id, as each host must allow the code it runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import shutil
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,8 @@ from zddrl.algos.policy import Policy
 from zddrl.algos.spec import ActingVersion, algorithm_of
 from zddrl.config import Config, ConfigError, load_config
 from zddrl.envs import EnvSpec, pickled_env, probe_spec
-from zddrl.learner.runlog import CheckpointError, latest_checkpoint, load_checkpoint
+from zddrl.learner.checkpoints import read_checkpoint
+from zddrl.learner.runlog import CheckpointError, latest_checkpoint
 from zddrl.ops.train import default_run_dir, run_training
 
 ENV_FILE = "env.cloudpickle"
@@ -68,20 +70,18 @@ class LoadedPolicy:
     __call__ = act
 
 
-def load_policy(path: str | Path, seed: int = 0) -> LoadedPolicy:
+def load_policy(path: str | Path, seed: int = 0, allow_code: Iterable[str] = ()) -> LoadedPolicy:
     """The policy of a checkpoint file, or of a run directory's final (else newest) checkpoint; CheckpointError if
-    there is none.
-    ``seed``: of the generator ``act(..., deterministic=False)`` samples with."""
+    there is none. ``seed``: of the generator ``act(..., deterministic=False)`` samples with. ``allow_code``: the
+    code its run names (``module:attr`` env, algorithm or network, as its config.toml says them) that may be
+    imported: a checkpoint may come from anywhere (``checkpoints.read_checkpoint``)."""
     path = Path(path)
     if path.is_dir():
         found = newest_state(path)
         if found is None:
             raise CheckpointError(f"{path} holds no checkpoint (RUN_DIR/checkpoints/*.pt)")
         path = found
-    state = load_checkpoint(path)
-    if not {"config", "model"} <= state.keys():
-        raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds no config and model")
-    config = Config.from_dict(state["config"])
+    state, config = read_checkpoint(path, frozenset(allow_code))
     spec = probe_spec(config.env)
     version = int(state.get("policy_version", 0))
     return LoadedPolicy(checkpoint_policy(state, config, spec), config, spec, version, seed)
@@ -124,20 +124,24 @@ def train(
     dotted = _dotted(env, overrides, sections)
     cfg = _config(config, dotted)
     run_path = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    made = not run_path.exists()
     if callable(env):
         cfg = cfg.replace({"env.id": pickled_env(env, run_path / ENV_FILE)})
     try:
         summary = run_training(cfg, run_path, show_progress=progress, secure=secure)
+    except click.UsageError as exc:
+        if made:  # refused before anything ran: what this call made goes again, as `zddrl train` does
+            shutil.rmtree(run_path, ignore_errors=True)
+        raise ConfigError(exc.format_message()) from None
     except click.exceptions.Exit as exc:
         if exc.exit_code == 130:
             raise KeyboardInterrupt from None
         raise RuntimeError(f"zddrl train ended with exit code {exc.exit_code}") from None
-    except click.UsageError as exc:
-        raise ConfigError(exc.format_message()) from None
     except click.ClickException as exc:
         raise RuntimeError(exc.format_message()) from None
     final = newest_state(run_path)
-    return TrainResult(summary, run_path, load_policy(final) if final is not None else None)
+    policy = load_policy(final, allow_code=cfg.references()) if final is not None else None  # the caller's own code
+    return TrainResult(summary, run_path, policy)
 
 
 def _dotted(

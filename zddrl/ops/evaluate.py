@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 import gymnasium as gym
 import numpy as np
 
-from zddrl.config import Config, EnvConfig
+from zddrl.config import EnvConfig
 from zddrl.envs import env_action, env_spec, evaluation_factory
-from zddrl.learner.runlog import CheckpointError, load_checkpoint
+from zddrl.learner.checkpoints import read_checkpoint
 from zddrl.ops.api import checkpoint_policy
 from zddrl.ops.video import Mp4Writer, VideoError
 
@@ -44,13 +44,12 @@ def evaluate(
     max_episode_steps: int = 0,
     video_dir: Path | None = None,
     on_episode: Callable[[int, Episode], None] | None = None,
+    allowed: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Mean and std of the return of ``episodes`` deterministic episodes, with each episode's figures;
-    ``on_episode(k, episode)`` is called as each one ends."""
-    state = load_checkpoint(checkpoint)
-    if not {"config", "model"} <= state.keys():
-        raise CheckpointError(f"{checkpoint} is not a zddrl checkpoint: it holds no config and model")
-    config = Config.from_dict(state["config"])
+    ``on_episode(k, episode)`` is called as each one ends; ``allowed``: the code (``module:attr``) the run's config
+    may name (``checkpoints.read_checkpoint``)."""
+    state, config = read_checkpoint(checkpoint, allowed)
     if video_dir is not None:
         video_dir.mkdir(parents=True, exist_ok=True)
     env = evaluation_factory(config.env, render_mode="rgb_array" if video_dir is not None else None)()

@@ -49,7 +49,7 @@ from zddrl.algos.model import ActorCritic
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedPolicy
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, probe_spec
-from zddrl.learner.runlog import CheckpointError, load_checkpoint
+from zddrl.learner.checkpoints import read_checkpoint
 
 FORMATS = ("torchscript", "onnx")
 ONNX_HINT = 'pip install -c constraints.txt -e ".[onnx]"'
@@ -74,15 +74,18 @@ class ExportError(ValueError):
     """A checkpoint that cannot be exported, a missing package, or a file that does not compute the policy."""
 
 
-def export_policy(checkpoint: str | Path, fmt: str, output: Path) -> dict[str, Any]:
+def export_policy(
+    checkpoint: str | Path, fmt: str, output: Path, allowed: frozenset[str] = frozenset()
+) -> dict[str, Any]:
     """Write ``checkpoint``'s acting policy to ``output`` in ``fmt`` (one of ``FORMATS``), checked against the
-    checkpoint's own network; returns the file's description with ``file``, ``format`` and ``max_error``."""
+    checkpoint's own network; returns the file's description with ``file``, ``format`` and ``max_error``.
+    ``allowed``: the code (``module:attr``) the run's config may name (``checkpoints.read_checkpoint``)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt == "onnx":
         require_onnx()
-    state = load_checkpoint(checkpoint)
-    config, spec, net = policy_network(state, checkpoint)
+    state, config = read_checkpoint(checkpoint, allowed)
+    spec, net = policy_network(state, config)
     policy = exportable(net, spec, state.get("obs_rms"))
     meta = describe(config, spec, policy, int(state.get("policy_version", -1)))
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -106,16 +109,13 @@ def require_onnx() -> None:
             raise ExportError(f"--format onnx needs the {name} package: {ONNX_HINT}") from None
 
 
-def policy_network(state: dict[str, Any], checkpoint: str | Path) -> tuple[Config, EnvSpec, nn.Module]:
-    """The checkpoint's acting network with its weights, rebuilt as `zddrl eval` does: the run's config, the spec of
-    one env of the run, ``acting_model``. The one place this module builds a network."""
-    if not {"config", "model"} <= state.keys():
-        raise CheckpointError(f"{checkpoint} is not a zddrl checkpoint: it holds no config and model")
-    config = Config.from_dict(state["config"])
+def policy_network(state: dict[str, Any], config: Config) -> tuple[EnvSpec, nn.Module]:
+    """The checkpoint's acting network with its weights, rebuilt as `zddrl eval` does: the spec of one env of the
+    run, ``acting_model``. The one place this module builds a network."""
     spec = probe_spec(config.env)
     net = acting_model(config, spec)
     net.load_state_dict(state["model"])
-    return config, spec, net.eval()
+    return spec, net.eval()
 
 
 class ExportedPolicy(nn.Module):

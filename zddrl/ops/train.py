@@ -83,7 +83,6 @@ class LocalProcesses:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=plugin.child_environment(),
             preexec_fn=own_group_dying_with_parent if own_group else partial(_nice_dying_with_parent, nice),
         )
         log.close()
@@ -236,8 +235,7 @@ def run_training(
     """A directory this command makes is removed again if the env is refused after the start (nothing ran)."""
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.toml"
-    config_path.write_text(to_toml(config.to_dict()))
+    (run_dir / "config.toml").write_text(to_toml(config.to_dict()))
     control, traj, learn, params, replay_port = free_ports(5)
     connect = f"tcp://127.0.0.1:{control}"
     if not algorithm_of(config).replay or config.replay.placement != "service":
@@ -246,9 +244,7 @@ def run_training(
     budget = RestartBudget(config.train.max_restarts)
     key_dir = throwaway_keys() if secure else None
     keys = ["--keys", str(key_dir)] if key_dir is not None else []
-    learner_args = ["learner", str(config_path), "--connect", connect, "--run-dir", str(run_dir), *keys]
-    if replay_port:
-        learner_args += ["--replay", f"tcp://127.0.0.1:{replay_port}"]
+    learner_args = _learner_args(run_dir, connect, keys, replay_port)
     restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
     refused = interrupted = False
     try:
@@ -263,17 +259,13 @@ def run_training(
             replay_port,
             run_dir,
         )
+        refused = fresh  # until the env passed: a run refused before anything ran leaves no directory behind
         if not algorithm_of(config).replay:
-            try:
-                _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
-            except click.UsageError:
-                refused = fresh
-                raise
+            _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
+        refused = False
         bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
-        logger.info(
-            f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
-            f"(logs in {log_dir})"
-        )
+        logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
+                    f"(logs in {log_dir})")  # fmt: skip
         learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
     except KeyboardInterrupt:
         interrupted = True
@@ -287,6 +279,12 @@ def run_training(
         click.echo(interrupted_message(run_dir), err=True)
         raise click.exceptions.Exit(130)  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
     return _summary(learner, run_dir, t0, budget.used)
+
+
+def _learner_args(run_dir: Path, connect: str, keys: list[str], replay_port: int) -> list[str]:
+    """`zddrl learner` of the run: its config.toml, the local broker, the keys, the replay service if any."""
+    args = ["learner", str(run_dir / "config.toml"), "--connect", connect, "--run-dir", str(run_dir), *keys]
+    return [*args, "--replay", f"tcp://127.0.0.1:{replay_port}"] if replay_port else args
 
 
 def interrupted_message(run_dir: Path) -> str:

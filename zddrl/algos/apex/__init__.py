@@ -13,7 +13,6 @@ from zddrl.algos.offpolicy_policy import NumpyDuelingQ, QPolicy, apex_epsilons
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
 from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
 from zddrl.config import Config
-from zddrl.envs import EnvSpec
 from zddrl.tomlconf import require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -21,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from zddrl.algos.apex.learner import ApexLearner
     from zddrl.dist.shards import ShardGroup
+    from zddrl.envs import EnvSpec
 
 
 @dataclass(frozen=True)

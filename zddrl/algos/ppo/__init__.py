@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 from zddrl.algos.actor_critic import ACTOR_CRITIC_FIGURES, acting_policy, actor_critic_model, check_actor_critic
 from zddrl.algos.spec import AlgorithmSpec, Figure
 from zddrl.config import SCHEDULES, Config
-from zddrl.envs import EnvSpec
 from zddrl.tomlconf import require
 
 if TYPE_CHECKING:  # pragma: no cover
     from zddrl.algos.ppo.learner import PPOLearner
     from zddrl.dist.shards import ShardGroup
+    from zddrl.envs import EnvSpec
 
 
 @dataclass(frozen=True)

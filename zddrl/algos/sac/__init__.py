@@ -11,7 +11,6 @@ from zddrl.algos.offpolicy_policy import NumpyGaussian, SACPolicy
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
 from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
 from zddrl.config import Config
-from zddrl.envs import EnvSpec
 from zddrl.tomlconf import require
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -19,6 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from zddrl.algos.sac.learner import SACLearner
     from zddrl.dist.shards import ShardGroup
+    from zddrl.envs import EnvSpec
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,214 @@
+"""``[algo]``: the keys every algorithm shares (``AlgoConfig``) and, beside them, the algorithm's own (its spec's
+``settings`` dataclass), found by ``algo.name`` through ``zddrl.plugin``.
+
+Parsing a table must know the algorithm's keys, so this module reaches the algorithm's spec by name, the one place
+a layer below ``zddrl.algos`` reaches code above it, by design: algorithms are plug-ins, and a built-in's spec module
+(``zddrl/algos/<name>/__init__.py``) imports nothing heavier than numpy. ``zddrl.config`` re-exports all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from zddrl import plugin
+from zddrl.tomlconf import ConfigError, with_guess
+from zddrl.tomlconf import build as _build
+from zddrl.tomlconf import require as _require
+
+SCHEDULES = ("constant", "linear")
+"""Learning-rate (and clip) schedules."""
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """How the learner learns: the keys every algorithm shares, and ``settings``, the algorithm's own keys.
+
+    In TOML both sit in one ``[algo]`` table; the keys this class does not declare belong to the algorithm
+    ``name`` chooses, whose spec declares them in a dataclass of its own (``AlgorithmSpec.settings``)."""
+
+    name: str = "ppo"
+    """The algorithm: ppo (clipped surrogate; truncated IS when data is stale) | impala (V-trace) | apex (Ape-X
+    dueling double DQN) | sac (soft actor-critic) | ``package.module:ALGORITHM`` (a spec of your own:
+    docs/extending.md); apex and sac learn from a replay buffer ([replay])."""
+    schedule: str = "auto"
+    """When the learner updates and with which data: sync (every actor samples with the newest version, one round
+    per update) | async (actors never wait; data up to ``max_staleness`` versions old, corrected by the algorithm)
+    | auto (the algorithm's first: sync for ppo, async for the others)."""
+    batch_size: int = 256
+    """Env steps per update, summed over all actors; fixed whatever the number of actors. apex/sac: env steps taken
+    into the replay buffer per update (each update then takes ``replay.replay_ratio`` gradient steps per step)."""
+    gamma: float = 0.99
+    """Discount factor."""
+    lr: float = 3e-4
+    """Adam learning rate (start value of the schedule)."""
+    lr_schedule: str = "constant"
+    """constant | linear (to 0 at total_steps)."""
+    max_grad_norm: float = 0.5
+    """Global gradient-norm clip."""
+    normalize_obs: bool = False
+    """Running mean/std of observations, applied by actors; the statistics travel with the parameters."""
+    normalize_reward: bool = False
+    """Scale rewards by the running std of the discounted return (learner side, per env stream)."""
+    total_steps: int = 100_000
+    """Horizon of the linear schedules, in env steps trained on."""
+    straggler_factor: float = 3.0
+    """Sync schedule: a round closes without the actors slower than this times the normal round (when the slowest
+    actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
+    min_round_timeout_s: float = 0.05
+    """Sync schedule: never close a round on the straggler rule sooner than this."""
+    max_staleness: int = 4
+    """Async schedule: trajectories older than this many versions are dropped (counted)."""
+    publish_every: int = 1
+    """Async schedule: publish parameters every k updates."""
+    max_in_flight: int = 2
+    """Trajectories an actor may have pushed that the broker has not read yet (it returns their credit in batches
+    of half this, at least 1, and what is left at each heartbeat). Bounds the queues between actors and learner,
+    hence the data's staleness."""
+    staleness_lr_decay: float = 0.0
+    """Async schedule: learning rate divided by (1 + this * mean staleness of the batch)."""
+    torch_threads: int = 1
+    """Intra-op threads of the learner (small MLPs run fastest on one)."""
+    settings: Any = None
+    """The algorithm's own keys (its spec's ``settings`` dataclass), built from the rest of ``[algo]``."""
+
+    def __post_init__(self) -> None:
+        spec = algorithm_spec(self.name)
+        if self.settings is None:  # built in code, not from a table: the algorithm's defaults
+            object.__setattr__(self, "settings", spec.settings())
+        if self.schedule == "auto":
+            object.__setattr__(self, "schedule", spec.schedules[0])
+        _require(self.schedule in SCHEDULES_OF_RUNS, f"algo.schedule must be one of {SCHEDULES_OF_RUNS}")
+        _require(
+            self.schedule in spec.schedules,
+            f"algo.schedule {self.schedule!r}: algorithm {self.name!r} runs with {spec.schedules} only",
+        )
+        _require(
+            isinstance(self.settings, spec.settings),
+            f"algo.settings of algorithm {self.name!r} must be a {spec.settings.__name__}, "
+            f"got a {type(self.settings).__name__}",
+        )
+        _require(self.batch_size >= 1, "algo.batch_size must be >= 1")
+        _require(0.0 < self.gamma <= 1.0, "algo.gamma must be in (0, 1]")
+        _require(self.lr > 0, "algo.lr must be > 0")
+        _require(self.lr_schedule in SCHEDULES, f"algo.lr_schedule must be one of {SCHEDULES}")
+        _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
+        _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
+        _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
+        _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
+        _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
+        _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
+        _require(
+            self.schedule == "sync" or self.publish_every <= self.max_staleness + 1,
+            f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
+            f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
+            "too stale to train on before the next version is published",
+        )
+        _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
+
+    def table(self) -> dict[str, Any]:
+        """The ``[algo]`` table: the shared keys and the algorithm's own, side by side."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}
+        return {**shared, **dataclasses.asdict(self.settings)}
+
+
+SCHEDULES_OF_RUNS = ("sync", "async", "auto")
+SHARED_ALGO_KEYS = frozenset(f.name for f in dataclasses.fields(AlgoConfig)) - {"settings"}
+RUN_KINDS = {
+    "sync": ("ppo", "sync"),
+    "async": ("ppo", "async"),
+    "impala": ("impala", "async"),
+    "apex": ("apex", "async"),
+    "sac": ("sac", "async"),
+}
+"""Short labels of the built-in (algorithm, schedule) pairs: how benchmarks and tests name their runs, and the
+values of the ``algo.mode`` key of configs that zddrl wrote before ``algo.name`` and ``algo.schedule`` (stored ones
+are read with it; one a user writes is refused with the keys that replace it)."""
+
+
+def run_kind(label: str) -> dict[str, str]:
+    """``{"algo.name": ..., "algo.schedule": ...}`` overrides of a ``RUN_KINDS`` label."""
+    name, schedule = RUN_KINDS[label]
+    return {"algo.name": name, "algo.schedule": schedule}
+
+
+def run_kind_args(label: str) -> list[str]:
+    """The `zddrl train`/`learner` options of a ``RUN_KINDS`` label."""
+    name, schedule = RUN_KINDS[label]
+    return ["--algorithm", name, "--schedule", schedule]
+
+
+def kind_label(name: str, schedule: str) -> str:
+    """The ``RUN_KINDS`` label of an algorithm and schedule (the algorithm's name when it has none)."""
+    return next((label for label, pair in RUN_KINDS.items() if pair == (name, schedule)), name)
+
+
+@functools.lru_cache(maxsize=64)
+def algorithm_spec(name: str, allowed: frozenset[str] | None = None) -> Any:
+    """The spec object ``algo.name`` names (``zddrl.algos.spec.AlgorithmSpec``; a ``module:attr`` must be allowed:
+    ``zddrl.plugin``); ConfigError if it cannot be loaded or is not a spec."""
+    spec = plugin.load(plugin.algorithm_reference(name), "algo.name", allowed)
+    _require(
+        all(hasattr(spec, a) for a in ("settings", "schedules", "learner")),
+        f"algo.name {name!r} does not name an AlgorithmSpec (zddrl.algos.spec)",
+    )
+    clash = sorted({f.name for f in dataclasses.fields(spec.settings)} & SHARED_ALGO_KEYS)
+    _require(not clash, f"algo.name {name!r}: its settings redeclare the shared [algo] keys {clash}")
+    return spec
+
+
+def algo_from_table(table: Any, allowed: frozenset[str] | None, stored: bool = False) -> AlgoConfig:
+    """``[algo]`` -> AlgoConfig: the shared keys, and the rest as the named algorithm's settings. ``stored``: a
+    config zddrl wrote (a run directory's, a checkpoint's), read with ``stored_table``."""
+    _require(isinstance(table, dict), "algo must be a table")
+    if stored:
+        table = stored_table(table, allowed)
+    if "mode" in table:
+        name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
+        raise ConfigError(
+            f"algo.mode was split in two: write algo.name = {name!r} and algo.schedule = {schedule!r} "
+            f"instead of algo.mode = {table['mode']!r}"
+        )
+    name = table.get("name", "ppo")
+    _require(isinstance(name, str), "algo.name must be a string")
+    spec = algorithm_spec(name, allowed)
+    own = {k: v for k, v in table.items() if k not in SHARED_ALGO_KEYS}
+    shared = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS}
+    mine = [f.name for f in dataclasses.fields(spec.settings)]
+    unknown = sorted(set(own) - set(mine))
+    _require(
+        not unknown,
+        f"unknown config key(s) {', '.join(with_guess('algo.', k, {*mine, *SHARED_ALGO_KEYS}) for k in unknown)} "
+        f"for algorithm {name!r}; its own keys: {', '.join(mine) or 'none'}; every algorithm's: "
+        f"{', '.join(sorted(SHARED_ALGO_KEYS))}",
+    )
+    settings = _build(spec.settings, own, "algo.")
+    schedule = shared.get("schedule", "auto")
+    if schedule == "auto":
+        shared["schedule"] = spec.schedules[0]
+    elif schedule not in spec.schedules:
+        raise ConfigError(f"algo.schedule {schedule!r}: algorithm {name!r} runs with {spec.schedules} only")
+    algo: AlgoConfig = _build(AlgoConfig, {**shared, "settings": settings, "name": name}, "algo.")
+    return algo
+
+
+def stored_table(table: dict[str, Any], allowed: frozenset[str] | None) -> dict[str, Any]:
+    """A stored ``[algo]`` as this version reads it: ``mode`` (written before ``name`` and ``schedule`` existed)
+    becomes the two, and keys of other algorithms (the one flat table of every algorithm's keys of that time) go."""
+    if "mode" not in table or "name" in table:
+        return table
+    name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
+    mine = {f.name for f in dataclasses.fields(algorithm_spec(name, allowed).settings)}
+    kept = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS or k in mine}
+    return {**kept, "name": name, "schedule": schedule}
+
+
+def reset_for(name: str, table: dict[str, Any]) -> dict[str, Any]:
+    """``table`` (a config's ``[algo]``) for switching to algorithm ``name``: the shared keys and those of the
+    old algorithm's that ``name``'s settings declare too (epochs, ent_coef, ...) are kept, the schedule is the new
+    algorithm's default."""
+    mine = {f.name for f in dataclasses.fields(algorithm_spec(name).settings)}
+    kept = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS or k in mine}
+    return {**kept, "name": name, "schedule": "auto"}
