@@ -49,3 +49,28 @@ def keys_list(keys_dir, as_json) -> None:
     for k in found:
         extra = ("secret here" if k.secret else "public only") + (", signs" if k.signing else "")
         click.echo(f"{k.role:<8} {k.name:<24} {k.public}  ({extra})")
+
+
+@keys.command("kubernetes")
+@click.option("--keys", "keys_dir", required=True, envvar="ZDDRL_KEYS", type=click.Path(file_okay=False))
+@click.option("--namespace", default="zddrl", show_default=True, help="Namespace of the Secrets.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the YAML here (default: stdout).")
+def keys_kubernetes(keys_dir, namespace, output) -> None:
+    """The keys in --keys as Kubernetes Secrets, one with every file of a key folder (zddrl-broker, ...) and one
+    with its public files (zddrl-broker-public, ...): what deploy/kubernetes/ mounts (docs/deploying.md)."""
+    from pathlib import Path
+
+    from zddrl.ops.kube_secrets import secret_manifests
+
+    try:
+        text = secret_manifests(keys_dir, namespace)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if output:
+        path = Path(output)
+        path.write_text(text)
+        path.chmod(0o600)  # it holds every secret key
+        click.echo(f"{path}: {text.count('kind: Secret')} Secrets (secret keys inside: keep the file private)")
+    else:
+        click.echo(text, nl=False)
+
