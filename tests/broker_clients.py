@@ -36,6 +36,23 @@ def run_spec(**algo: Any) -> dict:
     return Config().replace({**kind, **{f"algo.{k}": v for k, v in algo.items()}}).to_dict()
 
 
+def bus_of(run: dict | None) -> dict | None:
+    """The hello's ``bus`` of a run spec, as the learner fills it from its config (learner/node.py)."""
+    if run is None or "algo" not in run:
+        return None
+    algo = run["algo"]
+    return {
+        "sync": algo["schedule"] == "sync",
+        "max_staleness": algo["max_staleness"],
+        "max_in_flight": algo["max_in_flight"],
+    }
+
+
+def learner_hello(peer_id: str = "learner-0", run_id: str = "", run: dict | None = None, **fields: Any) -> P.Hello:
+    """A learner's hello announcing ``run`` (with its ``bus``, as LearnerNode sends it)."""
+    return P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run, bus=bus_of(run), **fields)
+
+
 def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
     """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``."""
     f32 = np.float32
@@ -72,7 +89,7 @@ class Shard:
 
     def __init__(self, bus: Bus, broker: BrokerHandle, peer_id: str, run_id: str = "", run: dict | None = None):
         self.peer_id, self.run_id = peer_id, run_id
-        self.link = bus.link(broker.connect, P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run))
+        self.link = bus.link(broker.connect, learner_hello(peer_id, run_id, run))
         assert self.link.wait_welcome(WAIT_S) is not None, f"{peer_id}: no welcome"
         self.sock = bus.socket(zmq.DEALER, identity=peer_id.encode(), rcvhwm=0)
         self.sock.connect(self.link.endpoint("learners"))

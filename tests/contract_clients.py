@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, run_spec
+from broker_clients import WAIT_S, learner_hello, run_spec
 from conftest import BrokerHandle, Bus
 from zddrl import protocol as P
 
@@ -85,9 +85,7 @@ class Learner:
         self, bus: Bus, broker: BrokerHandle, peer_id: str = "learner-0", run_id: str = "run-a", run: dict | None = None
     ) -> None:
         self.peer_id, self.run_id = peer_id, run_id
-        self.control = Control(
-            bus, broker, P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run_spec() if run is None else run)
-        )
+        self.control = Control(bus, broker, learner_hello(peer_id, run_id, run_spec() if run is None else run))
         self.data = bus.socket(zmq.DEALER, identity=peer_id.encode(), rcvhwm=0)
         self.data.connect(f"tcp://127.0.0.1:{self.control.welcome.ports['learners']}")
 

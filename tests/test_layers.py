@@ -14,7 +14,7 @@ LAYERS = [
     {"brokerconf", "algoconf"},
     {"config", "keys", "logs", "proc", "values"},
     {"envs"},
-    {"dist"},
+    {"shards"},
     {"algos", "transport"},
     {"broker", "actor", "learner"},
     {"ops"},
@@ -68,3 +68,14 @@ def test_the_maths_and_the_wire_never_touch_sockets() -> None:
             ), path
         else:  # the protocol reads zmq.Frame objects but never a socket
             assert "zmq" not in names, path
+
+
+def test_the_bus_is_blind_to_training() -> None:
+    """The broker and relays route runs they do not understand: what they need of one is the run announcement's
+    ``bus`` field (docs/protocol.md), never the training config, the algorithms, the envs or user code."""
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)} imports zddrl.{dst}"
+        for path in (PACKAGE / "broker").rglob("*.py")
+        for dst in imports(path) & {"config", "algoconf", "algos", "plugin", "envs"}
+    ]
+    assert not wrong, wrong

@@ -29,7 +29,7 @@ rollout_len = 16
 hidden = [32, 32]
 activation = "relu"
 [algo]
-mode = "apex"
+name = "apex"
 batch_size = 128
 lr = 1e-3
 [replay]

@@ -108,6 +108,15 @@ class AlgoConfig:
         )
         _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
 
+    def bus(self) -> dict[str, Any]:
+        """What brokers and relays need of the run: the ``bus`` field of its learner's hello (docs/protocol.md),
+        which they read instead of the run spec."""
+        return {
+            "sync": self.schedule == "sync",
+            "max_staleness": self.max_staleness,
+            "max_in_flight": self.max_in_flight,
+        }
+
     def table(self) -> dict[str, Any]:
         """The ``[algo]`` table: the shared keys and the algorithm's own, side by side."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "settings"}

@@ -221,14 +221,16 @@ class TrainConfig:
     keep_checkpoints: int = 3
     """Periodic checkpoints kept (the newest ones)."""
     slowdowns: tuple[float, ...] = ()
-    """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ... (missing ones run at full speed)."""
+    """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ...: its envs that many times slower per step
+    (``envs.SlowEnvs``; missing ones run at full speed)."""
     actor_nice: int = 5
     """Niceness `zddrl train` adds to its actor processes, so that on a host with fewer cores than processes the
     learner, the critical path (its start-up, every update), is served first (0: equal shares; no effect while cores
     are free)."""
     env_latency_ms: float = 0.0
-    """Benchmark knob: every actor's env steps each sleep this long first (``zddrl actor --env-latency-ms``), as a
-    remote or slow simulator would; the scaling curve (``zddrl bench scale``) is measured with it."""
+    """Benchmark knob: every actor's env steps each sleep this long first (``zddrl actor --env-latency-ms``,
+    ``envs.SlowEnvs``), as a remote or slow simulator would; the scaling curve (``python -m benchmarks scale``) is
+    measured with it."""
     max_restarts: int = 3
     """`zddrl train` restarts a learner (or shard group) that dies unexpectedly at most this many times, with
     back-off, from the newest checkpoint (afresh if there is none yet); then the run fails (0: never restart)."""

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import zmq.auth
 
 if TYPE_CHECKING:
-    # ``cryptography`` is imported where a key is made, read or checked (~50-115 ms per process): every actor,
-    # broker and learner imports this module, and only those of a closed bus use it (start-up, issue 16).
+    # ``cryptography`` is imported where a key is made, read or checked (a cost at start-up: docs/benchmarks.md):
+    # every actor, broker and learner imports this module, and only those of a closed bus use it.
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 KEY_ROLES = ("broker", "learner", "actor", "monitor", "relay", "replay")

@@ -127,7 +127,16 @@ STATUS = {
 }
 
 LEARNER_HELLO = signing.signed_hello(
-    P.Hello(role="learner", peer_id="learner-0", host="node0", pid=4100, run_id=RUN_ID, run=RUN), DEMO_SIGNER
+    P.Hello(
+        role="learner",
+        peer_id="learner-0",
+        host="node0",
+        pid=4100,
+        run_id=RUN_ID,
+        run=RUN,
+        bus={"sync": True, "max_staleness": 0, "max_in_flight": 2},
+    ),
+    DEMO_SIGNER,
 )
 
 EXAMPLES = [
@@ -145,6 +154,7 @@ EXAMPLES = [
             max_message_bytes=1 << 28,
             run_signer=LEARNER_HELLO.run_signer,
             run_signature=LEARNER_HELLO.run_signature,
+            bus=LEARNER_HELLO.bus,
         ),
     ),
     ("heartbeat", P.Heartbeat(peer_id="actor-0", policy_version=3)),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from zddrl.config import Config, ConfigError, EnvConfig
-from zddrl.envs import AleVecEnv, EnvError, VecEnv, actor_envs, evaluation_factory, make_factory, rom_name
+from zddrl.envs import AleVecEnv, EnvError, SlowEnvs, VecEnv, actor_envs, evaluation_factory, make_factory, rom_name
 
 pytest.importorskip("ale_py")
 
@@ -109,7 +109,7 @@ def test_actor_envs_builds_the_configured_backend() -> None:
     finally:
         vec.close()
     with pytest.raises(EnvError, match="latency"):
-        actor_envs(config.env, [1], latency_ms=5)
+        SlowEnvs(latency_ms=5)(config.env, [1])
 
 
 def test_rom_names_and_refusals() -> None:

@@ -16,8 +16,8 @@ from zddrl.algos.replay_nstep import nstep_td_errors
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac.learner import SACLearner
 from zddrl.config import Config, ConfigError, run_kind
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+from zddrl.shards.group import ShardGroup
 
 DISCRETE = EnvSpec((3,), True, 2)
 BOX = EnvSpec((3,), False, 1, (-2.0,), (2.0,))

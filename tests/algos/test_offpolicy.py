@@ -17,12 +17,12 @@ from zddrl.algos.impala.learner import ImpalaLearner, stack_time_major
 from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.algos.rollout import mismatch
 from zddrl.config import Config, run_kind
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 from zddrl.learner.ledger import HASHES_KEPT, LAG_WINDOW, Ledger
 from zddrl.learner.node import publish_due
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import AsyncStream
+from zddrl.shards.group import ShardGroup
 
 SPEC = EnvSpec((4,), True, 2)
 

@@ -14,9 +14,9 @@ from samples import rollout_of
 from zddrl.algos.core import CORE_FIGURES
 from zddrl.algos.spec import AlgorithmSpec, algorithm, declared
 from zddrl.config import SHARED_ALGO_KEYS, Config, ConfigError
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 from zddrl.plugin import BUILTIN_ALGORITHMS
+from zddrl.shards.group import ShardGroup
 
 PACKAGE = Path(__file__).resolve().parents[2] / "zddrl"
 CARTPOLE = EnvSpec((4,), True, 2)

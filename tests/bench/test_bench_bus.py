@@ -1,4 +1,5 @@
-"""`zddrl bench bus` end to end with tiny settings: real worker processes, real broker, JSON out."""
+"""`zddrl bench bus` (and `python -m benchmarks relay`) end to end with tiny settings: real worker processes, real
+broker, JSON out."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = [
     "--json",
@@ -148,7 +152,8 @@ def test_bench_bus_secure_runs_the_closed_bus_side_by_side() -> None:
 @pytest.mark.timeout(90)
 def test_bench_relay_smoke() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "relay", "--json", "--windows", "2", "--seconds", "0.2"],
+        [sys.executable, "-m", "benchmarks", "relay", "--json", "--windows", "2", "--seconds", "0.2"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=80,

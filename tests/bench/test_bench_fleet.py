@@ -1,4 +1,5 @@
-"""`zddrl bench fleet` end to end with tiny settings (real broker, learner stub, simulated actors), and its checks."""
+"""`python -m benchmarks fleet` end to end with tiny settings (real broker, learner stub, simulated actors), and
+its checks."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
 
-from zddrl.bench import fleet as F
-from zddrl.bench.fleet_report import scaling
-from zddrl.bench.fleet_sim import raise_nofile
+from benchmarks import fleet as F
+from benchmarks.fleet_report import scaling
+from benchmarks.fleet_sim import raise_nofile
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["--json", "--actors", "1,8", "--seconds", "0.5"]
 
@@ -23,7 +27,8 @@ TINY = ["--json", "--actors", "1,8", "--seconds", "0.5"]
 def test_bench_fleet_smoke() -> None:
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "fleet", *TINY],
+        [sys.executable, "-m", "benchmarks", "fleet", *TINY],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=80,

@@ -1,14 +1,17 @@
-"""`zddrl bench replay` end to end with a tiny capacity: both workloads, JSON out, the bytes accounted."""
+"""`python -m benchmarks replay` end to end with a tiny capacity: both workloads, JSON out, the bytes accounted."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from zddrl.bench.replay import fitting_capacity
+from benchmarks.replay import fitting_capacity
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -16,9 +19,10 @@ from zddrl.bench.replay import fitting_capacity
 def test_bench_replay_smoke() -> None:
     proc = subprocess.run(
         [
-            *(sys.executable, "-m", "zddrl", "bench", "replay", "--json"),
+            *(sys.executable, "-m", "benchmarks", "replay", "--json"),
             *("--capacity", "5000", "--seconds", "0.05", "--learner-threads", "1"),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=50,
@@ -54,10 +58,11 @@ def test_bench_replay_service_smoke() -> None:
     """The service rows: a real broker and `zddrl replay`, rollouts pushed through them and batches sampled back."""
     proc = subprocess.run(
         [
-            *(sys.executable, "-m", "zddrl", "bench", "replay", "--json", "--workloads", "cartpole"),
+            *(sys.executable, "-m", "benchmarks", "replay", "--json", "--workloads", "cartpole"),
             *("--capacity", "5000", "--seconds", "0.05", "--learner-threads", ""),
             *("--service", "--service-capacity", "5000"),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=110,

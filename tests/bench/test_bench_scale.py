@@ -1,44 +1,18 @@
-"""`zddrl bench scale` and its env-latency knob: the wrapper, the pieces of the report, and one tiny real run."""
+"""`python -m benchmarks scale`: the pieces of the report, and one tiny real run (the env latency it sets:
+tests/actor/test_slow_envs.py)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import gymnasium as gym
 import pytest
 
-from zddrl.bench import scale as S
-from zddrl.config import ConfigError, TrainConfig
-from zddrl.envs import EnvLatency, VecEnv, env_factory, with_latency
+from benchmarks import scale as S
 
-
-def test_env_latency_sleeps_per_env_step() -> None:
-    make = with_latency(env_factory("CartPole-v1"), 20.0)
-    vec = VecEnv(make, [1, 2])
-    assert isinstance(vec.envs[0], EnvLatency)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        vec.step(vec.obs[:, 0] * 0)  # action 0 for both envs
-    elapsed = time.perf_counter() - t0
-    assert elapsed >= 3 * 2 * 0.020, f"3 steps of 2 envs at 20 ms took only {elapsed * 1000:.0f} ms"
-    vec.close()
-
-
-def test_zero_latency_leaves_the_env_alone() -> None:
-    make = env_factory("CartPole-v1")
-    assert with_latency(make, 0.0) is make
-    assert not isinstance(with_latency(make, 0.0)(), EnvLatency)
-    assert isinstance(gym.make("CartPole-v1"), gym.Env)
-
-
-def test_env_latency_config_is_checked() -> None:
-    assert TrainConfig(env_latency_ms=2.5).env_latency_ms == 2.5
-    with pytest.raises(ConfigError, match="env_latency_ms"):
-        TrainConfig(env_latency_ms=-1.0)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_steady_sps_leaves_out_start_up(tmp_path: Path) -> None:
@@ -87,10 +61,10 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     """Two real impala runs of 1 and 2 actors at 20 ms per env step: the latency bounds each actor's rate (at most
     50 env steps/s), and the second actor adds throughput."""
     png = tmp_path / "scale.png"
-    cmd = [sys.executable, "-m", "zddrl", "bench", "scale", "--json", "--modes", "impala", "--actors", "1,2"]
+    cmd = [sys.executable, "-m", "benchmarks", "scale", "--json", "--modes", "impala", "--actors", "1,2"]
     cmd += ["--env-latency-ms", "20", "--seconds", "6", "--plot", str(png), "--set", "env.rollout_len=16"]
     cmd += ["--set", "algo.batch_size=32"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report["bench"] == "scale" and report["settings"]["actors"] == [1, 2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, cli, parameters, run_spec, trajectory
+from broker_clients import WAIT_S, cli, learner_hello, parameters, run_spec, trajectory
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.keys import Credentials, credentials, new_key
@@ -182,7 +182,7 @@ def test_a_learners_data_stream_cannot_be_taken_by_another_key(closed: BrokerHan
     learner's welcome: the thief gets nothing, and what it says is not obeyed."""
     learner = who(keys, "learner", "l")
     assert learner.signer is not None
-    hello = signed_hello(P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()), learner.signer)
+    hello = signed_hello(learner_hello("learner-0", "run-a", run_spec()), learner.signer)
     shard = link(bus, closed, learner, hello)
     assert shard.wait_welcome(WAIT_S) is not None
     assert len(shard.data_identity) == P.DATA_IDENTITY_BYTES and shard.data_identity != b"learner-0"

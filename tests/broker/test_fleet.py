@@ -14,11 +14,11 @@ import msgpack
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, ProfiledBroker, counters, run_spec, status
+from broker_clients import WAIT_S, ProfiledBroker, counters, learner_hello, run_spec, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from contract_clients import Control, Learner, wire
 from zddrl import protocol as P
-from zddrl.broker.fleet import FLEET_COALESCE_S, Fleet
+from zddrl.broker.roster import FLEET_COALESCE_S, Roster
 from zddrl.transport.link import BrokerLink
 
 # ------------------------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ def test_a_fleet_of_10000_actors_fits_a_header_and_the_broker_bounds_the_worst_c
     assert size < 0.4 * P.MAX_HEADER_BYTES, size
     assert P.decode(P.encode(typical)) == typical
 
-    fleet = Fleet(seq=0)
+    fleet = Roster(seq=0)
     host = "h" * P.MAX_HOST_BYTES
     n = 0
     while fleet.room_for(f"{n:0{P.MAX_ID_BYTES}d}", P.MAX_NUM_ENVS, host):
@@ -100,7 +100,7 @@ def test_a_fleet_of_10000_actors_fits_a_header_and_the_broker_bounds_the_worst_c
 
 
 def test_fleet_seq_grows_by_one_per_announced_change_and_not_for_a_round_trip() -> None:
-    fleet = Fleet(seq=10)
+    fleet = Roster(seq=10)
     fleet.joined("a", 1, "h")
     fleet.joined("b", 2, "h")
     assert fleet.due(0.0)
@@ -175,7 +175,7 @@ def wait_fleet(link: BrokerLink, actors: dict, what: str, keep_alive: Control | 
 def test_a_learner_link_sees_joins_leaves_and_expiry(fast_broker: ProfiledBroker, bus: Bus) -> None:
     broker = fast_broker
     early = Control(bus, broker, P.Hello(role="actor", peer_id="early", host="h-e", num_envs=1))
-    learner = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
+    learner = bus.link(broker.connect, learner_hello("learner-0", "run-a", run_spec()))
     assert learner.wait_welcome(WAIT_S) is not None
     # Right after its welcome: the actors already there (what a learner sizes its first rollouts from).
     first = learner.wait_fleet(WAIT_S)
@@ -232,7 +232,7 @@ def test_hellos_with_names_too_long_for_the_fleet_are_refused(broker: BrokerHand
         (P.Hello(role="actor", peer_id=""), "peer_id must be 1..128 bytes"),
         (P.Hello(role="actor", peer_id="a", host="h" * 256), "host must be at most 255 bytes"),
         (P.Hello(role="actor", peer_id="a", num_envs=-1), "num_envs must be in 0..1048576"),
-        (P.Hello(role="learner", peer_id="l", run_id="r" * 129, run=run_spec()), "run_id must be at most 128 bytes"),
+        (learner_hello("l", "r" * 129, run_spec()), "run_id must be at most 128 bytes"),
     ]:
         sock = bus.socket(zmq.DEALER)
         sock.connect(broker.connect)

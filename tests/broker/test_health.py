@@ -354,12 +354,11 @@ class TestLearner:
     __test__ = False
 
     def __init__(self, clients: Clients, broker: Any, run_id: str = "run-h") -> None:
+        from broker_clients import learner_hello
         from zddrl.config import Config
 
         self.run_id = run_id
-        self.link = clients.link(
-            broker, P.Hello(role="learner", peer_id="learner-0", run_id=run_id, run=Config().to_dict())
-        )
+        self.link = clients.link(broker, learner_hello("learner-0", run_id, Config().to_dict()))
         self.sock = clients.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IDENTITY, b"learner-0")

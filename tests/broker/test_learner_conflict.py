@@ -5,9 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from broker_clients import WAIT_S, Shard, counters, run_spec
+from broker_clients import WAIT_S, Shard, counters, learner_hello, run_spec
 from conftest import BrokerHandle, Bus, Procs, wait_for
-from zddrl import protocol as P
 
 
 def test_a_second_learner_is_refused_as_a_learner(procs: Procs, bus: Bus, tmp_path: Path) -> None:
@@ -17,10 +16,7 @@ def test_a_second_learner_is_refused_as_a_learner(procs: Procs, bus: Bus, tmp_pa
     broker = BrokerHandle(procs, tmp_path).start("--profile", str(profile))
     Shard(bus, broker, "learner-0", "run-a", run_spec())  # the live learner (host "", pid 0)
 
-    second = bus.link(
-        broker.connect,
-        P.Hello(role="learner", peer_id="learner-0", run_id="run-b", run=run_spec(), host="elsewhere", pid=4242),
-    )
+    second = bus.link(broker.connect, learner_hello("learner-0", "run-b", run_spec(), host="elsewhere", pid=4242))
     wait_for(lambda: second.refused, WAIT_S, "the second learner to be refused")
 
     why = second.refused or ""

@@ -136,8 +136,17 @@ def test_malformed_control_and_learner_messages_do_not_stop_the_broker(broker: B
         [bytes(f) for f in P.encode(trajectory("run-a", "a", 0))],  # data on the control socket
         P.encode(P.Hello(role="overlord", peer_id="x")),  # unknown role
         P.encode(P.Hello(role="learner", peer_id="y", run_id="other-run")),  # new run without spec
-        P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": [1, 2]})),
-        P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-spec", run={"algo": {"max_in_flight": 0}})),
+        # the run spec is opaque to the broker; what it reads of the run is the hello's bus, which must be usable
+        P.encode(P.Hello(role="learner", peer_id="z", run_id="bad-bus", run={}, bus={"sync": True})),
+        P.encode(
+            P.Hello(
+                role="learner",
+                peer_id="z",
+                run_id="bad-bus",
+                run={"algo": [1, 2]},
+                bus={"sync": False, "max_staleness": 0, "max_in_flight": 0},
+            )
+        ),
     ]
     for frames in bad_control:
         control.send_multipart(frames)

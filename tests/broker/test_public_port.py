@@ -19,7 +19,8 @@ from broker_clients import WAIT_S, ProfiledBroker, cli, counters, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from contract_clients import Control
 from zddrl import protocol as P
-from zddrl.broker.membership import HELLO_BURST, MAX_MEMBERS_PER_ROLE, MAX_STATS_BYTES, STATUS_BURST
+from zddrl.broker.limits import HELLO_BURST, MAX_MEMBERS_PER_ROLE, STATUS_BURST
+from zddrl.broker.membership import MAX_STATS_BYTES
 from zddrl.broker.report import MAX_STATUS_BYTES
 from zddrl.ops.status import request_status
 

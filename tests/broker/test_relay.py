@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, Pusher, Shard, collect, parameters, run_spec, trajectory
+from broker_clients import WAIT_S, Pusher, Shard, collect, learner_hello, parameters, run_spec, trajectory
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
@@ -93,7 +93,7 @@ def test_relayed_actors_reach_the_learner_with_their_ids_runs_and_versions(bus: 
     with nodes() as start:
         root, relay = root_and_relay(start)
         shard = start_learner(bus, root)
-        wait_for(lambda: relay.broker.policy_version == 0, WAIT_S, "version 0 at the relay")
+        wait_for(lambda: relay.broker.current.policy_version == 0, WAIT_S, "version 0 at the relay")
         actors = [Pusher(bus, relay, f"actor-{i}") for i in range(2)]  # type: ignore[arg-type]
         for a in actors:
             welcome = a.link.wait_welcome(WAIT_S, need_run=True)
@@ -139,9 +139,9 @@ def test_relayed_actors_reach_the_learner_with_their_ids_runs_and_versions(bus: 
 
 
 def relay_id(node: Node) -> str:
-    up = node.broker.upstream_status()
+    up = node.broker.upstream
     assert up is not None
-    return up["peer_id"]
+    return up.uplink.hello.peer_id
 
 
 def test_a_learner_that_stops_reading_stops_the_relayed_actors(bus: Bus) -> None:
@@ -178,7 +178,7 @@ def test_a_relay_refuses_learners_and_the_root_refuses_a_relayed_id_held_by_a_di
     with nodes() as start:
         root, relay = root_and_relay(start)
         start_learner(bus, root)
-        link = bus.link(relay.connect, P.Hello(role="learner", peer_id="learner-x", run_id="other", run=run_spec()))
+        link = bus.link(relay.connect, learner_hello("learner-x", "other", run_spec()))
         wait_for(lambda: link.refused, WAIT_S, "the relay to refuse a learner")
         assert "relay takes no learners" in str(link.refused)
         direct = Pusher(bus, root, "actor-0")  # type: ignore[arg-type]
@@ -203,9 +203,7 @@ def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(b
         relay = start(Relay(relay_cfg, credentials=credentials(keys, "relay", "r")))
         learner = credentials(keys, "learner", "l")
         assert learner.signer is not None
-        hello = signed_hello(
-            P.Hello(role="learner", peer_id="learner-0", run_id="run-k", run=run_spec()), learner.signer
-        )
+        hello = signed_hello(learner_hello("learner-0", "run-k", run_spec()), learner.signer)
         link = bus.link(root.connect, hello, credentials=learner)
         assert link.wait_welcome(WAIT_S) is not None
         data = bus.socket(zmq.DEALER, identity=link.data_identity, rcvhwm=0)
@@ -247,8 +245,10 @@ def test_a_relay_survives_a_hostile_upstream(bus: Bus) -> None:
     port = upstream.bind_to_random_port("tcp://127.0.0.1")
     relay = Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}", **FAST))  # type: ignore
     relay.bind()
+    upstream_side = relay.upstream
+    assert upstream_side is not None
     try:
-        relay._serve_upstream({})  # opens the session: a hello goes up
+        upstream_side.serve({}, time.monotonic())  # opens the session: a hello goes up
         assert upstream.poll(int(WAIT_S * 1000))
         identity, *frames = upstream.recv_multipart()
         assert isinstance(P.decode(frames), P.Hello) and P.decode(frames).role == "relay"  # type: ignore[attr-defined]
@@ -258,14 +258,15 @@ def test_a_relay_survives_a_hostile_upstream(bus: Bus) -> None:
         )  # fmt: skip
         for frames in ([b"garbage", b"more"], P.encode(bad_welcome)):
             upstream.send_multipart([identity, *frames])
-        control = relay.uplink.control  # type: ignore[union-attr]
+        control = upstream_side.uplink.control
+        assert control is not None
         wait_for(lambda: control.poll(0), WAIT_S, "the messages to arrive")
         time.sleep(0.05)  # both of them
-        relay._serve_upstream({control: zmq.POLLIN})
+        upstream_side.serve({control: zmq.POLLIN}, time.monotonic())
         assert relay.counters["upstream_malformed"] == 1 and relay.counters["upstream_errors"] == 1
         upstream.send_multipart([identity, *P.encode(P.Reject(reason=f"{P.REFUSED_PREFIX}no relays here"))])
         wait_for(lambda: control.poll(0), WAIT_S, "the refusal")
         with pytest.raises(RelayRefused, match="no relays here"):
-            relay._serve_upstream({control: zmq.POLLIN})
+            upstream_side.serve({control: zmq.POLLIN}, time.monotonic())
     finally:
         relay.close()

@@ -26,7 +26,7 @@ class Replay(Shard):
 def test_a_replay_takes_the_runs_data_by_credit_and_follows_a_new_run(broker: BrokerHandle, bus: Bus) -> None:
     start_run(bus, broker, run_id="run-1", mode="apex")  # the learner grants no credit: the replay gets the data
     replay = Replay(bus, broker)
-    assert replay.link.welcome.run_id == "run-1" and replay.link.welcome.run["algo"]["mode"] == "apex"
+    assert replay.link.welcome.run_id == "run-1" and replay.link.welcome.run["algo"]["name"] == "apex"
     replay.grant(8)
     actor = Pusher(bus, broker, "actor-0")
     for seq in range(5):

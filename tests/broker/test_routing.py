@@ -20,6 +20,7 @@ from broker_clients import (
     cli,
     collect,
     counters,
+    learner_hello,
     parameters,
     run_spec,
     start_run,
@@ -41,7 +42,7 @@ def test_a_shards_credit_window_shrinks_to_its_byte_budget_for_big_trajectories(
     WINDOW_BYTES (never fewer than MIN_WINDOW): everything still arrives, exactly once, in order."""
     from zddrl.transport.channel import MIN_WINDOW, WINDOW_BYTES, DataChannel
 
-    link = bus.link(broker.connect, P.Hello(role="learner", peer_id="learner-0", run_id="run-a", run=run_spec()))
+    link = bus.link(broker.connect, learner_hello("learner-0", "run-a", run_spec()))
     assert link.wait_welcome(WAIT_S) is not None
     channel = DataChannel(link, "learner-0", link.welcome.max_message_bytes, window=8)
     try:

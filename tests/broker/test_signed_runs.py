@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from broker_clients import run_spec
+from broker_clients import learner_hello, run_spec
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
@@ -28,31 +28,36 @@ def key_dir(tmp_path: Path) -> Path:
     return root
 
 
+def recorded(b: Broker) -> list[tuple[bytes, P.Message]]:
+    """The broker's control replies from now on, recorded instead of sent (the identities are made up)."""
+    sent: list[tuple[bytes, P.Message]] = []
+    b.replies.send_frames = lambda identity, frames: sent.append((identity, P.decode(frames)))  # type: ignore
+    return sent
+
+
 @pytest.fixture
 def broker(key_dir: Path) -> Iterator[tuple[Broker, list[tuple[bytes, P.Message]]]]:
     """An in-process broker with keys, bound on free loopback ports; its control replies are recorded."""
     b = Broker(BrokerConfig(bind="tcp://127.0.0.1:*", keys=str(key_dir)))
-    sent: list[tuple[bytes, P.Message]] = []
     b.bind()
-    b._send = lambda sock, identity, msg: sent.append((identity, msg))  # type: ignore[method-assign]
     try:
-        yield b, sent
+        yield b, recorded(b)
     finally:
         b.close()
 
 
-def learner_hello(run_id: str, signer: Any = None, run: dict | None = None) -> P.Hello:
-    hello = P.Hello(role="learner", peer_id="learner-0", run_id=run_id, run=run or run_spec())
+def hello_of(run_id: str, signer: Any = None, run: dict | None = None) -> P.Hello:
+    hello = learner_hello("learner-0", run_id, run or run_spec())
     return hello if signer is None else signing.signed_hello(hello, signer)
 
 
 def test_a_signed_run_is_adopted_and_its_signature_goes_out_in_welcomes(broker: Any, key_dir: Path) -> None:
     b, sent = broker
     signer = keys.credentials(key_dir, "learner", "learner-0").signer
-    hello = learner_hello("run-a", signer)
-    b._on_hello(b"L", hello, "learner:learner-0")
-    assert b.run_id == "run-a"
-    b._on_hello(b"A", P.Hello(role="actor", peer_id="actor-0"), "actor:actor-0")
+    hello = hello_of("run-a", signer)
+    b.handle_control(b"L", P.encode(hello), "learner:learner-0")
+    assert b.current.run_id == "run-a"
+    b.handle_control(b"A", P.encode(P.Hello(role="actor", peer_id="actor-0")), "actor:actor-0")
     welcome = next(m for identity, m in sent if identity == b"A" and isinstance(m, P.Welcome))
     assert (welcome.run_signer, welcome.run_signature) == ("learner-0", hello.run_signature)
     pins = keys.pinned_learners(key_dir)
@@ -60,11 +65,9 @@ def test_a_signed_run_is_adopted_and_its_signature_goes_out_in_welcomes(broker: 
 
 
 ATTACKS = {
-    "unsigned": lambda signer: learner_hello("run-evil"),
-    "rogue key under a pinned name": lambda signer: learner_hello(
-        "run-evil", ("learner-0", Ed25519PrivateKey.generate())
-    ),
-    "signed spec, env swapped": lambda signer: _swapped(learner_hello("run-evil", signer)),
+    "unsigned": lambda signer: hello_of("run-evil"),
+    "rogue key under a pinned name": lambda signer: hello_of("run-evil", ("learner-0", Ed25519PrivateKey.generate())),
+    "signed spec, env swapped": lambda signer: _swapped(hello_of("run-evil", signer)),
 }
 
 
@@ -80,11 +83,11 @@ def test_an_unsigned_or_forged_run_is_refused_and_the_current_run_stays(
 ) -> None:
     b, sent = broker
     signer = keys.credentials(key_dir, "learner", "learner-0").signer
-    b._on_hello(b"L", learner_hello("run-a", signer), "learner:learner-0")
-    b._on_hello(b"A", P.Hello(role="actor", peer_id="actor-0"), "actor:actor-0")
+    b.handle_control(b"L", P.encode(hello_of("run-a", signer)), "learner:learner-0")
+    b.handle_control(b"A", P.encode(P.Hello(role="actor", peer_id="actor-0")), "actor:actor-0")
     welcomes = sum(isinstance(m, P.Welcome) for _, m in sent)
-    b._on_hello(b"X", attack(signer), "learner:learner-0")
-    assert b.run_id == "run-a" and b.counters["runs_refused"] == 1
+    b.handle_control(b"X", P.encode(attack(signer)), "learner:learner-0")
+    assert b.current.run_id == "run-a" and b.counters["runs_refused"] == 1
     reject = sent[-1][1]
     assert sent[-1][0] == b"X" and isinstance(reject, P.Reject)
     assert reject.reason.startswith(P.REFUSED_PREFIX + "run spec") and not reject.rehello
@@ -96,8 +99,8 @@ def test_without_keys_an_unsigned_run_is_adopted(tmp_path: Path) -> None:
     b = Broker(BrokerConfig(bind="tcp://127.0.0.1:*"))
     try:
         b.bind()
-        b._send = lambda *a: None  # type: ignore[method-assign]
-        b._on_hello(b"L", learner_hello("run-a"), "learner:learner-0")
-        assert b.run_id == "run-a" and b.counters["runs_refused"] == 0
+        recorded(b)
+        b.handle_control(b"L", P.encode(hello_of("run-a")), "learner:learner-0")
+        assert b.current.run_id == "run-a" and b.counters["runs_refused"] == 0
     finally:
         b.close()

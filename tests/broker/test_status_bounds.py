@@ -14,26 +14,27 @@ import pytest
 from broker_clients import in_process_broker
 from zddrl import protocol as P
 from zddrl.broker import health as H
-from zddrl.broker.broker import Broker
-from zddrl.broker.fleet import Fleet
+from zddrl.broker.broker import Broker, log_health_events
 from zddrl.broker.health import HealthMonitor, HealthWarning
-from zddrl.broker.membership import (
-    DEPARTURE_REASON_CHARS,
-    DEPARTURES_KEPT,
+from zddrl.broker.limits import (
     LIMITED_IDENTITIES,
     MAX_ACTORS_PER_HOST,
     MAX_MEMBERS_PER_ROLE,
+    STATUS_TOTAL_BURST_BYTES,
+    Limits,
+    RateLimit,
+)
+from zddrl.broker.membership import (
+    DEPARTURE_REASON_CHARS,
+    DEPARTURES_KEPT,
     MAX_STATS_BYTES,
     MAX_STATS_KEYS,
     MAX_STATS_STRING,
-    STATUS_TOTAL_BURST_BYTES,
-    Limits,
     Member,
-    RateLimit,
     checked_stats,
-    log_health_events,
 )
 from zddrl.broker.report import HEALTH_ROWS_LISTED, HOSTS_LISTED, MAX_STATUS_BYTES, PAGE_MEMBERS, row_bytes
+from zddrl.broker.roster import Roster
 from zddrl.logs import RateLimitedLog
 
 
@@ -103,7 +104,7 @@ def test_the_worst_body_stays_under_the_bound_and_fits_a_message() -> None:
         for i, m in enumerate(list(broker.members.values())[:300]):
             broker.health.observe(m.peer_id, "actor", {"first_obs_hash": "x" * MAX_STATS_STRING}, now)
             if i < DEPARTURES_KEPT:
-                broker.departures.record(m, P.CRASH_PREFIX + "t" * 2 * DEPARTURE_REASON_CHARS)
+                broker.membership.departures.record(m, P.CRASH_PREFIX + "t" * 2 * DEPARTURE_REASON_CHARS)
         assert broker.health.counts()["same_initial_obs"] == 300
         last = broker.status()["broker"]["pages"]
         assert last > 200, "rows of 64 KiB: a few per page"
@@ -187,7 +188,7 @@ def test_rates_per_connection_and_in_all_with_a_bounded_number_of_buckets() -> N
 
 
 def test_caps_per_role_and_per_host() -> None:
-    fleet = Fleet()
+    fleet = Roster()
     for i in range(MAX_ACTORS_PER_HOST):
         fleet.joined(f"actor-{i}", 1, "big-host")
     hello = P.Hello(role="actor", peer_id="actor-new", host="big-host")

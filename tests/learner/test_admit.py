@@ -14,11 +14,11 @@ from loguru import logger
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.learner.admit import ROLLOUT_SLACK, AskedLengths, envs_of, refusal
 from zddrl.learner.node import LearnerNode
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds
+from zddrl.shards.group import ShardGroup
 
 BIG = 1 << 18  # 262,144 steps of one CartPole env: ~9.5 MiB on the wire
 

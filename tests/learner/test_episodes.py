@@ -15,12 +15,12 @@ from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl import protocol as P
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.learner.episodes import REORDER_WINDOW, Episodes, segments_of
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.records import record_of, records_of
 from zddrl.learner.rounds import AsyncStream
+from zddrl.shards.group import ShardGroup
 
 
 def rollouts(n: int, T: int, N: int, seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -18,12 +18,12 @@ from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import probe_spec
-from zddrl.learner.fleet import Fleet
+from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import HASHES_KEPT, Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds
+from zddrl.shards.group import ShardGroup
 from zddrl.transport.params import split
 
 pytestmark = pytest.mark.slow
@@ -33,7 +33,7 @@ def test_the_update_path_keeps_no_memory_per_update() -> None:
     config = Config().replace({"algo.batch_size": 64, "algo.epochs": 1, "algo.minibatches": 1})
     core = PPOLearner(config, probe_spec("CartPole-v1"), ShardGroup())
     link, channel = FakeLink({"a": 4, "b": 4}), FakeChannel()
-    ledger, fleet = Ledger(config, logger, time.time()), Fleet(4, 64, 8, logger)
+    ledger, fleet = Ledger(config, logger, time.time()), FleetPlan(4, 64, 8, logger)
     poller = ShardPoller(link, lambda: channel, "r", ShardGroup(), lambda m: "", logger)
     rounds = SyncRounds(poller, config.algo, logger, fleet, ledger, lambda: fleet.refresh(link.fleet()))
 

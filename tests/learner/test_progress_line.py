@@ -12,13 +12,13 @@ from loguru import logger
 
 from fakes import FakeChannel, FakeLink
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.learner.node import LearnerNode
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import progress_line
 from zddrl.learner.rounds import CollectedBatch
 from zddrl.learner.runlog import METRIC_COLUMNS
 from zddrl.ops.train import progress_from_metrics
+from zddrl.shards.group import ShardGroup
 
 
 def test_the_line_shows_steps_sps_return_and_version() -> None:

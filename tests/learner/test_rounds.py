@@ -13,11 +13,11 @@ from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl import protocol as P
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
-from zddrl.learner.fleet import Fleet
+from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds
+from zddrl.shards.group import ShardGroup
 
 
 class Rig:
@@ -29,7 +29,7 @@ class Rig:
         self.lines: list[str] = []
         self.sink = logger.add(self.lines.append, level="INFO", format="{message}")
         self.ledger = Ledger(self.config, logger, time.time())
-        self.fleet = Fleet(1, batch_size, 8, logger)
+        self.fleet = FleetPlan(1, batch_size, 8, logger)
         poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), lambda m: "", logger)
         self.rounds = SyncRounds(
             poller, self.config.algo, logger, self.fleet, self.ledger, lambda: self.fleet.refresh(self.link.fleet())

@@ -50,8 +50,8 @@ def test_load_run_reads_a_real_run_with_empty_return_cells(run_dir: Path) -> Non
     steps, ret = run.series["env_steps"], run.series["return_mean_20"]
     assert len(steps) >= 5 and steps == sorted(steps) and steps[-1] >= 3000
     assert math.isnan(ret[0])  # fewer than 20 episodes after the first update: an empty cell
-    assert run.series["staleness_max"] == [0.0] * len(steps)  # sync mode
-    assert run.label() == "cartpole_ppo, sync, seed 1"
+    assert run.series["staleness_max"] == [0.0] * len(steps)  # the sync schedule
+    assert run.label() == "cartpole_ppo, ppo (sync), seed 1"
     assert run.target == 475.0 and run.env_id == "CartPole-v1"
 
 
@@ -83,8 +83,8 @@ def test_plot_overlays_two_runs(run_dir: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert png_size(three) == png_size(one)
     assert three.read_bytes() != one.read_bytes()
-    assert load_run(other).label() == "cartpole_ppo, async, seed 2"
-    assert load_run(twin).label() == "cartpole_ppo, sync, seed 1" and load_run(twin).target is None
+    assert load_run(other).label() == "cartpole_ppo, ppo (async), seed 2"
+    assert load_run(twin).label() == "cartpole_ppo, ppo (sync), seed 1" and load_run(twin).target is None
 
 
 @pytest.mark.slow

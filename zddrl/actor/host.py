@@ -26,7 +26,7 @@ from zddrl.actor.rollout import Collected, collect
 from zddrl.algos.policy import Policy
 from zddrl.algos.spec import ActingVersion, algorithm_of
 from zddrl.config import Config
-from zddrl.envs import ActorEnvs, EnvSpec, actor_envs
+from zddrl.envs import ActorEnvs, ActorEnvsFactory, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
@@ -38,6 +38,10 @@ STATS_EVERY_S = 1.0
 """Stats go to the broker at most this often, and at its heartbeat interval once that is longer (it grows with
 the fleet: broker/cadence.py)."""
 SEND_POLL_MS = 100
+TRAJECTORY_SNDHWM = 4
+"""ZMQ_SNDHWM of the trajectories PUSH: what may wait in ZeroMQ's queue (``algo.max_in_flight`` bounds what the
+broker has not credited yet). Not max_in_flight itself: libzmq's lagged view of what its I/O thread has taken would
+refuse sends that the credit allows."""
 REFUSED_RUN_WAIT_S = 1.0
 """After refusing a run, how often the actor looks for another welcome (it waits, never spins)."""
 
@@ -190,8 +194,7 @@ class ActorHost:
         num_envs: int | None = None,
         *,
         peer_id: str | None = None,
-        slowdown: float = 1.0,
-        env_latency_ms: float = 0.0,
+        make_envs: ActorEnvsFactory = actor_envs,
         max_steps: int | None = None,
         context: zmq.Context | None = None,
         allowed_code: frozenset[str] = frozenset(),
@@ -206,9 +209,8 @@ class ActorHost:
         self.actor_id = actor_id
         self.num_envs = num_envs
         self.peer_id = peer_id or f"actor-{actor_id}"
-        self.slowdown = slowdown
-        self.env_latency_ms = env_latency_ms
-        """Benchmark knob: each env step sleeps this long first (envs.EnvLatency)."""
+        self.make_envs = make_envs
+        """Builds the envs of each run it serves (``actor_envs``; ``envs.SlowEnvs`` for slow ones)."""
         self.max_steps = max_steps
         self.ctx = context or zmq.Context.instance()
         self.log = logger.bind(role="actor", peer=self.peer_id)
@@ -270,7 +272,7 @@ class ActorHost:
         """Sample for one run until it changes, the actor is stopped, or its step budget is spent."""
         num_envs = self.num_envs or config.env.num_envs
         seeds = env_seeds(config.env.seed, self.actor_id, num_envs)
-        vec = actor_envs(config.env, seeds, self.allowed_code, self.env_latency_ms)
+        vec = self.make_envs(config.env, seeds, self.allowed_code)
         first_obs = first_obs_hash(vec.obs)
         rng = action_rng(config.env.seed, self.actor_id)
         self.log.info(
@@ -325,7 +327,7 @@ class ActorHost:
     def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
         """One rollout (``collect``), timed; an env's non-finite episode return is said once per interval."""
         t0 = time.monotonic()
-        rollout = collect(vec, policy, rng, T, self.slowdown)
+        rollout = collect(vec, policy, rng, T)
         self.timers.step_s += time.monotonic() - t0
         if rollout.nonfinite_episodes:
             self.timers.nonfinite_episodes += rollout.nonfinite_episodes
@@ -366,7 +368,7 @@ class ActorHost:
 
     def _push(self, link: BrokerLink) -> zmq.Socket:
         push = link.socket(zmq.PUSH)
-        push.setsockopt(zmq.SNDHWM, 4)
+        push.setsockopt(zmq.SNDHWM, TRAJECTORY_SNDHWM)
         push.connect(link.endpoint("trajectories"))
         return push
 

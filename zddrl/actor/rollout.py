@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -45,14 +44,13 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, slowdown: float = 1.0) -> Collected:
+def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
     (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
     buf = RolloutBuffer(T, vec)
     trunc_idx, trunc_obs = [], []
     vec.finished.clear()
     for t in range(T):
-        t0 = time.perf_counter()
         obs = vec.obs
         out = policy.act(obs, rng)
         buf.obs[t] = obs
@@ -65,8 +63,6 @@ def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, sl
             if buf.truncated[t, i] and not buf.terminated[t, i]:
                 trunc_idx.append(t * vec.num_envs + i)
                 trunc_obs.append(fo)
-        if slowdown > 1.0:  # testing knob: this host is `slowdown` times slower per step
-            time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
     arrays = {
         "obs": buf.obs,
         "actions": buf.actions,

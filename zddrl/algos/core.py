@@ -21,9 +21,9 @@ from zddrl.algos.optim import Adam
 from zddrl.algos.rollout import Rollout, terminal
 from zddrl.algos.spec import Figure, algorithm_of
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 from zddrl.logs import RateLimitedLog
+from zddrl.shards.group import ShardGroup
 
 
 class RunningMeanStd:

@@ -22,9 +22,9 @@ from zddrl.envs import EnvSpec
 class Tanh(nn.Module):
     """tanh computed as ``2 * sigmoid(2x) - 1`` (the same function).
 
-    Why: in the CPU builds of torch measured here, ``torch.tanh`` runs a scalar kernel (~34 us for a
-    256x64 batch, 2 ns per element) while ``sigmoid`` is vectorised (~4 us); PPO on small MLPs spends
-    most of its update time in activations, so this halves the learner's step time.
+    Why: in the CPU builds of torch measured here, ``torch.tanh`` runs a scalar kernel while ``sigmoid`` is
+    vectorised (about 8x faster on a 256x64 batch: docs/benchmarks.md); PPO on small MLPs spends most of its
+    update time in activations, so this halves the learner's step time.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

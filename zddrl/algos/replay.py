@@ -80,12 +80,12 @@ from zddrl.algos.replay_memory import ReplayMemoryError, available_memory, check
 from zddrl.algos.replay_nstep import nstep_returns
 from zddrl.algos.sumtree import SumTree
 
-__all__ = ["PrioritizedReplay", "ReplayBatch", "ReplayMemoryError", "available_memory", "replay_nbytes"]
+__all__ = ["PrioritizedReplay", "TransitionBatch", "ReplayMemoryError", "available_memory", "replay_nbytes"]
 
 _DATA = ("actions", "returns", "discounts", "next_slot", "versions")
 
 
-class ReplayBatch(NamedTuple):
+class TransitionBatch(NamedTuple):
     ids: np.ndarray  # [B] int64, for update_priorities
     weights: np.ndarray  # [B] float32, importance weights, max 1
     obs: np.ndarray  # [B, *obs_shape], the buffer's dtype
@@ -248,7 +248,7 @@ class PrioritizedReplay:
 
     # ------------------------------------------------------------------ sample and update
 
-    def sample(self, batch: int) -> ReplayBatch:
+    def sample(self, batch: int) -> TransitionBatch:
         """``batch`` transitions drawn with probability ``P(i)`` (stratified), with their importance weights."""
         if self._live == 0:
             raise ValueError("the replay buffer holds no transition to sample")
@@ -259,7 +259,7 @@ class PrioritizedReplay:
         self.samples += 1
         return self._gather(slots, weights)
 
-    def get(self, ids: np.ndarray) -> ReplayBatch:
+    def get(self, ids: np.ndarray) -> TransitionBatch:
         """The transitions ``ids`` as ``sample`` returns them, with weights 1; ``ValueError`` if one is gone."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         slots = ids % self.capacity
@@ -268,9 +268,9 @@ class PrioritizedReplay:
             raise ValueError(f"transitions {ids[gone][:8].tolist()} are not in the buffer (overwritten or retired)")
         return self._gather(slots, np.ones(ids.size))
 
-    def _gather(self, slots: np.ndarray, weights: np.ndarray) -> ReplayBatch:
+    def _gather(self, slots: np.ndarray, weights: np.ndarray) -> TransitionBatch:
         nxt = self.next_slot[slots]
-        return ReplayBatch(
+        return TransitionBatch(
             ids=self._ids_of(slots),
             weights=weights.astype(np.float32),
             obs=self.obs[slots],

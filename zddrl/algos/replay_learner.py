@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from zddrl.algos.core import LearnerCore
-from zddrl.algos.replay import PrioritizedReplay, ReplayBatch
+from zddrl.algos.replay import PrioritizedReplay, TransitionBatch
 from zddrl.algos.rollout import Rollout
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+from zddrl.shards.group import ShardGroup
 
 REPLAY_FIGURES = ("replay_size", "replay_fill", "replay_bytes", "grad_steps_total")
 """Figures of the buffer that `zddrl status` shows next to the learner's (besides the metrics row)."""
@@ -53,7 +53,7 @@ class ReplaySource(Protocol):
     def fill(self) -> float: ...
     @property
     def nbytes(self) -> int: ...
-    def sample(self, batch: int) -> ReplayBatch | None: ...
+    def sample(self, batch: int) -> TransitionBatch | None: ...
     def update_priorities(self, ids: np.ndarray, td_errors: np.ndarray) -> int: ...
     def drop_older_than(self, version: int) -> int: ...
     def td_cap(self) -> float: ...
@@ -106,7 +106,7 @@ class ReplayLearner(LearnerCore):
         """The TD errors that set new transitions' priorities (None: the largest priority seen so far)."""
         return None
 
-    def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:  # pragma: no cover - interface
+    def train_step(self, batch: TransitionBatch | None) -> dict[str, float]:  # pragma: no cover - interface
         """One gradient step on ``batch`` (None: this shard has nothing to sample; it joins the collectives)."""
         raise NotImplementedError
 
@@ -163,7 +163,7 @@ class ReplayLearner(LearnerCore):
             return parts[0][0], parts[0][1], parts[0][2]
         return sum(p[0] for p in parts), sum(p[1] for p in parts), max(p[2] for p in parts)
 
-    def batch_tensors(self, batch: ReplayBatch) -> dict[str, torch.Tensor]:
+    def batch_tensors(self, batch: TransitionBatch) -> dict[str, torch.Tensor]:
         """A sampled batch on this shard's device."""
         return {
             "obs": self.tensor(batch.obs),
@@ -174,7 +174,7 @@ class ReplayLearner(LearnerCore):
             "weights": self.tensor(batch.weights),
         }
 
-    def update_priorities(self, batch: ReplayBatch, td: torch.Tensor) -> None:
+    def update_priorities(self, batch: TransitionBatch, td: torch.Tensor) -> None:
         """New priorities ``|td|``; a non-finite TD error (a diverging network, an absurd reward) gets the largest
         priority the buffer allows instead of ending the run, and is counted."""
         if self.config.replay.alpha == 0:

@@ -28,8 +28,8 @@ if TYPE_CHECKING:  # pragma: no cover - types only: a spec module must not impor
 
     from zddrl.algos.core import LearnerCore
     from zddrl.algos.policy import Policy
-    from zddrl.dist.shards import ShardGroup
     from zddrl.envs import EnvSpec
+    from zddrl.shards.group import ShardGroup
 
 FIGURE_GROUPS = ("charts", "losses", "perf", "replay")
 """TensorBoard namespaces of the figures (``losses/entropy``)."""

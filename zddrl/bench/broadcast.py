@@ -30,13 +30,13 @@ def _ep(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
-class Publisher:
+class BenchPublisher:
     """The learner side of a broadcast: joined as the run's learner, publishing on its DEALER (signed versions
     on a closed bus)."""
 
     def __init__(self, control: str, learner_port: int, keys_dir: str | None = None) -> None:
         self.run_id = f"bench-bcast-{uuid.uuid4().hex[:8]}"
-        self.link = C._link(control, C.make_hello("learner", C.LEARNER_ID, self.run_id), keys_dir=keys_dir)
+        self.link = C.link_of(control, C.make_hello("learner", C.LEARNER_ID, self.run_id), keys_dir=keys_dir)
         self.sock: zmq.Socket = self.link.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, self.link.data_identity)
         self.sock.connect(_ep(learner_port))
@@ -62,7 +62,7 @@ def run_broadcast(
     ports = free_ports(4)
     workers.start("bcast-broker", C.broker_main, ports, broker_spec, keys_dir)
     slots = C.shared_slots(max(counts))
-    pub = Publisher(_ep(ports[0]), ports[2], keys_dir)
+    pub = BenchPublisher(_ep(ports[0]), ports[2], keys_dir)
     rows, started = [], 0
     try:
         for count in sorted(counts):
@@ -77,7 +77,7 @@ def run_broadcast(
     return rows
 
 
-def _broadcast_row(workers: C.Workers, pub: Publisher, slots: Any, size: int, count: int, closed: bool) -> dict:
+def _broadcast_row(workers: C.Workers, pub: BenchPublisher, slots: Any, size: int, count: int, closed: bool) -> dict:
     flat = np.random.default_rng(size).standard_normal(size // 4, np.float32)
     reps = BCAST_REPS[0] if size < 10_000_000 else BCAST_REPS[1]
     latencies = []

@@ -9,7 +9,7 @@ from zddrl.bench.codec import CODEC_PAYLOAD, CODEC_TARGET, codec_ratio, format_r
 RATIO_TARGET, RATIO_FROM_BYTES = 0.9, 65536
 """The broker's goal: at least RATIO_TARGET x zmq.proxy's messages/s from payloads of RATIO_FROM_BYTES up."""
 SECURE_TARGET, SECURE_AT_BYTES = 0.8, 1 << 20
-"""The closed bus's goal (issue 13): at least SECURE_TARGET x the open broker's messages/s at SECURE_AT_BYTES."""
+"""The closed bus's goal: at least SECURE_TARGET x the open broker's messages/s at SECURE_AT_BYTES."""
 
 
 def size_label(n: int) -> str:

@@ -1,4 +1,4 @@
-"""`zddrl bench ...`: the benchmarks behind the figures in docs/benchmarks.md."""
+"""`zddrl bench ...`: what a user runs on their own hardware to size a deployment (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,18 @@ import click
 from zddrl.bench.actor import actor
 from zddrl.bench.bus import bus
 from zddrl.bench.codec import codec
-from zddrl.bench.fleet import fleet
 from zddrl.bench.learner import learner
-from zddrl.bench.relay import relay
-from zddrl.bench.replay import replay
 from zddrl.bench.sample import sample
-from zddrl.bench.scale import scale
-from zddrl.bench.train import train
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks: actor, bus, codec, fleet, learner, relay, replay, sample, scale, train (a table, or JSON: --json)."""
+    """Sizing a deployment on this hardware: actor, bus, codec, learner, sample (a table, or JSON: --json).
+    zddrl's own studies (fleet, relay, replay, scale, train) run from a checkout: python -m benchmarks."""
 
 
 bench.add_command(actor)
 bench.add_command(bus)
 bench.add_command(codec)
-bench.add_command(fleet)
 bench.add_command(learner)
-bench.add_command(relay)
-bench.add_command(replay)
 bench.add_command(sample)
-bench.add_command(scale)
-bench.add_command(train)

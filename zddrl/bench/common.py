@@ -33,14 +33,16 @@ HWM = 16
 IO_TIMEOUT_MS = 100
 """Blocking socket calls give up after this so that workers notice a new mode promptly."""
 T_STEPS, N_ENVS = 16, 4
-RUN_SPEC = {"name": "bench-bus", "algo": {"schedule": "sync", "max_in_flight": HWM}}
-"""A learner hello needs a run spec; the broker reads algo.schedule, algo.max_staleness and algo.max_in_flight.
-The bench's sender pushes without waiting for credit, as far as its socket's HWM lets it: HWM trajectories in
-flight is what it does, so that is what the run declares (the broker returns its credit HWM / 2 at a time)."""
+RUN_SPEC = {"name": "bench-bus"}
+"""A learner hello needs a run spec, which the broker passes on unread."""
+RUN_BUS = {"sync": True, "max_staleness": 0, "max_in_flight": HWM}
+"""What the broker reads of the bench's run (the hello's ``bus``). The bench's sender pushes without waiting for
+credit, as far as its socket's HWM lets it: HWM trajectories in flight is what it does, so that is what the run
+declares (the broker returns its credit HWM / 2 at a time)."""
 SENDER_ID, LEARNER_ID = "bench-actor", "bench-learner"
 DEFAULT_BROKER = "zddrl.broker:Broker"
 
-_spawn = mp.get_context("spawn")
+SPAWN = mp.get_context("spawn")
 
 
 # --------------------------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class Counters:
     """
 
     def __init__(self) -> None:
-        self.raw = _spawn.RawArray("d", 4)
+        self.raw = SPAWN.RawArray("d", 4)
 
     def publish(self, n: int, nbytes: int, t: float) -> None:
         raw = self.raw
@@ -176,7 +178,7 @@ class Workers:
         self.procs: list[Any] = []
 
     def start(self, name: str, target: Callable[..., None], *args: Any) -> Any:
-        proc = _spawn.Process(target=target, args=args, name=name, daemon=True)
+        proc = SPAWN.Process(target=target, args=args, name=name, daemon=True)
         proc.start()
         self.procs.append(proc)
         return proc
@@ -226,10 +228,10 @@ def cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _setup(role: str) -> zmq.Context:
+def setup_worker(role: str) -> zmq.Context:
     # Ctrl-C reaches the whole process group; only the parent handles it and stops the workers.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = _spawn.parent_process()
+    parent = SPAWN.parent_process()
     if parent is not None:  # a parent killed without its finally must not leave busy orphans behind
         threading.Thread(target=_exit_with, args=(parent,), name="parent-watch", daemon=True).start()
     from zddrl.logs import configure
@@ -243,7 +245,7 @@ def _exit_with(parent: Any) -> None:
     os._exit(0)
 
 
-def _socket(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
+def socket_of(ctx: zmq.Context, kind: int, **opts: int) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     for name, value in opts.items():
@@ -269,7 +271,7 @@ def signed(params: P.Parameters, creds: Any) -> P.Parameters:
     return signed_params(params, creds.signer)
 
 
-def _link(connect: str, hello: P.Hello, subscribe: bool = False, keys_dir: str | None = None):
+def link_of(connect: str, hello: P.Hello, subscribe: bool = False, keys_dir: str | None = None):
     from zddrl.transport.link import BrokerLink
 
     creds = client_credentials(keys_dir, hello.role)
@@ -286,8 +288,8 @@ def _link(connect: str, hello: P.Hello, subscribe: bool = False, keys_dir: str |
 def make_hello(role: str, peer_id: str, run_id: str = "") -> P.Hello:
     from zddrl.transport.link import hello_fields
 
-    run = RUN_SPEC if role == "learner" else None
-    return P.Hello(role=role, peer_id=peer_id, run_id=run_id, run=run, **hello_fields())
+    run, bus = (RUN_SPEC, RUN_BUS) if role == "learner" else (None, None)
+    return P.Hello(role=role, peer_id=peer_id, run_id=run_id, run=run, bus=bus, **hello_fields())
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,9 +305,9 @@ def sender_main(
     On the broker paths (``control`` set) it joins as an actor first, so the broker's per-actor
     accounting runs as in production; with ``keys_dir``, on a closed bus.
     """
-    ctx = _setup("bench-sender")
-    link = _link(control, make_hello("actor", SENDER_ID), keys_dir=keys_dir) if control else None
-    sock = _socket(ctx, zmq.PUSH, SNDHWM=HWM, SNDTIMEO=IO_TIMEOUT_MS)
+    ctx = setup_worker("bench-sender")
+    link = link_of(control, make_hello("actor", SENDER_ID), keys_dir=keys_dir) if control else None
+    sock = socket_of(ctx, zmq.PUSH, SNDHWM=HWM, SNDTIMEO=IO_TIMEOUT_MS)
     creds = client_credentials(keys_dir, "actor")
     if creds is not None:  # a CURVE client of the broker, or of the receiver on the direct path
         creds.apply(sock)
@@ -339,9 +341,9 @@ def receiver_main(
 ) -> None:
     """The learner end: decode every message and count it. On the broker path it is a learner shard's
     data channel (zddrl.transport.channel.DataChannel: the same credit policy, the same decode)."""
-    ctx = _setup("bench-receiver")
+    ctx = setup_worker("bench-receiver")
     if control is None:
-        sock = _socket(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
+        sock = socket_of(ctx, zmq.PULL, RCVHWM=HWM, RCVTIMEO=IO_TIMEOUT_MS)
         if keys_dir is not None:  # ZeroMQ's CURVE alone, one hop: the receiver serves with the broker's pair
             from zddrl.keys import server_keys
 
@@ -356,7 +358,7 @@ def receiver_main(
     from zddrl.transport.channel import DataChannel
 
     # Same order as LearnerNode.run: hello (starts the run), then the data channel (credit), then v0.
-    link = _link(control, make_hello("learner", LEARNER_ID, run_id), keys_dir=keys_dir)
+    link = link_of(control, make_hello("learner", LEARNER_ID, run_id), keys_dir=keys_dir)
     try:
         channel = DataChannel(link, LEARNER_ID, link.welcome.max_message_bytes, window)
         channel.send(signed(parameters(run_id, 0, np.zeros(16, np.float32)), link.credentials))
@@ -393,9 +395,9 @@ def _count(receive: Callable[[], P.Message | None], counters: Counters) -> None:
 
 def proxy_main(front_port: int, back_port: int) -> None:
     """The reference forwarder: zmq.proxy, PULL frontend -> PUSH backend, all in C."""
-    ctx = _setup("bench-proxy")
-    front = _socket(ctx, zmq.PULL, RCVHWM=HWM)
-    back = _socket(ctx, zmq.PUSH, SNDHWM=HWM)
+    ctx = setup_worker("bench-proxy")
+    front = socket_of(ctx, zmq.PULL, RCVHWM=HWM)
+    back = socket_of(ctx, zmq.PUSH, SNDHWM=HWM)
     front.bind(f"tcp://127.0.0.1:{front_port}")
     back.bind(f"tcp://127.0.0.1:{back_port}")
     zmq.proxy(front, back)
@@ -410,7 +412,7 @@ def load_broker(spec: str) -> type:
 def broker_main(ports: list[int], spec: str = DEFAULT_BROKER, keys_dir: str | None = None) -> None:
     """A real broker through its Python API, on the given control/trajectory/learner/params ports (a closed bus
     with ``keys_dir``)."""
-    _setup("bench-broker")
+    setup_worker("bench-broker")
     from zddrl.config import BrokerConfig
 
     control, traj, learners, params = ports
@@ -437,8 +439,8 @@ def subscriber_main(control: str, index: int, slots: Any, keys_dir: str | None =
     Reports ``slots[2i] = version`` after ``slots[2i+1] = time``: the parent reads the version
     first, so a version it sees always comes with its own time.
     """
-    _setup("bench-subscriber")
-    link = _link(control, make_hello("actor", f"bench-sub-{index}"), subscribe=True, keys_dir=keys_dir)
+    setup_worker("bench-subscriber")
+    link = link_of(control, make_hello("actor", f"bench-sub-{index}"), subscribe=True, keys_dir=keys_dir)
     version = -1
     try:
         while True:
@@ -453,14 +455,14 @@ def subscriber_main(control: str, index: int, slots: Any, keys_dir: str | None =
 
 
 def shared_slots(n: int) -> Any:
-    slots = _spawn.RawArray("d", 2 * n)
+    slots = SPAWN.RawArray("d", 2 * n)
     for i in range(n):
         slots[2 * i] = -1
     return slots
 
 
 def shared_mode() -> Any:
-    return _spawn.RawValue("i", 0)
+    return SPAWN.RawValue("i", 0)
 
 
 def timed_json_run(cmd: Sequence[str], what: str, timeout: float = 1800) -> tuple[float, dict[str, Any]]:

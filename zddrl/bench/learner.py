@@ -33,10 +33,10 @@ from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.bench import common as C
-from zddrl.bench.broadcast import Publisher
+from zddrl.bench.broadcast import BenchPublisher
 from zddrl.config import AUTOCASTS, Config, ConfigError, kind_label, load_config, run_kind
-from zddrl.dist.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 from zddrl.proc import free_ports
+from zddrl.shards.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 
 if TYPE_CHECKING:
     from zddrl.envs import EnvSpec
@@ -103,7 +103,7 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     """Train ``spec["updates"]`` timed updates on this shard's share of every batch; rank 0 writes the figures.
     With ``spec["config"]`` the run's model, algorithm and batch on rollouts shaped as its env's (probed here)."""
     from zddrl.algos.spec import algorithm_of
-    from zddrl.dist.shards import ShardGroup
+    from zddrl.shards.group import ShardGroup
 
     group = ShardGroup.from_env(DevicePlan(tuple(spec["devices"])), timeout_s=120)
     config, env_spec, T, N, actors = _workload(spec)
@@ -208,7 +208,7 @@ def big_model(hidden: list[int]) -> tuple[np.ndarray, list, dict]:
     return flat, layout, model.state_dict()
 
 
-class ChunkPublisher(Publisher):
+class ChunkPublisher(BenchPublisher):
     """The main learner shard's side of a broadcast (``bench bus``'s publisher, joined as the run's
     learner), sending a version as the learner does: ``params.split`` (chunks, hashes, precision)."""
 

@@ -138,6 +138,7 @@ class CountingLearner:
             peer_id="bench-learner",
             run_id=f"bench-{time.time_ns()}",
             run=config.to_dict(),
+            bus=config.algo.bus(),
             **hello_fields(),
         )
         self.link = BrokerLink(connect, hello, context=self.ctx).start()

@@ -18,7 +18,8 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.auth import BrokerAuth, is_loopback
 from zddrl.broker.membership import Member
-from zddrl.config import BrokerConfig, ConfigError, split_endpoint
+from zddrl.brokerconf import BrokerConfig, split_endpoint
+from zddrl.tomlconf import ConfigError
 from zddrl.transport import signatures as signing
 
 REVOKED_REASON = "this client's key was removed from the broker's key directory (revoked)"

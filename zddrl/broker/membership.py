@@ -1,25 +1,19 @@
-"""The broker's view of its members: who is connected, their counters, and how the broker logs.
+"""Who is joined to the broker: ``Membership`` owns the members (by peer id and by ZeroMQ identity), the roster of
+actors the fleet messages announce, and the departures, and tells its listeners (routing, subtrees, a relay's
+upstream, the broker's health) of every join and leave. ``Member`` is one member's record.
 
-Kept apart from the routing loop in ``broker.py``: these are plain records and checks with no
-sockets.
+Plain records and checks, no sockets: the broker's loop (broker.py) feeds it, the rest read it.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, defaultdict, deque
-from collections.abc import Iterable
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from zddrl import protocol as P
-from zddrl.broker.fleet import Fleet
-from zddrl.broker.health import HealthWarning
-from zddrl.config import AlgoConfig
-from zddrl.logs import RateLimitedLog
-
-RUN_SCHEDULES = ("sync", "async")
-"""What ``algo.schedule`` may say in a run spec (the learner resolves ``auto`` before it announces the run)."""
+from zddrl.broker.roster import Roster
 
 MAX_STATS_KEYS = 4096
 """Entries a stats map keeps (the learner sends one lag/<actor> entry per actor); later ones are dropped."""
@@ -70,7 +64,7 @@ class Member:
     fleet_seq: int = -1
     """Learners: seq of the last fleet message sent to it."""
     data_id: bytes = b""
-    """Learners: the ZeroMQ identity of their data DEALER on the learners socket (routing.Router.by_data_id): the
+    """Learners: the ZeroMQ identity of their data DEALER on the learners socket (routing.Shards.by_data_id): the
     peer id on an open bus, 16 random bytes issued in the welcome on a closed one."""
     user: str = ""
     """The ZAP User-Id (``ROLE:NAME`` of its key) of the connection it joined from; "" on an open bus. Every
@@ -119,112 +113,8 @@ class Member:
         }
 
 
-STATUS_RATE_PER_S = 2.0
-"""Status requests per second one connection (ZeroMQ identity) may make, after a burst of STATUS_BURST. `zddrl
-status` and --watch open a connection per request: this binds a client that sends many on one connection."""
-STATUS_BURST = 10
-STATUS_TOTAL_RATE_PER_S = 100.0
-"""Status requests per second answered for all connections together, after a burst of STATUS_TOTAL_BURST: what
-building bodies may cost the broker's loop, whoever asks (a body of 10,000 members takes a few ms)."""
-STATUS_TOTAL_BURST = 200
-STATUS_TOTAL_BYTES_PER_S = 8 << 20
-"""Bytes of status replies per second for all connections together, after a burst of STATUS_TOTAL_BURST_BYTES:
-what replies nobody reads can add to the broker's memory each second, whoever asks. A small fleet's body (a few
-KiB) never meets it; bodies at their bound (report.MAX_STATUS_BYTES) are about 10 per second."""
-STATUS_TOTAL_BURST_BYTES = 16 << 20
-HELLO_RATE_PER_S = 1.0
-"""Hellos per second one connection may send, after a burst of HELLO_BURST (a client sends one per connection,
-and one more per reject that asks for it); the excess is dropped unanswered (``hello_limited``)."""
-HELLO_BURST = 5
-LIMITED_IDENTITIES = 16384
-"""Connections whose rate-limit buckets are kept (least recently seen forgotten first): a peer that cycles
-through more connections than this starts each with a full bucket, which the totals above still bound."""
-MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64, "relay": 256, "replay": 256}
-"""Members of each role at most; a hello past the cap is refused (``hello_over_cap``). Every member costs a row
-in the status pages, fleet entries, heartbeats and health tracks."""
-MAX_ACTORS_PER_HOST = 1024
-"""Actors reporting one ``host`` at most (refused past it, ``hello_over_cap``). ``host`` is what the hello says:
-this catches a runaway launcher, not a peer that lies."""
-
-
-class TokenBucket:
-    """``take(now)`` is True at most ``burst`` times at once and ``rate_per_s`` times per second on average."""
-
-    __slots__ = ("rate_per_s", "burst", "tokens", "at")
-
-    def __init__(self, rate_per_s: float, burst: int, now: float) -> None:
-        self.rate_per_s, self.burst = rate_per_s, burst
-        self.tokens, self.at = float(burst), now
-
-    def take(self, now: float, n: float = 1.0) -> bool:
-        """Take ``n`` tokens if there are that many."""
-        self.tokens = min(float(self.burst), self.tokens + max(now - self.at, 0.0) * self.rate_per_s)
-        self.at = now
-        if self.tokens < n:
-            return False
-        self.tokens -= n
-        return True
-
-
-class RateLimit:
-    """A token bucket per ZeroMQ identity (the LIMITED_IDENTITIES most recently seen) and, optionally, one for
-    all identities together: ``allow(identity, now)`` is True if both have a token."""
-
-    def __init__(self, rate_per_s: float, burst: int, total: tuple[float, int] | None = None) -> None:
-        self.rate_per_s, self.burst = rate_per_s, burst
-        self._buckets: OrderedDict[bytes, TokenBucket] = OrderedDict()
-        self._total = TokenBucket(total[0], total[1], time.monotonic()) if total else None
-
-    def allow(self, identity: bytes, now: float) -> bool:
-        bucket = self._buckets.get(identity)
-        if bucket is None:
-            bucket = self._buckets[identity] = TokenBucket(self.rate_per_s, self.burst, now)
-            if len(self._buckets) > LIMITED_IDENTITIES:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(identity)
-        return bucket.take(now) and (self._total is None or self._total.take(now))
-
-    def __len__(self) -> int:
-        return len(self._buckets)
-
-
-class Limits:
-    """What peers of the public control port may make the broker do: status requests per connection and in all
-    (``status``, then ``status_bytes`` with the reply's size), hellos per connection (``hello``), and the member
-    caps (``cap_refusal``)."""
-
-    def __init__(self) -> None:
-        self.status = RateLimit(STATUS_RATE_PER_S, STATUS_BURST, (STATUS_TOTAL_RATE_PER_S, STATUS_TOTAL_BURST))
-        self.hello = RateLimit(HELLO_RATE_PER_S, HELLO_BURST)
-        self._status_bytes = TokenBucket(STATUS_TOTAL_BYTES_PER_S, STATUS_TOTAL_BURST_BYTES, time.monotonic())
-
-    def status_bytes(self, nbytes: int, now: float) -> bool:
-        """Whether a status reply of ``nbytes`` may go out now (STATUS_TOTAL_BYTES_PER_S)."""
-        return self._status_bytes.take(now, nbytes)
-
-    @staticmethod
-    def cap_refusal(msg: P.Hello, old: Member | None, members: int, learners: int, fleet: Fleet) -> str:
-        """Why ``msg`` would take its role (or its host's actors) past a cap, or "". ``old``: the member it
-        replaces (which does not count); ``members``, ``learners``: how many are joined; actors are the fleet's."""
-        actors = len(fleet)
-        # ``learners`` counts every member on the learners socket: shards and replays share one cap
-        by_role = {"actor": actors, "learner": learners, "replay": learners, "monitor": members - actors - learners}
-        joined = by_role.get(msg.role, 0)
-        if old is not None and old.role == msg.role:
-            joined -= 1
-        cap = MAX_MEMBERS_PER_ROLE.get(msg.role, 0)
-        if joined >= cap:
-            return f"the broker takes at most {cap} members of role {msg.role!r}"
-        if msg.role == "actor":
-            on_host = fleet.on_host(msg.host) - (old is not None and old.role == "actor" and old.host == msg.host)
-            if on_host >= MAX_ACTORS_PER_HOST:
-                return f"the broker takes at most {MAX_ACTORS_PER_HOST} actors from one host ({msg.host or '?'!r})"
-        return ""
-
-
 LEFT_ACTORS_KEPT = 1024
-"""Departed actors remembered for the grace of Broker._route_trajectory (bounded: ids come from peers)."""
+"""Departed actors remembered for the grace of routing.Router (bounded: ids come from peers)."""
 
 
 class Departures:
@@ -315,63 +205,6 @@ def checked_stats(stats: dict) -> tuple[dict, int, int]:
     return kept, nbytes, len(stats) - len(kept)
 
 
-def staleness_of(run: Any) -> int:
-    """Versions of lag the run allows (0 under the sync schedule); ProtocolError if the spec is unusable. The
-    broker reads nothing else of how the run learns: ``algo.schedule`` and ``algo.max_staleness``."""
-    if not isinstance(run, dict):
-        raise P.ProtocolError("the run spec must be a map")
-    algo = run.get("algo", {})
-    if not isinstance(algo, dict):
-        raise P.ProtocolError("run spec: 'algo' must be a map")
-    schedule = algo.get("schedule", "sync")
-    if schedule not in RUN_SCHEDULES:
-        raise P.ProtocolError(f"run spec: algo.schedule must be one of {RUN_SCHEDULES}, got {schedule!r}")
-    staleness = algo.get("max_staleness", AlgoConfig.max_staleness)
-    if not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0:
-        raise P.ProtocolError(f"run spec: algo.max_staleness must be an int >= 0, got {staleness!r}")
-    return 0 if schedule == "sync" else staleness
-
-
-def credit_batch_of(run: dict) -> int:
-    """How many of an actor's trajectories the broker reads before it returns their credit: half the run's
-    ``algo.max_in_flight`` (at least 1), as a learner shard returns half its window. An actor that may
-    have 2 in flight (the default) gets its credit back after every burst; one with 16 in flight after 8."""
-    algo = run.get("algo", {}) if isinstance(run, dict) else {}
-    limit = algo.get("max_in_flight", AlgoConfig.max_in_flight) if isinstance(algo, dict) else 1
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise P.ProtocolError(f"run spec: algo.max_in_flight must be an int >= 1, got {limit!r}")
-    return max(1, limit // 2)
-
-
-def trajectory_refusal(header: dict[str, Any], run_id: str, latest: int, max_staleness: int) -> tuple[str, str]:
-    """(drop reason, log text) for a trajectory (its validated header) the run cannot use, else ("", "")."""
-    peer_id, version = header["peer_id"], header["policy_version"]
-    # With no run yet (run_id "") a trajectory stamped run_id "" must not pass as the run's.
-    if not run_id or header["run_id"] != run_id:
-        return "unknown_run", (
-            f"dropped a trajectory of unknown run {header['run_id']!r} from {peer_id} (current run {run_id!r})"
-        )
-    # Negative versions are never published: -1 must not pass before version 0 exists.
-    if version < 0 or version > latest:
-        return "unknown_version", (
-            f"dropped a trajectory from {peer_id} with version {version} never published (latest {latest})"
-        )
-    if version < latest - max_staleness:
-        return "stale", f"dropped stale data from {peer_id}: version {version}, latest {latest}"
-    return "", ""
-
-
-def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
-    """Onsets and ends, rate-limited per check: a thousand actors warned at once make one line and a count, not a
-    thousand (their rows are in the status body). Keyed by check, not member: the log's keys are never forgotten,
-    and peer ids come from peers."""
-    for raised, w in events:
-        if raised:
-            log.warning(f"health/{w.check}", f"health: {w.member}: {w.check}: {w.message}")
-        else:
-            log.info(f"health-end/{w.check}", f"health: {w.member}: {w.check} cleared")
-
-
 def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
     """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
     with the same --actor-id would otherwise take the id from each other at every re-hello, and share
@@ -394,39 +227,121 @@ def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
     return f"peer id {hello.peer_id!r} is in use by {holder}; {advice}"
 
 
-def hello_conflict(msg: P.Hello, fleet_has_room: bool, run_id: str) -> str:
-    """Why the broker refuses ``msg`` as malformed (one line for the reject), or "": an unknown role, a field out
-    of bounds (``P.hello_refusal``), a full fleet message, a new run without a usable spec. A peer id another
-    live process holds is no fault of the hello: ``id_conflict`` says it, and the broker counts it apart."""
-    if msg.role not in P.ROLES:
-        return f"hello with unknown role {msg.role!r}"
-    refusal = P.hello_refusal(msg)
-    if refusal:
-        return f"hello: {refusal}"
-    if msg.role == "actor" and not fleet_has_room:
-        return (
-            f"the fleet is full: its message would exceed {P.MAX_HEADER_BYTES} bytes with this actor "
-            "(docs/protocol.md section 5.5)"
-        )
-    if msg.role == "learner" and msg.run_id and msg.run_id != run_id:  # a new run: its spec must be usable
-        if msg.run is None:
-            return "a learner hello for a new run must carry the run spec"
-        try:
-            staleness_of(msg.run)
-            credit_batch_of(msg.run)
-        except P.ProtocolError as exc:
-            return str(exc)
-    return ""
+class Listener:
+    """What a part of the broker hears of membership (``Membership.listen``). Each method is a no-op here: a listener
+    overrides what it needs. Listeners are called in the order they were added, after the indexes changed."""
+
+    def joined(self, member: Member) -> None:
+        """``member`` joined: it is in the indexes (and, an actor, in the roster)."""
+
+    def left(self, member: Member) -> None:
+        """``member`` is out of every index: it left for good, or a new session took its peer id."""
+
+    def replaced(self, old: Member, new: Member) -> None:
+        """``new``, a new session under ``old``'s peer id, took its place: by default ``left(old)`` then
+        ``joined(new)``."""
+        self.left(old)
+        self.joined(new)
+
+    def departed(self, member: Member, reason: str) -> None:
+        """``member`` is gone for good (``left`` came first) and recorded as a departure: bye, expiry, its relay's
+        word, a revoked key, or another process that took its peer id."""
 
 
-def member_of(msg: P.Hello, identity: bytes) -> Member:
-    """The member a hello makes (its counters are its own unless it replaces an earlier session)."""
-    return Member(
-        peer_id=msg.peer_id,
-        role=msg.role,
-        identity=identity,
-        host=msg.host,
-        pid=msg.pid,
-        num_envs=msg.num_envs,
-        run_id=msg.run_id,
-    )
+class Membership:
+    """The broker's members, one object that changes them: ``admit`` a member (in place of an earlier session of its
+    peer id), ``remove`` one that left for good; everyone else reads (``get``, ``of_identity``, ``joined_actor``,
+    ``members``) and listens (``listen``).
+
+    A relayed actor (``Member.relay``) is indexed by peer id only: its ZeroMQ identity is its relay's."""
+
+    def __init__(self, counters: dict[str, int], grace_s: float = 0.0) -> None:
+        self.members: dict[str, Member] = {}
+        """Every member by peer id. Read it freely; change it only through ``admit`` and ``remove``."""
+        self.by_identity: dict[bytes, Member] = {}
+        """The direct members (heartbeats both ways) by the ZeroMQ identity of their control connection."""
+        self.roster = Roster()
+        """The joined actors, as fleet messages announce them to the learner shards of the run."""
+        self.departures = Departures(grace_s)
+        self._counters = counters
+        """The broker's counters: ``expired_or_left`` is counted here."""
+        self._roles: Counter[str] = Counter()
+        self._listeners: list[Listener] = []
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    # ---------------------------------------------------------------- reads
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def get(self, peer_id: str) -> Member | None:
+        return self.members.get(peer_id)
+
+    def of_identity(self, identity: bytes) -> Member | None:
+        """The direct member whose control connection has this ZeroMQ identity."""
+        return self.by_identity.get(identity)
+
+    def count(self, *roles: str) -> int:
+        """Members of these roles now (relayed actors included)."""
+        return sum(self._roles[role] for role in roles)
+
+    def joined_actor(self, peer_id: str | None, user: str | None = None) -> Member | None:
+        """The actor member ``peer_id`` (if ``user`` is given: only if it joined with that key)."""
+        member = self.members.get(peer_id) if peer_id is not None else None
+        if member is None or member.role != "actor" or (user is not None and member.user != user):
+            return None
+        return member
+
+    def silent(self, now: float, limit_s: float) -> list[Member]:
+        """Direct members not heard from for more than ``limit_s`` (a relayed actor goes with its relay)."""
+        return [m for m in self.members.values() if now - m.last_seen > limit_s and not m.relay]
+
+    # ---------------------------------------------------------------- changes
+    def admit(self, member: Member, old: Member | None = None, departure: str = "") -> None:
+        """``member`` joins in place of ``old`` (the member its peer id had, if any): listeners hear ``replaced``,
+        or ``joined`` if there was none. ``departure`` (another process took the id) records ``old`` as departed."""
+        if old is not None:
+            self._unindex(old)
+        self._index(member)
+        for listener in self._listeners:
+            if old is None:
+                listener.joined(member)
+            else:
+                listener.replaced(old, member)
+        if old is not None and departure:
+            self._departed(old, departure)
+
+    def remove(self, member: Member, reason: str) -> None:
+        """``member`` left for good (bye, expiry, its relay's word or departure, a revoked key): out of every index,
+        counted (``expired_or_left``) and recorded as a departure. A member no longer indexed is left alone."""
+        if self.members.get(member.peer_id) is not member:
+            return
+        self._unindex(member)
+        for listener in self._listeners:
+            listener.left(member)
+        self._counters["expired_or_left"] += 1
+        self._departed(member, reason)
+
+    def _departed(self, member: Member, reason: str) -> None:
+        self.departures.record(member, reason)
+        for listener in self._listeners:
+            listener.departed(member, reason)
+
+    def _index(self, member: Member) -> None:
+        self.members[member.peer_id] = member
+        if not member.relay:
+            self.by_identity[member.identity] = member
+        self._roles[member.role] += 1
+        if member.role == "actor":
+            self.roster.joined(member.peer_id, member.num_envs, member.host)
+
+    def _unindex(self, member: Member) -> None:
+        if self.members.get(member.peer_id) is not member:
+            return
+        del self.members[member.peer_id]
+        if self.by_identity.get(member.identity) is member:  # a relayed actor's identity is its relay's
+            del self.by_identity[member.identity]
+        self._roles[member.role] -= 1
+        if member.role == "actor":
+            self.roster.left(member.peer_id)

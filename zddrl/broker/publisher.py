@@ -36,6 +36,9 @@ from zddrl.transport.params import FrameCache, Verify
 if TYPE_CHECKING:  # cryptography is imported only where a key is used (zddrl.keys)
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+Publish = Callable[[P.Parameters | P.ParamChunk, Sequence[Any]], bool]
+"""Broker.publish: one message of a version (a learner's, or a relay's upstream's) into the run; True once the
+version is complete and published."""
 PARAMS_REQUEST_MIN_INTERVAL_S = 0.25
 """A params_request is not answered with a version the broker sent the same actor less than this long ago
 (it is on its way): one actor asking in a loop costs the broker at most 4 snapshots a second."""

@@ -13,10 +13,13 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
+
+if TYPE_CHECKING:  # the broker imports this module to answer status requests
+    from zddrl.broker.broker import Broker
 
 BROKER_COUNTERS = (
     "received",
@@ -130,47 +133,46 @@ def fleet_summary(members: Iterable[Member]) -> dict[str, Any]:
     }
 
 
-def broker_status(b: Any, page: int = 1) -> dict[str, Any]:
+def broker_status(b: Broker, page: int = 1) -> dict[str, Any]:
     """The status body (docs/protocol.md section 9) of Broker ``b``: counters, the fleet's summary, health, departures
     and ``page`` of the member rows (ProtocolError if ``page`` < 1)."""
     if page < 1:
         raise P.ProtocolError(f"status_request: page must be >= 1, got {page}")
     now = time.monotonic()
-    c = b.counters
-    dropped = sum(b.router.dropped.values())
-    rows, pages = paged(b.members.values(), page)
+    c, router, membership = b.counters, b.router, b.membership
+    rows, pages = paged(membership.members.values(), page)
     health = b.health.counts()
+    accounted = router.accounted()
     return {
         "broker": {
             "uptime_s": round(now - b.started, 3),
             "host": socket.gethostname(),
-            "run_id": b.run_id,
-            "policy_version": b.policy_version,
+            "run_id": b.current.run_id,
+            "policy_version": b.current.policy_version,
             "ports": b.ports,
             "received": c["received"],
             "forwarded": c["forwarded"],
-            "dropped": dict(b.router.dropped),
-            "in_flight": b.router.in_flight,
+            "dropped": dict(router.dropped),
+            "in_flight": router.in_flight,
             "bytes_in": c["bytes_in"],
             "bytes_out": c["bytes_out"],
-            "accounted": c["received"] == c["forwarded"] + dropped + b.router.in_flight,
-            "accounted_subtree": c["received"] == c["forwarded"] + dropped + b.router.in_flight
-            and b.subtrees.accounted(),
-            "credit": b.router.credit,
-            "fleet_seq": b.fleet.seq,
-            "fleet_actors": len(b.fleet.actors),
+            "accounted": accounted,
+            "accounted_subtree": accounted and b.subtrees.accounted(),
+            "credit": router.outlet.credit,
+            "fleet_seq": membership.roster.seq,
+            "fleet_actors": len(membership.roster.actors),
             "heartbeat_interval_s": b.cadence.interval_s,
             **b.rates,
             **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")},
-            **fleet_summary(b.members.values()),
+            **fleet_summary(membership.members.values()),
             "health_total": sum(health.values()),
             "health_by_check": health,
             "page": page,
             "pages": pages,
             "relays": b.subtrees.status(),
-            "upstream": b.upstream_status(),
+            "upstream": b.upstream.status() if b.upstream is not None else None,
         },
         "members": {m.peer_id: {**m.row(now), "warnings": b.health.count_of(m.peer_id)} for m in rows},
         "health": b.health.rows(now, HEALTH_ROWS_LISTED),
-        "departures": b.departures.rows(now),
+        "departures": b.membership.departures.rows(now),
     }

@@ -11,17 +11,18 @@ fallback when its relay dies), or when its relay leaves or expires.
 The trust boundary: a relay's key may speak for the actors it reports, and for no others: it cannot take the id
 of an actor joined directly and alive here (``id_conflict``), nor report more than the caps allow. That it
 really serves those actors the root cannot see; docs/security.md says what follows from that.
-Kept apart from the poll loop (broker.py): plain records and checks, no sockets.
+Plain records and checks, no sockets: the broker's loop (broker.py) hands it the subtree messages.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from zddrl import protocol as P
-from zddrl.broker.membership import Member, hello_conflict, id_conflict
+from zddrl.broker.membership import Listener, Member, Membership
 
 MAX_RELAY_COUNTERS = 64
 """Counters kept of one relay's report (the first ones, keys of MAX_COUNTER_KEY_CHARS at most): what its status
@@ -54,11 +55,14 @@ class RelayView:
         )
 
 
-class Subtrees:
-    """The relays of one broker (``b``, the Broker whose members and fleet hold the relayed actors)."""
+class Subtrees(Listener):
+    """The relays below one broker and their actors, who are members of its ``membership`` (it listens to it: a relay
+    that leaves takes its subtree with it, a relay's new session keeps it). ``refuse(relay, hello, old)`` judges
+    a reported actor as its own hello would be judged (joining.Joining.relayed_refused)."""
 
-    def __init__(self, b: Any) -> None:
-        self.b = b
+    def __init__(self, membership: Membership, refuse: Callable[[Member, P.Hello, Member | None], bool]) -> None:
+        self.membership = membership
+        self.refuse = refuse
         self.relays: dict[str, RelayView] = {}
 
     def report(self, relay: Member, msg: P.Subtree) -> None:
@@ -74,7 +78,7 @@ class Subtrees:
             self._drop(relay, peer_id, f"left relay {relay.peer_id}")
         now = time.monotonic()
         for peer_id, entry in msg.actors.items():
-            old = self.b.members.get(peer_id)
+            old = self.membership.get(peer_id)
             if old is not None and old.relay == relay.peer_id and (old.host, old.pid) == (entry["host"], entry["pid"]):
                 old.last_seen = now
                 continue
@@ -84,25 +88,15 @@ class Subtrees:
     def _versions(self, relay: Member, versions: dict[str, int]) -> None:
         """Relayed actors' rows show the version they act with, as their relay last heard it."""
         for peer_id, version in versions.items():
-            member = self.b.members.get(peer_id)
+            member = self.membership.get(peer_id)
             if member is not None and member.relay == relay.peer_id:
                 member.policy_version = version
 
     def _take(self, relay: Member, view: RelayView, peer_id: str, entry: dict, old: Member | None) -> None:
-        """``peer_id`` joins as an actor of ``relay``, unless the same checks as a direct hello refuse it (or it is
-        a live direct member's id): refused ones are counted (``relayed_refused``) and logged."""
-        b = self.b
+        """``peer_id`` joins as an actor of ``relay``, unless ``refuse`` says no (another process's live direct
+        member, a full fleet, a cap ...)."""
         hello = P.Hello(role="actor", peer_id=peer_id, host=entry["host"], pid=entry["pid"], num_envs=entry["num_envs"])
-        direct = old if old is not None and not old.relay else None  # another relay's actor moved: no conflict
-        room = b.fleet.room_for(peer_id, hello.num_envs, hello.host)
-        why = hello_conflict(hello, room, b.run_id) or id_conflict(direct, hello, b.config.heartbeat_interval_s)
-        if not why and direct is not None and direct.user != relay.user:
-            why = f"peer id {peer_id!r} is held by a member that joined with another key"
-        if not why:
-            why = b.limits.cap_refusal(hello, old, len(b.members), len(b.router.shards), b.fleet)
-        if why:
-            b.counters["relayed_refused"] += 1
-            b._ratelog.warning("relayed_refused", f"relay {relay.peer_id}: refused its actor {peer_id!r}: {why}")
+        if self.refuse(relay, hello, old):
             return
         member = Member(
             peer_id=peer_id,
@@ -115,41 +109,36 @@ class Subtrees:
             relay=relay.peer_id,
         )
         if old is not None:
-            b._forget(old)
             member.counters = old.counters
-        b.members[peer_id] = member
-        b.fleet.joined(peer_id, member.num_envs, member.host)
+        self.membership.admit(member, old)
         view.actors.add(peer_id)
 
     def _drop(self, relay: Member, peer_id: str, reason: str) -> None:
-        member = self.b.members.get(peer_id)
+        member = self.membership.get(peer_id)
         if member is not None and member.relay == relay.peer_id:
-            self.b._remove(member, reason)
+            self.membership.remove(member, reason)
         view = self.relays.get(relay.peer_id)
         if view is not None:
             view.actors.discard(peer_id)
 
-    def detach(self, old: Member | None, hello: P.Hello, user: str) -> RelayView | None:
+    # ---------------------------------------------------------------- membership's events
+    def replaced(self, old: Member, new: Member) -> None:
         """A relay's hello from the same process and key as its member ``old`` (a new session after its upstream
-        was silent): its subtree is taken out before ``old`` is forgotten, to be ``attach``ed to the new member, so
-        its actors do not leave and join the fleet again (learners would see them go)."""
-        if old is None or old.role != "relay" or hello.role != "relay" or old.user != user:
-            return None
-        return self.relays.pop(old.peer_id, None) if (old.host, old.pid) == (hello.host, hello.pid) else None
-
-    def attach(self, relay: Member, view: RelayView | None) -> None:
-        """Give ``relay`` (its new session) the subtree ``detach`` kept: its actors' credit goes to the new connection,
-        and what the old session's reads left to return is void (the relay starts its credit afresh with a welcome)."""
-        if view is None:
+        was silent) keeps its subtree, so its actors do not leave and join the fleet again (learners would see them
+        go): their credit goes to the new connection, and what the old session's reads left to return is void (the
+        relay starts its credit afresh with a welcome). Any other replacement is ``old`` leaving."""
+        same = (old.role, old.user, old.host, old.pid) == (new.role, new.user, new.host, new.pid)
+        if not (same and old.role == "relay"):
+            self.left(old)
             return
-        self.relays[relay.peer_id] = view
-        for peer_id in view.actors:
-            actor = self.b.members.get(peer_id)
-            if actor is not None and actor.relay == relay.peer_id:
-                actor.identity, actor.unacked = relay.identity, 0
+        view = self.relays.get(old.peer_id)
+        for peer_id in view.actors if view is not None else ():
+            actor = self.membership.get(peer_id)
+            if actor is not None and actor.relay == new.peer_id:
+                actor.identity, actor.unacked = new.identity, 0
 
-    def forget(self, member: Member) -> None:
-        """``member`` is leaving the broker's indexes: a relay takes its whole subtree with it."""
+    def left(self, member: Member) -> None:
+        """``member`` is out of the broker's indexes: a relay takes its whole subtree with it."""
         if member.relay:
             view = self.relays.get(member.relay)
             if view is not None:
@@ -157,16 +146,16 @@ class Subtrees:
         elif member.role == "relay":
             view = self.relays.pop(member.peer_id, None)
             for peer_id in sorted(view.actors if view is not None else ()):
-                actor = self.b.members.get(peer_id)
+                actor = self.membership.get(peer_id)
                 if actor is not None and actor.relay == member.peer_id:
-                    self.b._remove(actor, f"its relay {member.peer_id} left")
+                    self.membership.remove(actor, f"its relay {member.peer_id} left")
 
     def status(self) -> dict[str, Any]:
         """Per relay: its actors, its reported counters and invariants, and what this broker read of it (``read_here``;
         what the relay reports as ``upstream_acked`` is what this broker credited it, at most ``read_here``)."""
         out: dict[str, Any] = {}
         for peer_id, view in sorted(self.relays.items())[:RELAYS_LISTED]:
-            relay = self.b.members.get(peer_id)
+            relay = self.membership.get(peer_id)
             read = relay.counters["messages"] if relay is not None else 0
             out[peer_id] = {
                 "actors": len(view.actors),

@@ -12,15 +12,15 @@ import click
 from zddrl import STARTED_AT, __version__
 from zddrl.cli.common import (
     CONNECT_HELP,
-    _check_run_dir,
-    _connect_list,
-    _credentials,
-    _load,
-    _overrides,
     allow_code_option,
     allowed_code,
+    checked_run_dir,
+    config_of,
+    connect_list,
+    credentials_of,
     key_option,
     keys_option,
+    overrides_of,
     set_option,
     stop_on_signals,
 )
@@ -28,7 +28,7 @@ from zddrl.cli.evaluate import eval_cmd
 from zddrl.cli.export import export
 from zddrl.cli.keys import keys
 from zddrl.cli.replay import replay
-from zddrl.cli.shards import _default_run_dir, _launch, _run_shard, _supervise
+from zddrl.cli.shards import default_shard_run_dir, launch_shards, run_shard, supervise
 from zddrl.config import ConfigError, load_broker_config
 from zddrl.logs import configure
 from zddrl.plugin import importable_from_environment
@@ -143,11 +143,11 @@ def broker(
 
 def relay_credentials(config):
     """A relay's client keys towards its upstream (role ``relay`` in its --keys directory), None on an open bus."""
-    return _credentials(config.keys, "relay", None) if config.keys else None
+    return credentials_of(config.keys, "relay", None) if config.keys else None
 
 
 @main.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
 @click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
 @click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
 @click.option(
@@ -171,18 +171,18 @@ def relay_credentials(config):
 def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
+    from zddrl.envs import SlowEnvs
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
     allowed = allowed_code(allow_code)
-    creds = _credentials(keys_dir, "actor", key_name)
+    creds = credentials_of(keys_dir, "actor", key_name)
     try:
         ActorHost(
             connect,
             actor_id,
             envs,
-            slowdown=slowdown,
-            env_latency_ms=env_latency_ms,
+            make_envs=SlowEnvs(slowdown, env_latency_ms),
             max_steps=max_steps,
             allowed_code=allowed,
             credentials=creds,
@@ -199,7 +199,7 @@ GPUS_HELP = (
 
 @main.command()
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=False))
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
 @click.option(
     "--run-dir",
     type=click.Path(file_okay=False),
@@ -297,7 +297,7 @@ def learner(
     starts one shard process per local device and supervises them; under torchrun (RANK and
     WORLD_SIZE set) it is one shard itself. With --restart N it runs all that as a child process and
     restarts it when it dies (ops/restart.py says why a child and what that covers)."""
-    from zddrl.dist.launch import launched_as_shard, plan_devices
+    from zddrl.shards.launch import launched_as_shard, plan_devices
 
     if resume and not run_dir:
         raise click.UsageError("--resume needs --run-dir (the run to continue)")
@@ -312,28 +312,30 @@ def learner(
         raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
     if shards is not None:
         gpus = f"cpu:{shards}"
-    creds = _credentials(keys_dir, "learner", key_name)  # checked before any shard or child starts
-    config = _load(
+    creds = credentials_of(keys_dir, "learner", key_name)  # checked before any shard or child starts
+    config = config_of(
         config_path,
-        _overrides(sets, **{"algo.name": algorithm, "algo.schedule": schedule, "env.seed": seed, "learner.gpus": gpus}),
+        overrides_of(
+            sets, **{"algo.name": algorithm, "algo.schedule": schedule, "env.seed": seed, "learner.gpus": gpus}
+        ),
     )
-    run_dir = run_dir or str(_default_run_dir(config))
+    run_dir = run_dir or str(default_shard_run_dir(config))
     if restart:  # before plan_devices, which imports torch: the supervisor stays small
-        _check_run_dir(config, Path(run_dir), resume)
-        _supervise(restart, Path(run_dir), t0, config.train.max_seconds)
+        checked_run_dir(config, Path(run_dir), resume)
+        supervise(restart, Path(run_dir), t0, config.train.max_seconds)
         return
     try:
         plan = plan_devices(config.learner.gpus)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if os.environ.get("RANK", "0") == "0":  # the launcher, a lone learner, or shard 0 under torchrun
-        _check_run_dir(config, Path(run_dir), resume)
+        checked_run_dir(config, Path(run_dir), resume)
     if not launched_as_shard():
         if len(plan.devices) > 1 or nnodes > 1:
-            _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir)
+            launch_shards(plan, nnodes, node_rank, master_addr, master_port, run_dir)
             return
     replay = _replay_link(config, replays, keys_dir, replay_key)
-    _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay)
+    run_shard(config, plan, connect, run_dir, t0, resume, creds, replay)
 
 
 def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | None) -> tuple[tuple[str, ...], bytes]:
@@ -398,9 +400,9 @@ def train(
     """Run broker, actors and learner on this machine until the first limit is reached."""
     from zddrl.ops.train import run_training
 
-    config = _load(
+    config = config_of(
         config_path,
-        _overrides(
+        overrides_of(
             sets,
             **{
                 "train.actors": actors,
@@ -413,15 +415,15 @@ def train(
                 "learner.gpus": gpus,
             },
         ),
-        check_env=False,  # run_training probes the env once the learner has started (start-up: issue 16)
+        check_env=False,  # run_training probes the env once the learner has started: the learner starts sooner
     )
-    _check_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
+    checked_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
     summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure)
     click.echo(json.dumps(summary))
 
 
 @main.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the broker's status as JSON.")
 @click.option("--watch", is_flag=True, help="Keep a live table on screen, refreshed every --interval seconds.")
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Refresh period of --watch.")
@@ -439,7 +441,7 @@ def status(connect, as_json, watch, interval, timeout, page, keys_dir, key_name)
     """Print the broker's counters, members, drops and health warnings."""
     from zddrl.ops.status import format_status, request_status, watch_status
 
-    creds = _credentials(keys_dir, "monitor", key_name)
+    creds = credentials_of(keys_dir, "monitor", key_name)
     if watch:
         watch_status(connect, interval, timeout, creds, page=page)
         return

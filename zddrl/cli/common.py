@@ -20,7 +20,7 @@ CONNECT_HELP = (
 )
 
 
-def _connect_list(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
+def connect_list(_ctx: click.Context, _param: click.Parameter, value: str) -> str:
     """--connect checked where it is given (config.split_endpoints): a bad entry is a one-line usage error."""
     try:
         return ",".join(split_endpoints(value))
@@ -41,13 +41,13 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def _overrides(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
+def overrides_of(sets: tuple[str, ...], **named: Any) -> dict[str, Any]:
     out = dict(parse_override(s) for s in sets)
     out.update({k: v for k, v in named.items() if v is not None})
     return out
 
 
-def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
+def config_of(config_path: str | None, overrides: dict[str, Any], check_env: bool = True):
     """Config from file + overrides; a bad value or an env that cannot be built is a usage error."""
     from zddrl.algos.checks import replay_refusal, spec_refusal
     from zddrl.envs import EnvError, probe_spec
@@ -67,7 +67,7 @@ def _load(config_path: str | None, overrides: dict[str, Any], check_env: bool = 
         raise click.UsageError(str(exc)) from None
 
 
-def _check_run_dir(config, run_dir: Path | None, resume: bool) -> None:
+def checked_run_dir(config, run_dir: Path | None, resume: bool) -> None:
     """``learner.checkpoints.check_run_dir`` as a usage error."""
     from zddrl.learner.checkpoints import check_run_dir
 
@@ -121,7 +121,7 @@ key_option = click.option(
 )
 
 
-def _credentials(keys_dir: str | None, role: str, key_name: str | None):
+def credentials_of(keys_dir: str | None, role: str, key_name: str | None):
     """This client's ``keys.Credentials`` from --keys (None without it); a bad key directory is a usage error."""
     from zddrl.keys import KeysError, credentials
 

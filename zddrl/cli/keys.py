@@ -73,4 +73,3 @@ def keys_kubernetes(keys_dir, namespace, output) -> None:
         click.echo(f"{path}: {text.count('kind: Secret')} Secrets (secret keys inside: keep the file private)")
     else:
         click.echo(text, nl=False)
-

@@ -7,10 +7,10 @@ from pathlib import Path
 import click
 
 from zddrl.cli.common import (
-    _connect_list,
-    _credentials,
     allow_code_option,
     allowed_code,
+    connect_list,
+    credentials_of,
     key_option,
     keys_option,
     stop_on_signals,
@@ -21,7 +21,7 @@ CONNECT_HELP = "The broker's control endpoint(s), tcp://HOST:PORT[,tcp://HOST2:P
 
 
 @click.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=_connect_list, help=CONNECT_HELP)
+@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
 @click.option(
     "--bind",
     default="tcp://127.0.0.1:0",
@@ -52,7 +52,7 @@ def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_
     from zddrl.keys import folder
     from zddrl.learner.replay_service import ReplayService
 
-    creds = _credentials(keys_dir, "replay", key_name)
+    creds = credentials_of(keys_dir, "replay", key_name)
     allowed = allowed_code(allow_code)
     service = ReplayService(
         connect,

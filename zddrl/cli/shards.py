@@ -14,7 +14,7 @@ from zddrl.config import ConfigError
 from zddrl.transport.link import Refused
 
 
-def _default_run_dir(config) -> Path:
+def default_shard_run_dir(config) -> Path:
     from zddrl.ops.train import default_run_dir
 
     return default_run_dir(config)
@@ -28,7 +28,7 @@ class _ExitWith(click.ClickException):
         self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class
 
 
-def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: float) -> None:
+def supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: float) -> None:
     """``zddrl learner --restart N``: this same command line, run as a child and restarted when it dies."""
     import sys
 
@@ -40,11 +40,11 @@ def _supervise(restarts: int, run_dir: Path, t0: float | None, max_seconds: floa
         raise _ExitWith(str(exc), exc.exit_code) from None  # a usage error of the learner stays exit 2
 
 
-def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
+def launch_shards(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
     """Re-run this command once per local device as a shard (same arguments, one run directory)."""
     import sys
 
-    from zddrl.dist.launch import LaunchError, Rendezvous, run_shards
+    from zddrl.shards.launch import LaunchError, Rendezvous, run_shards
 
     argv = list(sys.argv[1:])
     if "--run-dir" not in argv:  # every shard must agree on the (default, time-stamped) directory
@@ -57,13 +57,13 @@ def _launch(plan, nnodes, node_rank, master_addr, master_port, run_dir) -> None:
         raise click.ClickException(str(exc)) from None
 
 
-def _run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"")) -> None:
+def run_shard(config, plan, connect, run_dir, t0, resume, creds, replay=((), b"")) -> None:
     """This process is the learner, or one shard of it: join the group, train, leave the group."""
     import torch
 
-    from zddrl.dist.shards import ShardError, ShardGroup
     from zddrl.learner.node import LearnerNode, NotJoined
     from zddrl.learner.runlog import CheckpointError
+    from zddrl.shards.group import ShardError, ShardGroup
 
     # Adam's second moments of rarely-moving weights decay into subnormal floats, which x86 computes many times
     # slower: a third of an Ape-X gradient step went to two foreach kernels (profiled). Flushing them is a setting

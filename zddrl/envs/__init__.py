@@ -6,7 +6,8 @@ One module per responsibility, imports running one way (spaces <- atari <- make 
 - ``atari``: zddrl's Atari preprocessing (``atari_wrappers``) and ALE's C++ vector env (``AleVecEnv``);
 - ``make``: env ids and their constructors (``env_factory``, ``make_factory``, ``probe_spec``), the forms an
   ``env.id`` takes, ``env.kwargs``, and which ids an actor host may build (``env_refusal``);
-- ``vector``: what an actor host steps (``ActorEnvs``, ``VecEnv``, ``actor_envs``).
+- ``vector``: what an actor host steps (``ActorEnvs``, ``VecEnv``, ``actor_envs``) and envs slower than their own
+  speed (``SlowEnvs``: ``EnvLatency``, ``Slowdown``).
 
 Every public name is re-exported here: the rest of zddrl imports them from ``zddrl.envs``.
 """
@@ -35,8 +36,10 @@ from zddrl.envs.spaces import env_action as env_action
 from zddrl.envs.spaces import env_spec as env_spec
 from zddrl.envs.spaces import spec_of as spec_of
 from zddrl.envs.vector import ActorEnvs as ActorEnvs
+from zddrl.envs.vector import ActorEnvsFactory as ActorEnvsFactory
 from zddrl.envs.vector import EnvLatency as EnvLatency
+from zddrl.envs.vector import Slowdown as Slowdown
+from zddrl.envs.vector import SlowEnvs as SlowEnvs
 from zddrl.envs.vector import VecEnv as VecEnv
 from zddrl.envs.vector import actor_envs as actor_envs
-from zddrl.envs.vector import with_latency as with_latency
 from zddrl.plugin import PICKLED as PICKLED

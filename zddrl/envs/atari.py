@@ -17,7 +17,7 @@ from zddrl.envs.spaces import EnvError, EnvSpec
 ALE_VECTOR_KWARGS = "env.kwargs go to gymnasium's constructor: not with env.backend 'ale_vector'"
 
 
-def _register_ale() -> None:
+def register_ale() -> None:
     """gymnasium >= 1.0 registers the ALE ids only once ale_py is imported (an installed package, no remote code)."""
     try:
         import ale_py

@@ -34,7 +34,7 @@ from gymnasium.envs.registration import EnvSpec as GymSpec
 from gymnasium.envs.registration import find_highest_version, get_env_id, parse_env_id
 
 from zddrl.config import EnvConfig
-from zddrl.envs.atari import ALE_VECTOR_KWARGS, _register_ale, atari_wrappers
+from zddrl.envs.atari import ALE_VECTOR_KWARGS, atari_wrappers, register_ale
 from zddrl.envs.spaces import EnvError, EnvSpec, spec_of
 from zddrl.plugin import PICKLED
 
@@ -179,7 +179,7 @@ def _registered(env_id: str, atari: bool) -> GymSpec:
     if module_name:
         _import(env_id, module_name)
     if atari:
-        _register_ale()
+        register_ale()
     try:
         spec = _lookup(name)
     except gym.error.Error as exc:
@@ -208,7 +208,7 @@ def _is_atari(name: str, spec: GymSpec | None) -> bool:
     if spec is None:
         if importlib.util.find_spec("ale_py") is None:
             return False
-        _register_ale()
+        register_ale()
         try:
             spec = _lookup(name)
         except gym.error.Error:

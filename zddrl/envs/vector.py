@@ -1,11 +1,14 @@
 """What an actor host steps (``ActorEnvs``): ``VecEnv``, gymnasium envs one after the other, or ``AleVecEnv``
-(zddrl.envs.atari), as ``actor_envs`` picks by ``env.backend``; and the ``EnvLatency`` benchmark knob. The top of
-zddrl.envs: it imports the package's other modules, none of them imports it."""
+(zddrl.envs.atari), as ``actor_envs`` picks by ``env.backend``; and envs slower than their own speed (``SlowEnvs``:
+``EnvLatency``, ``Slowdown``), the testing and benchmark knobs. The top of zddrl.envs: it imports the package's
+other modules, none of them imports it."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import gymnasium as gym
@@ -17,10 +20,80 @@ from zddrl.envs.make import make_factory
 from zddrl.envs.spaces import EnvError, EnvSpec, env_action, env_spec
 
 
+class ActorEnvs(Protocol):
+    """What an actor host steps: ``VecEnv`` (gymnasium envs, one at a time) or ``AleVecEnv`` (ALE's C++ vector env),
+    either of them in ``Slowdown`` for a slow host.
+    ``obs`` is the current observation of every env; ``step`` resets an env whose episode ended in the same step
+    and hands back its final observation; ``finished`` collects ``(return, length)`` of the episodes that ended."""
+
+    num_envs: int
+    spec: EnvSpec
+    dtype: np.dtype
+    episodic_life: bool
+
+    @property
+    def obs(self) -> np.ndarray: ...
+
+    @property
+    def life_lost(self) -> np.ndarray: ...
+
+    @property
+    def finished(self) -> list[tuple[float, int]]: ...
+
+    def step(
+        self, actions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]: ...
+
+    def close(self) -> None: ...
+
+
+ActorEnvsFactory = Callable[[EnvConfig, list[int], frozenset[str]], ActorEnvs]
+"""How an actor host builds its envs from a run's ``[env]``, the seeds and the code it allows: ``actor_envs``, or
+``SlowEnvs`` for envs slower than their own speed."""
+
+
+def actor_envs(
+    env: EnvConfig,
+    seeds: list[int],
+    allowed: frozenset[str] | None = None,
+    wrapper: Callable[[gym.Env], gym.Env] | None = None,
+) -> ActorEnvs:
+    """An actor host's envs of a run's ``[env]`` section (``env.backend``), env ``i`` seeded with ``seeds[i]``, each
+    gymnasium env in ``wrapper`` if one is given."""
+    if env.backend == "ale_vector":
+        if wrapper is not None:
+            raise EnvError("a per-env wrapper (an env latency) needs gymnasium envs: not env.backend 'ale_vector'")
+        if env.kwargs:
+            raise EnvError(ALE_VECTOR_KWARGS)
+        return AleVecEnv(env, seeds)
+    make = make_factory(env, allowed)
+    return VecEnv(make if wrapper is None else lambda: wrapper(make()), seeds, env.episodic_life)
+
+
+@dataclass(frozen=True)
+class SlowEnvs:
+    """``actor_envs`` for a host whose envs run slower than their own speed: testing and benchmark knobs
+    (``zddrl actor --slowdown --env-latency-ms``, ``train.slowdowns``, ``train.env_latency_ms``). ``SlowEnvs()``
+    builds what ``actor_envs`` builds::
+
+        ActorHost(connect, actor_id, make_envs=SlowEnvs(slowdown=4.0))
+    """
+
+    slowdown: float = 1.0
+    """Every step of the host's envs takes this many times as long (``Slowdown``); 1 or less: their own speed."""
+    latency_ms: float = 0.0
+    """Every env step sleeps this long first (``EnvLatency``); 0: none. Gymnasium envs only (not ``ale_vector``)."""
+
+    def __call__(self, env: EnvConfig, seeds: list[int], allowed: frozenset[str] | None = None) -> ActorEnvs:
+        wrapper = partial(EnvLatency, latency_ms=self.latency_ms) if self.latency_ms > 0 else None
+        envs = actor_envs(env, seeds, allowed, wrapper)
+        return Slowdown(envs, self.slowdown) if self.slowdown > 1.0 else envs
+
+
 class EnvLatency(gym.Wrapper):
-    """Benchmark knob (``train.env_latency_ms``): every ``step`` sleeps ``latency_ms`` first, as a remote or slow
-    simulator would take that long to answer. Sleeping, not spinning, so that on a small host the latency of many
-    actors overlaps as a remote simulator's would, and the CPU stays free for the rest of the system."""
+    """An env that answers late (``SlowEnvs.latency_ms``): every ``step`` sleeps ``latency_ms`` first, as a remote
+    or slow simulator would take that long to answer. Sleeping, not spinning, so that on a small host the latency of
+    many actors overlaps as a remote simulator's would, and the CPU stays free for the rest of the system."""
 
     def __init__(self, env: gym.Env, latency_ms: float) -> None:
         super().__init__(env)
@@ -31,44 +104,39 @@ class EnvLatency(gym.Wrapper):
         return self.env.step(action)
 
 
-def with_latency(make: Callable[[], gym.Env], latency_ms: float) -> Callable[[], gym.Env]:
-    """``make`` with every env wrapped in ``EnvLatency`` (``make`` itself when ``latency_ms`` is 0)."""
-    if latency_ms <= 0:
-        return make
-    return lambda: EnvLatency(make(), latency_ms)
+class Slowdown:
+    """``envs``, ``factor`` times slower per step (``SlowEnvs.slowdown``), as on a slower host. Each ``step`` sleeps
+    ``factor - 1`` times what the actor spent on that step: from its reading ``obs`` (the observation it acts on,
+    so its policy's time counts too) until the envs have stepped. Measured step by step, so a slow step stays
+    slow in proportion; the time between rollouts (sending, waiting for parameters) is not slowed."""
 
+    def __init__(self, envs: ActorEnvs, factor: float) -> None:
+        self.envs, self.factor = envs, factor
+        self.num_envs, self.spec, self.dtype = envs.num_envs, envs.spec, envs.dtype
+        self.episodic_life = envs.episodic_life
+        self._read_at = time.perf_counter()
+        """When the actor last read ``obs``: where the step it is taking began."""
 
-class ActorEnvs(Protocol):
-    """What an actor host steps: ``VecEnv`` (gymnasium envs, one at a time) or ``AleVecEnv`` (ALE's C++ vector env).
-    ``obs`` is the current observation of every env; ``step`` resets an env whose episode ended in the same step
-    and hands back its final observation; ``finished`` collects ``(return, length)`` of the episodes that ended."""
+    @property
+    def obs(self) -> np.ndarray:
+        self._read_at = time.perf_counter()
+        return self.envs.obs
 
-    num_envs: int
-    spec: EnvSpec
-    dtype: np.dtype
-    obs: np.ndarray
-    life_lost: np.ndarray
-    episodic_life: bool
-    finished: list[tuple[float, int]]
+    @property
+    def life_lost(self) -> np.ndarray:
+        return self.envs.life_lost
 
-    def step(
-        self, actions: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]: ...
+    @property
+    def finished(self) -> list[tuple[float, int]]:
+        return self.envs.finished
 
-    def close(self) -> None: ...
+    def step(self, actions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+        out = self.envs.step(actions)
+        time.sleep((self.factor - 1.0) * (time.perf_counter() - self._read_at))
+        return out
 
-
-def actor_envs(
-    env: EnvConfig, seeds: list[int], allowed: frozenset[str] | None = None, latency_ms: float = 0.0
-) -> ActorEnvs:
-    """An actor host's envs of a run's ``[env]`` section (``env.backend``), env ``i`` seeded with ``seeds[i]``."""
-    if env.backend == "ale_vector":
-        if latency_ms > 0:
-            raise EnvError("env latency (a benchmark knob) wraps gymnasium envs: not with env.backend 'ale_vector'")
-        if env.kwargs:
-            raise EnvError(ALE_VECTOR_KWARGS)
-        return AleVecEnv(env, seeds)
-    return VecEnv(with_latency(make_factory(env, allowed), latency_ms), seeds, env.episodic_life)
+    def close(self) -> None:
+        self.envs.close()
 
 
 class VecEnv:

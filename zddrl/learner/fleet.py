@@ -21,7 +21,7 @@ from typing import Any
 STRAGGLER_LOG_EVERY_S = 10.0
 
 
-class Fleet:
+class FleetPlan:
     """``refresh(snapshot)`` with each new fleet message; ``expected()`` during a round; ``round_closed(...)``
     after it; ``back_in_quota(peer_id)`` when a straggler's data is less than one version late."""
 

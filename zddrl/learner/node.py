@@ -8,8 +8,8 @@ that actors (which wait for a newer version) sample again.
 
 Shards (``zddrl learner --gpus``): every shard takes its own share of the stream from the broker and polls
 in step with the others (``poll.ShardPoller``); each trains on its own trajectories with gradients
-averaged over the group (``zddrl.dist.shards``); the main shard (rank 0) alone counts (``ledger.Ledger``),
-sizes rounds from the fleet (``fleet.Fleet``), publishes, logs and checkpoints.
+averaged over the group (``zddrl.shards.group``); the main shard (rank 0) alone counts (``ledger.Ledger``),
+sizes rounds from the fleet (``fleet.FleetPlan``), publishes, logs and checkpoints.
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ from zddrl.algos.replay_learner import REPLAY_FIGURES, ReplayLearner
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.spec import algorithm_of, declared
 from zddrl.config import Config, ConfigError
-from zddrl.dist.shards import ShardError, ShardGroup
 from zddrl.envs import probe_spec
 from zddrl.learner.admit import AskedLengths, envs_of, refusal
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.evaluation import Evaluator
-from zddrl.learner.fleet import Fleet
+from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import PROGRESS_LINE_EVERY_S, Progress, progress_line
@@ -46,6 +45,7 @@ from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.learner.welcome import NotJoined as NotJoined  # re-exported: the CLI catches it with the node
 from zddrl.learner.welcome import await_welcome
 from zddrl.proc import rss_mb
+from zddrl.shards.group import ShardError, ShardGroup
 from zddrl.transport import signatures as signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel
 from zddrl.transport.link import BrokerLink, hello_fields
@@ -64,7 +64,7 @@ class MainShard(NamedTuple):
     ledger: Ledger
     runlog: RunLog
     checkpoints: Checkpoints
-    fleet: Fleet
+    fleet: FleetPlan
     evaluator: Evaluator
 
 
@@ -143,7 +143,7 @@ class LearnerNode:
             Ledger(config, self.log, self.t0, self.group.world_size, self.restored),
             runlog,
             Checkpoints(runlog, config.train),
-            Fleet(
+            FleetPlan(
                 config.env.num_envs,
                 self.algo.batch_size,
                 self.rollout_len,
@@ -162,6 +162,7 @@ class LearnerNode:
             run=self.config.to_dict(),
             shard=self.group.rank,
             num_shards=self.group.world_size,
+            bus=self.config.algo.bus(),  # what the brokers need of the run: the run spec is opaque to them
             **hello_fields(),
         )
         if self._signer is not None:

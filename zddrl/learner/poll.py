@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from zddrl import protocol as P
-from zddrl.dist.shards import ShardGroup
 from zddrl.learner.records import Record, in_order, record_of, records_of
+from zddrl.shards.group import ShardGroup
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink
 

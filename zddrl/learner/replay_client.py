@@ -33,14 +33,14 @@ import zmq
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.algos.replay import ReplayBatch
+from zddrl.algos.replay import TransitionBatch
 from zddrl.config import AlgoConfig, Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import CollectedBatch
 from zddrl.logs import RateLimitedLog
+from zddrl.shards.group import ShardGroup
 
 REPLY_TIMEOUT_S = 5.0
 """How long a sample waits for a replay's answer before it draws its batch without that replay."""
@@ -250,7 +250,7 @@ class RemoteReplay:
         steps, self._intake = self._intake, 0
         return steps, self.newest_version
 
-    def sample(self, batch: int) -> ReplayBatch | None:
+    def sample(self, batch: int) -> TransitionBatch | None:
         """``batch`` transitions over the replays that answer (fewer if one does not), weighted over all of them;
         None when none answers with transitions (counted: that gradient step is skipped, not the run ended).
 
@@ -277,7 +277,7 @@ class RemoteReplay:
         cat = {k: np.concatenate([ans.arrays[k] for _, ans in rows]) for k in P.REPLAY_BATCH_ARRAYS}
         p_min = min(ans.min_priority for _, ans in rows if ans.min_priority > 0)
         weights = (cat["priorities"] / p_min) ** -self.beta
-        return ReplayBatch(
+        return TransitionBatch(
             ids=cat["ids"],
             weights=weights.astype(np.float32),
             obs=cat["obs"],

@@ -33,7 +33,7 @@ import numpy as np
 
 from zddrl import protocol as P
 from zddrl.config import AlgoConfig, Config
-from zddrl.learner.fleet import Fleet
+from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import Polled, ShardPoller
 
@@ -85,7 +85,7 @@ class SyncRounds:
         poller: ShardPoller,
         algo: AlgoConfig,
         log: Any,
-        fleet: Fleet | None = None,
+        fleet: FleetPlan | None = None,
         ledger: Ledger | None = None,
         refresh_fleet: Callable[[], bool] = lambda: False,
     ) -> None:

@@ -48,6 +48,9 @@ class Hello(Message):
     num_shards: int = 1
     run_signer: str = ""  # learner only: the key name that signed the run (protocol.signing.run_payload)
     run_signature: bytes = b""
+    bus: dict | None = None
+    """Learners: what the brokers need to know of the run to carry it, ``{"sync": bool, "max_staleness": int >= 0,
+    "max_in_flight": int >= 1}`` (protocol.rules.RunBus; nil: its defaults). The run spec is opaque to brokers."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class Welcome(Message):
     data_identity: bytes = b""
     """Learners on a closed bus: the ZeroMQ identity their data DEALER must use on the learners socket, 16 random
     bytes the broker issues (only the welcomed learner learns it: a peer id is public). Empty: use the peer id."""
+    bus: dict | None = None
+    """The current run's ``bus`` as the broker carries it (its learner's, defaults filled in); nil without a run.
+    A relay reads it; other clients need not."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ reason.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -38,7 +38,8 @@ bytes, so that a fleet message always fits MAX_HEADER_BYTES (docs/protocol.md se
 
 
 def hello_refusal(hello: Any) -> str:
-    """Why the broker refuses ``hello`` (a decoded Hello) for its names and figures alone, or "" if it does not."""
+    """Why the broker refuses ``hello`` (a decoded Hello) for its names and figures alone (its ``bus`` included),
+    or "" if it does not."""
     if not hello.peer_id or len(hello.peer_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
         return f"peer_id must be 1..{MAX_ID_BYTES} bytes of UTF-8"
     if len(hello.run_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
@@ -47,7 +48,59 @@ def hello_refusal(hello: Any) -> str:
         return f"host must be at most {MAX_HOST_BYTES} bytes of UTF-8"
     if not 0 <= hello.num_envs <= MAX_NUM_ENVS:
         return f"num_envs must be in 0..{MAX_NUM_ENVS}, got {hello.num_envs}"
+    return bus_refusal(hello.bus)
+
+
+# --------------------------------------------------------------------------------------------
+# What a broker knows of a run: the ``bus`` of a learner's hello and of every welcome (docs/protocol.md 5.1)
+# --------------------------------------------------------------------------------------------
+
+BUS_KEYS = ("sync", "max_staleness", "max_in_flight")
+"""The keys of a ``bus`` map, all of them required when the map is there."""
+
+
+class RunBus(NamedTuple):
+    """What brokers and relays know of how a run learns, from its learner's hello: nothing else of the run spec is
+    read on the bus. A hello without ``bus`` gets these defaults: only the newest version's data is forwarded (what
+    the strictest learner accepts), and actors keep the reference client's window of 2."""
+
+    sync: bool = True
+    """The run's schedule is sync: only data of the newest published version reaches a learner."""
+    max_staleness: int = 0
+    """Async: versions a trajectory may lag the newest one and still reach a learner (ignored when ``sync``)."""
+    max_in_flight: int = 2
+    """Trajectories an actor keeps pushed and not credited at most: the broker returns credit in batches of half
+    of it, and a relay sizes its upstream window by it."""
+
+    @property
+    def staleness(self) -> int:
+        """Versions of lag the broker lets through: 0 under sync (docs/protocol.md section 8, ``stale``)."""
+        return 0 if self.sync else self.max_staleness
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``bus`` map of hello and welcome."""
+        return {"sync": self.sync, "max_staleness": self.max_staleness, "max_in_flight": self.max_in_flight}
+
+
+def bus_refusal(bus: dict[str, Any] | None) -> str:
+    """Why a ``bus`` map breaks its rules (exactly the keys BUS_KEYS; ``sync`` a bool, ``max_staleness`` an int
+    >= 0, ``max_in_flight`` an int >= 1), or "" (nil is no map: the defaults)."""
+    if bus is None:
+        return ""
+    if set(bus) != set(BUS_KEYS):
+        return f"bus must have exactly the keys {list(BUS_KEYS)}, got {sorted(bus)}"
+    if type(bus["sync"]) is not bool:
+        return f"bus: sync must be a bool, got {bus['sync']!r}"
+    if not _is_int(bus["max_staleness"], 0):
+        return f"bus: max_staleness must be an int >= 0, got {bus['max_staleness']!r}"
+    if not _is_int(bus["max_in_flight"], 1):
+        return f"bus: max_in_flight must be an int >= 1, got {bus['max_in_flight']!r}"
     return ""
+
+
+def run_bus(bus: dict[str, Any] | None) -> RunBus:
+    """The RunBus of a ``bus`` map that passed ``bus_refusal`` (nil: the defaults)."""
+    return RunBus() if bus is None else RunBus(bus["sync"], bus["max_staleness"], bus["max_in_flight"])
 
 
 def fleet_entry_bytes(peer_id: str, num_envs: int, host: str) -> int:
@@ -163,6 +216,9 @@ def check_welcome(fields: dict[str, Any]) -> None:
         raise ProtocolError(f"welcome: heartbeat_liveness must be >= 1, got {fields['heartbeat_liveness']}")
     if fields["max_message_bytes"] < 0:
         raise ProtocolError(f"welcome: max_message_bytes must be >= 0, got {fields['max_message_bytes']}")
+    why = bus_refusal(fields["bus"])
+    if why:
+        raise ProtocolError(f"welcome: {why}")
 
 
 def check_params(fields: dict[str, Any]) -> None:

@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from zddrl.algos.apex.learner import ApexLearner
-    from zddrl.dist.shards import ShardGroup
     from zddrl.envs import EnvSpec
+    from zddrl.shards.group import ShardGroup
 
 
 @dataclass(frozen=True)

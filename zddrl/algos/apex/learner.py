@@ -22,11 +22,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zddrl.algos.replay import ReplayBatch
+from zddrl.algos.replay import TransitionBatch
 from zddrl.algos.replay_learner import ReplayLearner
 from zddrl.config import Config
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+from zddrl.shards.group import ShardGroup
 
 
 class ApexLearner(ReplayLearner):
@@ -38,7 +38,7 @@ class ApexLearner(ReplayLearner):
         td = arrays.get("td_errors")
         return None if td is None or self.replay is None else self.replay.capped_td(td)
 
-    def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:
+    def train_step(self, batch: TransitionBatch | None) -> dict[str, float]:
         if batch is None:
             self.step_optimizer(None, 0)
             figures: dict[str, float] = {}
@@ -48,7 +48,7 @@ class ApexLearner(ReplayLearner):
             self.target.load_state_dict(self.model.state_dict())
         return figures
 
-    def _learn(self, batch: ReplayBatch) -> dict[str, float]:
+    def _learn(self, batch: TransitionBatch) -> dict[str, float]:
         b = self.batch_tensors(batch)
         n = len(batch.ids)
         # One online pass over s and s' (half the calls at small batches; the rows of s' get no gradient).

@@ -13,8 +13,8 @@ from zddrl.tomlconf import require
 
 if TYPE_CHECKING:  # pragma: no cover
     from zddrl.algos.ppo.learner import PPOLearner
-    from zddrl.dist.shards import ShardGroup
     from zddrl.envs import EnvSpec
+    from zddrl.shards.group import ShardGroup
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from zddrl.algos.sac.learner import SACLearner
-    from zddrl.dist.shards import ShardGroup
     from zddrl.envs import EnvSpec
+    from zddrl.shards.group import ShardGroup
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ import torch
 from zddrl.algos.checks import spec_refusal
 from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
-from zddrl.algos.replay import ReplayBatch
+from zddrl.algos.replay import TransitionBatch
 from zddrl.algos.replay_learner import ReplayLearner
 from zddrl.config import Config, ModelConfig
-from zddrl.dist.shards import ShardGroup
 from zddrl.envs import EnvSpec
+from zddrl.shards.group import ShardGroup
 
 
 def twin_critics(spec: EnvSpec, model: ModelConfig) -> torch.nn.Module:
@@ -69,7 +69,7 @@ class SACLearner(ReplayLearner):
                 optimizer.param_groups[0]["lr"] = lr
         return lr
 
-    def train_step(self, batch: ReplayBatch | None) -> dict[str, float]:
+    def train_step(self, batch: TransitionBatch | None) -> dict[str, float]:
         figures = self._learn(batch) if batch is not None else self._idle()
         with torch.no_grad():  # on every shard alike
             target: list[torch.Tensor] = list(self.critic_target.parameters())
@@ -85,7 +85,7 @@ class SACLearner(ReplayLearner):
             self.step_optimizer(None, 0, self.alpha_optimizer)
         return {}
 
-    def _learn(self, batch: ReplayBatch) -> dict[str, float]:
+    def _learn(self, batch: TransitionBatch) -> dict[str, float]:
         b = self.batch_tensors(batch)
         n = len(batch.ids)
         alpha = self.log_alpha.detach().exp()

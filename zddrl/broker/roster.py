@@ -1,9 +1,8 @@
-"""The fleet: which actors are joined, as the broker announces them to learner shards (fleet messages).
+"""The roster: which actors are joined, as the broker announces them to learner shards (fleet messages).
 
-Kept apart from the routing loop in ``broker.py``: a plain record with no sockets. The broker calls
-``joined``/``left`` on every change of its actor members and, at loop level after socket handling,
-``announce`` at most once per FLEET_COALESCE_S, which says whether the map changed since the last
-announcement (docs/protocol.md section 5.5).
+A plain record with no sockets, kept by ``membership.Membership``, which calls ``joined``/``left`` on every change
+of its actor members; the broker, at loop level after socket handling, calls ``announce`` at most once per
+FLEET_COALESCE_S, which says whether the map changed since the last announcement (docs/protocol.md section 5.5).
 """
 
 from __future__ import annotations
@@ -26,8 +25,8 @@ def first_seq() -> int:
     return time.time_ns() // 1_000_000
 
 
-class Fleet:
-    """The joined actors' fleet entries, the last announced map and its seq."""
+class Roster:
+    """The joined actors' fleet entries, the last announced map and its seq (the wire message is ``P.Fleet``)."""
 
     def __init__(self, seq: int | None = None) -> None:
         self.seq = first_seq() if seq is None else seq

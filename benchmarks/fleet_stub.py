@@ -1,4 +1,4 @@
-"""The broker and the learner stub of `zddrl bench fleet`, each in its own spawned process.
+"""The broker and the learner stub of `python -m benchmarks fleet`, each in its own spawned process.
 
 The stub is a learner shard reduced to its bus: it joins as a learner (announcing the run), publishes version 0,
 and takes trajectories on a shard's ``DataChannel`` (the real credit policy), returning credit as fast as it
@@ -15,15 +15,17 @@ from typing import Any
 import numpy as np
 import zmq
 
+from benchmarks.fleet_sim import FD_MARGIN, SOCKETS_PER_ACTOR, raise_nofile
 from zddrl import protocol as P
 from zddrl.bench import common as C
-from zddrl.bench.fleet_sim import FD_MARGIN, SOCKETS_PER_ACTOR, raise_nofile
+from zddrl.config import AlgoConfig
 
 LEARNER_ID = "fleet-learner"
-MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT = AlgoConfig.max_in_flight
 """The run's ``algo.max_in_flight``: AlgoConfig's default, what an actor may have uncredited."""
-RUN_SPEC = {"name": "bench-fleet", "algo": {"schedule": "async", "max_in_flight": MAX_IN_FLIGHT}}
-"""async: actors never wait for a new version (the stub publishes only version 0)."""
+RUN_SPEC = {"name": "bench-fleet"}
+"""The run spec, passed on unread; its hello's ``bus`` says async: actors never wait for a new version (the stub
+publishes only version 0)."""
 RECV_TIMEOUT_MS = 50
 REPORT_CHECK_EVERY = 256
 """Trajectories between two looks at the parent's pipe while data flows."""
@@ -64,11 +66,12 @@ def learner_main(control: str, run_id: str, conn: Any) -> None:
 
     ``conn`` (a Pipe end): on "report" it sends back what was received so far (``received``, ``peers``,
     ``t_recv`` and ``latency_s`` arrays)."""
-    C._setup("bench-fleet-learner")
+    C.setup_worker("bench-fleet-learner")
     from zddrl.transport.channel import DataChannel
     from zddrl.transport.link import BrokerLink, hello_fields
 
-    hello = P.Hello(role="learner", peer_id=LEARNER_ID, run_id=run_id, run=RUN_SPEC, **hello_fields())
+    bus = {"sync": False, "max_staleness": AlgoConfig.max_staleness, "max_in_flight": MAX_IN_FLIGHT}
+    hello = P.Hello(role="learner", peer_id=LEARNER_ID, run_id=run_id, run=RUN_SPEC, bus=bus, **hello_fields())
     link = BrokerLink(control, hello).start()
     if link.wait_welcome(30, need_run=True) is None:
         raise RuntimeError(f"no welcome with a run from the broker at {control}")
@@ -90,8 +93,8 @@ def learner_main(control: str, run_id: str, conn: Any) -> None:
 
 def proxy_learner_main(endpoint: str, conn: Any) -> None:
     """The receiving end of the zmq.proxy path: a PULL connected to the forwarder's backend, the same timing."""
-    ctx = C._setup("bench-fleet-proxy-learner")
-    sock = C._socket(ctx, zmq.PULL, RCVHWM=C.HWM)
+    ctx = C.setup_worker("bench-fleet-proxy-learner")
+    sock = C.socket_of(ctx, zmq.PULL, RCVHWM=C.HWM)
     sock.connect(endpoint)
 
     def receive() -> P.Message | None:

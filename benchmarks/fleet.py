@@ -1,7 +1,7 @@
-"""`zddrl bench fleet`: one real broker under a fleet of simulated actors, from one actor to a thousand.
+"""`python -m benchmarks fleet`: one real broker under a fleet of simulated actors, from one actor to a thousand.
 
-For each fleet size N, on a fresh broker process: a learner stub (zddrl.bench.fleet_stub) joins and publishes
-version 0, then N simulated actors (zddrl.bench.fleet_sim: each its own identity, control DEALER, params SUB and
+For each fleet size N, on a fresh broker process: a learner stub (benchmarks.fleet_stub) joins and publishes
+version 0, then N simulated actors (benchmarks.fleet_sim: each its own identity, control DEALER, params SUB and
 trajectories PUSH; ACTORS_PER_WORKER of them per worker process, each worker reporting its own ``host``) join.
 Two windows follow:
 
@@ -40,10 +40,10 @@ import click
 import numpy as np
 from loguru import logger
 
+from benchmarks.fleet_report import format_report, proxy_comparison, scaling
+from benchmarks.fleet_sim import SLOTS, T_STEPS, S, worker_fds, worker_main
+from benchmarks.fleet_stub import MAX_IN_FLIGHT, broker_fds, broker_main, learner_main, proxy_learner_main, proxy_main
 from zddrl.bench import common as C
-from zddrl.bench.fleet_report import format_report, proxy_comparison, scaling
-from zddrl.bench.fleet_sim import SLOTS, T_STEPS, S, worker_fds, worker_main
-from zddrl.bench.fleet_stub import MAX_IN_FLIGHT, broker_fds, broker_main, learner_main, proxy_learner_main, proxy_main
 from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
 
@@ -70,8 +70,6 @@ STATUS_COUNTERS = (
     "heartbeat_interval_s",
 )
 """Broker counters reported per N (zero or near it in a healthy run), and the heartbeat interval it chose."""
-
-_spawn = C._spawn
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -152,7 +150,7 @@ class FleetRig:
         self.sizes = [min(per_worker, actors - first) for first in range(0, actors, per_worker)]
         self.run_id = f"bench-fleet-{uuid.uuid4().hex[:8]}"
         self.mode = C.shared_mode()
-        self.counts = [_spawn.RawArray("d", len(SLOTS)) for _ in self.sizes]
+        self.counts = [C.SPAWN.RawArray("d", len(SLOTS)) for _ in self.sizes]
         self.sim_pids: list[int] = []
         self.join_s = 0.0
         self.join_broker_cpu_s = 0.0
@@ -162,7 +160,7 @@ class FleetRig:
         actor holds version 0 and the join burst has settled."""
         ports = free_ports(4)
         self.control = endpoint = f"tcp://127.0.0.1:{ports[0]}"
-        self.conn, child = _spawn.Pipe()
+        self.conn, child = C.SPAWN.Pipe()
         if self.proxy:  # the stub takes what the forwarder's backend pushes
             self.broker_pid = self.workers.start("fleet-proxy", proxy_main, ports[0], ports[1], self.actors).pid
             back = f"tcp://127.0.0.1:{ports[1]}"

@@ -11,6 +11,7 @@ same code with every collective a no-op, so the sharded path is the tested path.
 Small Python values travel between shards as msgpack (never pickle), in two all-gathers: the
 lengths, then the padded payloads.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -22,7 +23,7 @@ from typing import Any
 import msgpack
 import torch
 
-from zddrl.dist.launch import DevicePlan, launched_as_shard
+from zddrl.shards.launch import DevicePlan, launched_as_shard
 
 EXCHANGE_SLOT = 4096
 """Bytes per shard of an exchange's first all-gather: a poll's records fit, so one collective suffices."""
@@ -58,8 +59,13 @@ class ShardGroup:
 
             if group.device.type == "cuda":
                 torch.cuda.set_device(group.device)
-            dist.init_process_group(plan.backend, init_method="env://", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group(
+                plan.backend,
+                init_method="env://",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
             group._dist = dist
         return group
 
@@ -117,13 +123,14 @@ class ShardGroup:
             slot = torch.zeros(EXCHANGE_SLOT, dtype=torch.uint8)
             slot[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
             if len(payload) <= EXCHANGE_SLOT - 8:
-                slot[8:8 + len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload \
-                    else slot[:0]
+                slot[8 : 8 + len(payload)] = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else slot[:0]
+                )
             parts = self._all_gather(slot)
             sizes = [int(p[:8].view(torch.int64).item()) for p in parts]
             if max(sizes) > EXCHANGE_SLOT - 8:
                 mine = torch.zeros(max(sizes), dtype=torch.uint8)
-                mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
+                mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else mine[:0]
                 parts = [p[8:] if n <= EXCHANGE_SLOT - 8 else p for p, n in zip(parts, sizes)]
                 long_parts = self._all_gather(mine)
                 parts = [long_parts[i] if n > EXCHANGE_SLOT - 8 else parts[i] for i, n in enumerate(sizes)]
@@ -172,6 +179,6 @@ class ShardGroup:
         offset = 0
         for p, g in zip(params, grads):
             n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p)
+            p.grad = flat[offset : offset + n].view_as(p)
             offset += n
         return total

@@ -1,4 +1,5 @@
 """Learner shards: device plans, 2 gloo shards == 1 learner on the same data, failures, CartPole end to end."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ import pytest
 from conftest import BrokerHandle, Procs, wait_for
 from test_train import CARTPOLE, ROOT, processes_mentioning, train
 from zddrl.proc import free_ports
-from zddrl.dist.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
-
+from zddrl.shards.launch import DevicePlan, Rendezvous, launched_as_shard, plan_devices, shard_environments
 
 WORKER = str(Path(__file__).resolve().parent / "shard_worker.py")
 
@@ -35,15 +35,21 @@ def test_device_plans() -> None:
 
 @pytest.mark.slow
 def test_a_bad_gpus_value_is_a_usage_error_before_anything_starts(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "zddrl", "train", CARTPOLE, "--gpus", "cpu:x", "--run-dir",
-                           str(tmp_path / "run")], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "zddrl", "train", CARTPOLE, "--gpus", "cpu:x", "--run-dir", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert done.returncode == 2 and "learner.gpus: --gpus 'cpu:x': cpu:N needs N in 1..64" in done.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_shard_environments_are_torchruns() -> None:
-    envs = shard_environments(DevicePlan(("cpu",) * 2), Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1",
-                                                                   master_port=29500), base={})
+    envs = shard_environments(
+        DevicePlan(("cpu",) * 2), Rendezvous(nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500), base={}
+    )
     assert [(e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"]) for e in envs] == [("2", "0", "4"), ("3", "1", "4")]
     assert {e["MASTER_ADDR"] for e in envs} == {"10.0.0.1"} and all(launched_as_shard(e) for e in envs)
     with pytest.raises(ValueError, match="master-port"):
@@ -64,8 +70,10 @@ def test_exchange_carries_small_and_long_payloads_between_shards(tmp_path: Path)
         assert proc.wait(timeout=60) == 0
     got = [str(np.load(out)) for _, out in procs]
     assert got[0] == got[1]  # every shard sees the same
-    small0, small1 = {"records": [{"peer_id": "actor-0", "seq": 0}], "stop": False}, \
-        {"records": [{"peer_id": "actor-0", "seq": 1}], "stop": False}
+    small0, small1 = (
+        {"records": [{"peer_id": "actor-0", "seq": 0}], "stop": False},
+        {"records": [{"peer_id": "actor-0", "seq": 1}], "stop": False},
+    )
     big0, big1 = {"blob": b"\x00" * 10_000}, {"blob": b"\x01" * 20_000}
     assert got[0] == repr([[small0, small1], [big0, big1], [big0, small1], [None, None]])
 
@@ -75,8 +83,12 @@ def _run_workers(mode: str, tmp_path: Path, world: int) -> list[dict[str, np.nda
     procs = []
     for rank, env in enumerate(envs):
         out = tmp_path / f"{mode}-{world}-{rank}.npz"
-        procs.append((subprocess.Popen([sys.executable, WORKER, mode, str(out)], env=env, stderr=subprocess.PIPE,
-                                       text=True), out))
+        procs.append(
+            (
+                subprocess.Popen([sys.executable, WORKER, mode, str(out)], env=env, stderr=subprocess.PIPE, text=True),
+                out,
+            )
+        )
     results = []
     for proc, out in procs:
         try:
@@ -104,6 +116,7 @@ def test_two_shards_with_half_batches_learn_what_one_learner_learns(mode: str, t
 
 def _run_initial(mode: str) -> np.ndarray:
     from shard_worker import SPEC, config
+
     from zddrl.algos.impala.learner import ImpalaLearner
     from zddrl.algos.ppo.learner import PPOLearner
 
@@ -129,9 +142,29 @@ def test_train_with_two_cpu_shards_learns_cartpole(tmp_path: Path) -> None:
 def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     config = CARTPOLE if mode == "async" else str(ROOT / "examples" / "cartpole_impala.toml")
-    done = subprocess.run([sys.executable, "-m", "zddrl", "train", config, "--schedule", "async", "--gpus", "cpu:2",
-                           "--run-dir", str(run_dir), "--until-return", "100", "--max-seconds", "90"],
-                          capture_output=True, text=True, timeout=150, cwd=ROOT)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zddrl",
+            "train",
+            config,
+            "--schedule",
+            "async",
+            "--gpus",
+            "cpu:2",
+            "--run-dir",
+            str(run_dir),
+            "--until-return",
+            "100",
+            "--max-seconds",
+            "90",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=ROOT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["reached"] is True and summary["algorithm"] == ("impala" if mode == "impala" else "ppo")
@@ -139,14 +172,29 @@ def test_two_cpu_shards_train_in_the_async_modes(mode: str, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_a_dead_shard_takes_the_group_down_with_a_clear_error(procs: Procs, broker: BrokerHandle,
-                                                             tmp_path: Path) -> None:
+def test_a_dead_shard_takes_the_group_down_with_a_clear_error(
+    procs: Procs, broker: BrokerHandle, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
-    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--shards", "2",
-                          "--run-dir", str(run_dir), "--set", "train.max_seconds=120")
+    learner = procs.start(
+        "learner",
+        "learner",
+        CARTPOLE,
+        "--connect",
+        broker.connect,
+        "--shards",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "train.max_seconds=120",
+    )
     procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
-    wait_for(lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
-             60, "the sharded learner to train")
+    wait_for(
+        lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
+        60,
+        "the sharded learner to train",
+    )
     shard1 = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_shard(int(p), "1", str(run_dir))]
     assert len(shard1) == 1
     os.kill(shard1[0], signal.SIGKILL)
@@ -166,16 +214,32 @@ def _is_shard(pid: int, rank: str, marker: str) -> bool:
 
 
 @pytest.mark.slow
-def test_a_hung_shard_fails_the_group_within_the_collective_timeout(procs: Procs, broker: BrokerHandle,
-                                                                   tmp_path: Path) -> None:
+def test_a_hung_shard_fails_the_group_within_the_collective_timeout(
+    procs: Procs, broker: BrokerHandle, tmp_path: Path
+) -> None:
     """A shard that stops answering (SIGSTOP: alive, silent) is a failure after learner.collective_timeout_s."""
     run_dir = tmp_path / "run"
-    learner = procs.start("learner", "learner", CARTPOLE, "--connect", broker.connect, "--shards", "2",
-                          "--run-dir", str(run_dir), "--set", "learner.collective_timeout_s=3",
-                          "--set", "train.max_seconds=120")
+    learner = procs.start(
+        "learner",
+        "learner",
+        CARTPOLE,
+        "--connect",
+        broker.connect,
+        "--shards",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "learner.collective_timeout_s=3",
+        "--set",
+        "train.max_seconds=120",
+    )
     procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")
-    wait_for(lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
-             60, "the sharded learner to train")
+    wait_for(
+        lambda: (run_dir / "metrics.csv").exists() and len((run_dir / "metrics.csv").read_text().splitlines()) > 3,
+        60,
+        "the sharded learner to train",
+    )
     (shard1,) = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_shard(int(p), "1", str(run_dir))]
     os.kill(shard1, signal.SIGSTOP)
     try:
@@ -212,8 +276,20 @@ def test_two_nodes_meet_through_the_multi_node_rendezvous(procs: Procs, broker: 
     if address is None:
         pytest.skip("no non-loopback IPv4 address on this host")
     port = str(free_ports(1)[0])
-    common = ["--connect", broker.connect, "--shards", "1", "--nnodes", "2", "--master-addr", address,
-              "--master-port", port, "--set", "train.max_steps=3000"]
+    common = [
+        "--connect",
+        broker.connect,
+        "--shards",
+        "1",
+        "--nnodes",
+        "2",
+        "--master-addr",
+        address,
+        "--master-port",
+        port,
+        "--set",
+        "train.max_steps=3000",
+    ]
     node1 = procs.start("node1", "learner", CARTPOLE, *common, "--node-rank", "1", "--run-dir", str(tmp_path / "n1"))
     node0 = procs.start("node0", "learner", CARTPOLE, *common, "--node-rank", "0", "--run-dir", str(tmp_path / "n0"))
     procs.start("actor", "actor", "--connect", broker.connect, "--actor-id", "0")

@@ -1,6 +1,6 @@
 """`zddrl learner --gpus 0,1`: which devices, and one shard process per local device, kept honest.
 
-torch-free (imported by the CLI and the benchmarks): ``zddrl.dist.shards`` is the torch side.
+torch-free (imported by the CLI and the benchmarks): ``zddrl.shards.group`` is the torch side.
 
 Each shard is this same command run again with torchrun's variables set (RANK, LOCAL_RANK,
 WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so a shard started by us and one started
@@ -8,6 +8,7 @@ by ``torchrun`` are the same thing. The launcher waits for its shards; when one 
 the others at once (SIGTERM, then SIGKILL after a grace period) and reports which one failed and
 how: a group with a dead member never hangs. SIGINT/SIGTERM to the launcher go to every shard.
 """
+
 from __future__ import annotations
 
 import os
@@ -88,8 +89,10 @@ class Rendezvous:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
         if self.nnodes > 1 and (not self.master_port or self.master_addr in LOOPBACK):
-            raise ValueError("--nnodes > 1 needs --master-addr (node 0's address, not loopback) and --master-port, "
-                             "the same on every node")
+            raise ValueError(
+                "--nnodes > 1 needs --master-addr (node 0's address, not loopback) and --master-port, "
+                "the same on every node"
+            )
 
 
 def shard_environments(plan: DevicePlan, rdv: Rendezvous, base: dict[str, str] | None = None) -> list[dict[str, str]]:
@@ -98,10 +101,19 @@ def shard_environments(plan: DevicePlan, rdv: Rendezvous, base: dict[str, str] |
     local = len(plan.devices)
     port = rdv.master_port or free_ports(1, rdv.master_addr)[0]
     base = dict(os.environ if base is None else base)
-    return [{**base, "RANK": str(rdv.node_rank * local + i), "LOCAL_RANK": str(i),
-             "WORLD_SIZE": str(rdv.nnodes * local), "LOCAL_WORLD_SIZE": str(local),
-             "GROUP_RANK": str(rdv.node_rank), "MASTER_ADDR": rdv.master_addr, "MASTER_PORT": str(port)}
-            for i in range(local)]
+    return [
+        {
+            **base,
+            "RANK": str(rdv.node_rank * local + i),
+            "LOCAL_RANK": str(i),
+            "WORLD_SIZE": str(rdv.nnodes * local),
+            "LOCAL_WORLD_SIZE": str(local),
+            "GROUP_RANK": str(rdv.node_rank),
+            "MASTER_ADDR": rdv.master_addr,
+            "MASTER_PORT": str(port),
+        }
+        for i in range(local)
+    ]
 
 
 def run_shards(plan: DevicePlan, rdv: Rendezvous, argv: Sequence[str]) -> None:
@@ -123,28 +135,35 @@ def run_shards(plan: DevicePlan, rdv: Rendezvous, argv: Sequence[str]) -> None:
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for env in envs:
-            procs.append(subprocess.Popen([sys.executable, "-m", "zddrl", *argv], env=env,
-                                          preexec_fn=die_with_parent))
-        logger.info(f"started {len(procs)} learner shard(s) on {', '.join(plan.devices)} (ranks "
-                    f"{envs[0]['RANK']}..{envs[-1]['RANK']} of {envs[0]['WORLD_SIZE']}, backend {plan.backend})")
+            procs.append(subprocess.Popen([sys.executable, "-m", "zddrl", *argv], env=env, preexec_fn=die_with_parent))
+        logger.info(
+            f"started {len(procs)} learner shard(s) on {', '.join(plan.devices)} (ranks "
+            f"{envs[0]['RANK']}..{envs[-1]['RANK']} of {envs[0]['WORLD_SIZE']}, backend {plan.backend})"
+        )
         while True:
             failed = [(int(env["RANK"]), p) for env, p in zip(envs, procs) if p.poll() not in (None, 0)]
             if failed and not stopping:
                 rank, proc = failed[0]
                 _stop_all(procs)
-                raise LaunchError(f"learner shard {rank} (pid {proc.pid}) exited with code {proc.returncode}; "
-                                  f"the other shards were stopped. Its log says why; continue the run with "
-                                  f"--resume --run-dir RUN_DIR")
+                raise LaunchError(
+                    f"learner shard {rank} (pid {proc.pid}) exited with code {proc.returncode}; "
+                    f"the other shards were stopped. Its log says why; continue the run with "
+                    f"--resume --run-dir RUN_DIR"
+                )
             if stopping and time.monotonic() - stop_at[0] > SHUTDOWN_GRACE_S:
-                logger.warning(f"learner shards still running {SHUTDOWN_GRACE_S:.0f} s after "
-                               f"{signal.Signals(stopping[0]).name}: killing them")
+                logger.warning(
+                    f"learner shards still running {SHUTDOWN_GRACE_S:.0f} s after "
+                    f"{signal.Signals(stopping[0]).name}: killing them"
+                )
                 for p in procs:
                     if p.poll() is None:
                         p.kill()
             if all(p.poll() is not None for p in procs):
                 if stopping and failed:
-                    raise LaunchError(f"stopped by {signal.Signals(stopping[0]).name}; shard(s) "
-                                      f"{[r for r, _ in failed]} exited with an error")
+                    raise LaunchError(
+                        f"stopped by {signal.Signals(stopping[0]).name}; shard(s) "
+                        f"{[r for r, _ in failed]} exited with an error"
+                    )
                 return
             time.sleep(POLL_S)  # a supervisor's poll of its children, not a synchronisation
     finally:

@@ -22,7 +22,7 @@ from zddrl.algos.sac.learner import SACLearner
 from zddrl.config import load_config
 from zddrl.envs import EnvSpec, probe_spec
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LEARNER_EXAMPLES = {"apex": EXAMPLES / "cartpole_apex.toml", "sac": EXAMPLES / "pendulum_sac.toml"}
 
 

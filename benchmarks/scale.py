@@ -1,4 +1,4 @@
-"""`zddrl bench scale`: the scaling curve, env steps/s and time to the target against the number of actors.
+"""`python -m benchmarks scale`: the scaling curve, env steps/s and time to the target against the number of actors.
 
 Each point is one real `zddrl train` run (broker, N actor processes, learner) with a simulated per-step env latency
 (``train.env_latency_ms``: each env step sleeps first, as a remote simulator would), so that actors, not the env's
@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from zddrl.bench.train import DEFAULT_CONFIGS, config_paths
+from benchmarks.train import DEFAULT_CONFIGS, config_paths
 from zddrl.config import run_kind_args
 
 DEFAULT_ACTORS = "1,2,4,8,16,32"
@@ -229,7 +229,7 @@ def _modes(text: str) -> list[str]:
     "configs",
     multiple=True,
     metavar="MODE=PATH",
-    help="Config for a mode (default: the examples `zddrl bench train` uses).",
+    help="Config for a mode (default: the examples `python -m benchmarks train` uses).",
 )
 @click.option("--set", "sets", multiple=True, help="Passed to every `zddrl train` (e.g. algo.batch_size=512).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None, help="Write the plot (PNG).")

@@ -1,4 +1,4 @@
-"""`zddrl bench replay`: insert and sample throughput of the learner-local prioritized replay buffer (and, with
+"""`python -m benchmarks replay`: insert and sample throughput of the learner-local prioritized replay buffer (and, with
 ``--service``, of a replay service on the bus: bench/replay_service.py).
 
 For each workload (CartPole-sized 4 x float32 observations; Atari's 4x84x84 uint8 frames) one
@@ -32,8 +32,8 @@ from typing import Any
 import click
 import numpy as np
 
+from benchmarks.replay_learners import bench_learners, format_learner_rows
 from zddrl.algos.replay import PrioritizedReplay, available_memory, replay_nbytes
-from zddrl.bench.replay_learners import bench_learners, format_learner_rows
 
 WORKLOADS: dict[str, tuple[tuple[int, ...], Any]] = {"cartpole": ((4,), np.float32), "atari": ((4, 84, 84), np.uint8)}
 ACTION_DTYPE = np.int64
@@ -61,7 +61,9 @@ def fitting_capacity(requested: int, obs_shape: tuple[int, ...], obs_dtype: Any,
     )
 
 
-def _rollouts(obs_shape: tuple[int, ...], obs_dtype: Any, count: int = 2, seed: int = 0) -> list[dict[str, np.ndarray]]:
+def rollouts_of(
+    obs_shape: tuple[int, ...], obs_dtype: Any, count: int = 2, seed: int = 0
+) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     T, N = T_STEPS, N_ENVS
     out = []
@@ -101,7 +103,7 @@ def bench_workload(name: str, capacity: int, seconds: float, budget: float, seed
     obs_shape, obs_dtype = WORKLOADS[name]
     used, note = fitting_capacity(capacity, obs_shape, obs_dtype, budget)
     buf = PrioritizedReplay(used, obs_shape, obs_dtype, (), ACTION_DTYPE, n_step=3, seed=seed, memory_fraction=1.0)
-    pool = _rollouts(obs_shape, obs_dtype, seed=seed)
+    pool = rollouts_of(obs_shape, obs_dtype, seed=seed)
     count = 0
 
     def insert() -> int:
@@ -225,7 +227,7 @@ def replay(
         rows.append(bench_workload(name, capacity, seconds, memory_fraction * available_memory()))
     services = []
     if service:
-        from zddrl.bench.replay_service import bench_service
+        from benchmarks.replay_service import bench_service
 
         for name in names:
             services.append(bench_service(name, service_capacity, seconds))

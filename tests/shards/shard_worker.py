@@ -1,12 +1,13 @@
 """One learner shard for the equivalence tests: trains on its share of fixed data, saves its parameters.
 
-``python tests/dist/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
+``python tests/shards/shard_worker.py MODE OUT`` with torchrun's variables set (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) runs one shard of a gloo group; without them, one learner on all data.
 Every update has one trajectory from each of four actors (two from actor a in two updates); the
 shards split them differently each update, mostly unevenly: the reward scaler's streams move between
 shards, peer_id a's two trajectories of one update are trained on different shards, and shard 1 has
 nothing at all in the last update.
 """
+
 from __future__ import annotations
 
 import sys
@@ -14,12 +15,12 @@ import sys
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.config import Config, run_kind
-from zddrl.envs import EnvSpec
 from zddrl.algos.impala.learner import ImpalaLearner
 from zddrl.algos.ppo.learner import PPOLearner
-from zddrl.dist.launch import DevicePlan
-from zddrl.dist.shards import ShardGroup
+from zddrl.config import Config, run_kind
+from zddrl.envs import EnvSpec
+from zddrl.shards.group import ShardGroup
+from zddrl.shards.launch import DevicePlan
 
 SPEC = EnvSpec((4,), True, 2)
 SENDERS = ("a", "b", "c", "d")
@@ -32,8 +33,17 @@ UPDATES = len(SPLITS)
 
 
 def config(mode: str) -> Config:
-    return Config().replace({**run_kind(mode), "algo.epochs": 3, "algo.minibatches": 1, "algo.normalize_obs": True,
-                             "algo.normalize_reward": True, "algo.lr": 3e-3, "algo.ent_coef": 0.01})
+    return Config().replace(
+        {
+            **run_kind(mode),
+            "algo.epochs": 3,
+            "algo.minibatches": 1,
+            "algo.normalize_obs": True,
+            "algo.normalize_reward": True,
+            "algo.lr": 3e-3,
+            "algo.ent_coef": 0.01,
+        }
+    )
 
 
 def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
@@ -43,25 +53,43 @@ def trajectory(name: str, update: int, T: int = 8, N: int = 3) -> P.Trajectory:
     truncated = (rng.random((T, N)) < 0.05) & ~terminated
     trunc_idx = np.flatnonzero(truncated.reshape(-1))
     arrays = {
-        "obs": rng.normal(1.0, 2.0, (T, N, 4)).astype(np.float32), "actions": rng.integers(0, 2, (T, N)),
+        "obs": rng.normal(1.0, 2.0, (T, N, 4)).astype(np.float32),
+        "actions": rng.integers(0, 2, (T, N)),
         "logp": rng.uniform(-1.2, -0.3, (T, N)).astype(np.float32),
-        "values": rng.normal(0, 1, (T, N)).astype(np.float32), "rewards": rng.normal(1, 1, (T, N)).astype(np.float32),
-        "terminated": terminated, "truncated": truncated, "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
-        "next_value": rng.normal(0, 1, N).astype(np.float32)}
+        "values": rng.normal(0, 1, (T, N)).astype(np.float32),
+        "rewards": rng.normal(1, 1, (T, N)).astype(np.float32),
+        "terminated": terminated,
+        "truncated": truncated,
+        "next_obs": rng.normal(0, 1, (N, 4)).astype(np.float32),
+        "next_value": rng.normal(0, 1, N).astype(np.float32),
+    }
     if len(trunc_idx):  # on the wire only when some episode was truncated (docs/protocol.md section 7)
-        arrays.update(trunc_idx=trunc_idx, trunc_obs=rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
-                      trunc_value=rng.normal(0, 1, len(trunc_idx)).astype(np.float32))
-    return P.Trajectory(run_id="r", peer_id=peer_id, seq=2 * update + second, policy_version=max(0, update - 1),
-                        param_hash="",
-                        env_steps=T * N, arrays=arrays)
+        arrays.update(
+            trunc_idx=trunc_idx,
+            trunc_obs=rng.normal(0, 1, (len(trunc_idx), 4)).astype(np.float32),
+            trunc_value=rng.normal(0, 1, len(trunc_idx)).astype(np.float32),
+        )
+    return P.Trajectory(
+        run_id="r",
+        peer_id=peer_id,
+        seq=2 * update + second,
+        policy_version=max(0, update - 1),
+        param_hash="",
+        env_steps=T * N,
+        arrays=arrays,
+    )
 
 
 def exchanges(group: ShardGroup) -> list:
     """What ``ShardGroup.exchange`` returns for payloads that fit its first all-gather, that do not, and a mix."""
     small = {"records": [{"peer_id": "actor-0", "seq": group.rank}], "stop": False}
     big = {"blob": bytes([group.rank]) * (10_000 * (group.rank + 1))}
-    return [group.exchange(small), group.exchange(big), group.exchange(small if group.rank else big),
-            group.exchange(None)]
+    return [
+        group.exchange(small),
+        group.exchange(big),
+        group.exchange(small if group.rank else big),
+        group.exchange(None),
+    ]
 
 
 def main(mode: str, out: str) -> None:
@@ -76,8 +104,13 @@ def main(mode: str, out: str) -> None:
         mine = [n for n in BATCHES[update] if not group.sharded or (n in SPLITS[update]) == (group.rank == 0)]
         core.update([trajectory(n, update) for n in mine], staleness=0.5 * update)
     flat, _, extra = core.params()
-    np.savez(out, flat=flat, **extra, reward_var=np.array(core.reward_scaler.rms.var),
-             returns_a=core.reward_scaler.returns["a"])
+    np.savez(
+        out,
+        flat=flat,
+        **extra,
+        reward_var=np.array(core.reward_scaler.rms.var),
+        returns_a=core.reward_scaler.returns["a"],
+    )
     group.close()
 
 

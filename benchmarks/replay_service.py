@@ -1,4 +1,5 @@
-"""`zddrl bench replay --service`: the replay service's insert and sample throughput, next to the local buffer's.
+"""`python -m benchmarks replay --service`: the replay service's insert and sample throughput, next to the local
+buffer's.
 
 Real processes on loopback: a `zddrl broker` and a `zddrl replay`; this process is the run's learner (a hello with
 the run spec, version 0 published, then ``RemoteReplay``, the learner's own client) and its actor (a hello and a
@@ -27,8 +28,8 @@ from typing import Any
 import numpy as np
 import zmq
 
+from benchmarks.replay import BATCH, N_ENVS, T_STEPS, WORKLOADS, rollouts_of
 from zddrl import protocol as P
-from zddrl.bench.replay import BATCH, N_ENVS, T_STEPS, WORKLOADS, _rollouts
 from zddrl.config import Config
 from zddrl.envs import probe_spec
 from zddrl.learner.replay_client import RemoteReplay
@@ -58,7 +59,7 @@ def _wait(condition: Any, what: str, timeout_s: float = WAIT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"bench replay --service: timed out waiting for {what}")
+            raise RuntimeError(f"benchmarks replay --service: timed out waiting for {what}")
         time.sleep(0.02)
 
 
@@ -79,10 +80,16 @@ class ServiceRig:
         }
         self.ctx = zmq.Context()
         self.run_id = f"bench-replay-{uuid.uuid4().hex[:8]}"
-        hello = P.Hello(role="learner", peer_id="learner-0", run_id=self.run_id, run=self.config.to_dict())
+        hello = P.Hello(
+            role="learner",
+            peer_id="learner-0",
+            run_id=self.run_id,
+            run=self.config.to_dict(),
+            bus=self.config.algo.bus(),
+        )
         self.learner = BrokerLink(self.connect, hello, context=self.ctx).start()
         if self.learner.wait_welcome(WAIT_S) is None:
-            raise RuntimeError("bench replay --service: the broker did not welcome the learner")
+            raise RuntimeError("benchmarks replay --service: the broker did not welcome the learner")
         self.pub = self.ctx.socket(zmq.DEALER)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.IDENTITY, b"learner-0")
@@ -103,7 +110,7 @@ class ServiceRig:
         actor = P.Hello(role="actor", peer_id="actor-0", num_envs=N_ENVS)
         self.actor = BrokerLink(self.connect, actor, context=self.ctx).start()
         if self.actor.wait_welcome(WAIT_S, need_run=True) is None:
-            raise RuntimeError("bench replay --service: the broker did not welcome the actor")
+            raise RuntimeError("benchmarks replay --service: the broker did not welcome the actor")
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.LINGER, 0)
         self.push.connect(self.actor.endpoint("trajectories"))
@@ -172,7 +179,7 @@ def _wire_arrays(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def bench_service(name: str, capacity: int, seconds: float, rollouts: int = 200) -> dict[str, Any]:
     """One workload's service row (module docstring)."""
     obs_shape, obs_dtype = WORKLOADS[name]
-    pool = _rollouts(obs_shape, obs_dtype)
+    pool = rollouts_of(obs_shape, obs_dtype)
     with tempfile.TemporaryDirectory(prefix="zddrl-bench-replay-") as tmp:
         rig = ServiceRig(name, capacity, Path(tmp))
         try:

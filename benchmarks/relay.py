@@ -1,4 +1,4 @@
-"""`zddrl bench relay`: trajectory throughput through a relay vs straight to the root.
+"""`python -m benchmarks relay`: trajectory throughput through a relay vs straight to the root.
 
 `zddrl bench bus`'s workers (zddrl/bench/common.py: a sender that joins as an actor and pushes as fast as its
 HWM lets it, a receiver that is a learner shard's DataChannel with its credit policy) on real processes:
@@ -35,7 +35,7 @@ DRAIN_S = 0.3
 
 def relay_main(ports: list[int], upstream: str) -> None:
     """A relay under ``upstream`` on the given control/trajectory/learner/params ports."""
-    C._setup("bench-relay")
+    C.setup_worker("bench-relay")
     from zddrl.broker.relay import Relay
     from zddrl.config import BrokerConfig
 

@@ -1,4 +1,4 @@
-"""`zddrl bench train`: time and env steps to a target return, per mode, median over seeds.
+"""`python -m benchmarks train`: time and env steps to a target return, per mode, median over seeds.
 
 Each seed runs the real `zddrl train CONFIG --seed S` command as a subprocess; the figures are
 its own summary (``wall_s_to_target`` counts from the command's start, start-up included) and
@@ -25,7 +25,7 @@ import click
 from zddrl.bench.common import timed_json_run
 from zddrl.config import kind_label, run_kind_args
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 DEFAULT_CONFIGS = {
     "sync": EXAMPLES / "cartpole_ppo.toml",
     "async": EXAMPLES / "cartpole_ppo.toml",

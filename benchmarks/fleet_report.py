@@ -1,4 +1,5 @@
-"""`zddrl bench fleet`'s summary and report: the goals it checks, the zmq.proxy comparison, one table per window."""
+"""`python -m benchmarks fleet`'s summary and report: the goals it checks, the zmq.proxy comparison, one table per
+window."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
-"""Simulated actors of `zddrl bench fleet`: hundreds per process, each its own identity with real sockets.
+"""Simulated actors of `python -m benchmarks fleet`: hundreds per process, each its own identity with real sockets.
 
 A worker process runs its actors on one thread and one epoll selector. Each actor has its own control DEALER
 (hello, heartbeats at the broker's interval, credit, rehello and reconnect as docs/protocol.md sections 5.1,
-5.2 and 5.4 say), its own params SUB and its own trajectories PUSH (``ZMQ_SNDHWM`` 4, as `zddrl actor` sets
-it). There are no environments and no policy: every trajectory carries the arrays of a CartPole rollout
-(32 steps x 4 envs, prepared once) under a fresh header per message (``seq``, the version held, and the send
-time in ``info``), encoded as an actor encodes each rollout. An actor sends only while fewer than
-``max_in_flight`` of its trajectories since its last welcome are uncredited.
+5.2 and 5.4 say), its own params SUB and its own trajectories PUSH, with the high-water marks, heartbeat and
+reconnect timings and stats map of `zddrl actor` (imported from its modules, not copied). There are no
+environments and no policy: every trajectory carries the arrays of a CartPole rollout (32 steps x 4 envs,
+prepared once) under a fresh header per message (``seq``, the version held, and the send time in ``info``),
+encoded as an actor encodes each rollout. An actor sends only while fewer than ``max_in_flight`` of its
+trajectories since its last welcome are uncredited.
 
 The SUBs are read at each heartbeat, not polled: the bench's learner publishes one version, before any actor
 joins, so they carry nothing after the snapshot that follows each welcome on control; polling them would only
@@ -28,15 +29,14 @@ import numpy as np
 import zmq
 
 from zddrl import protocol as P
+from zddrl.actor.host import TRAJECTORY_SNDHWM, ActorTimers
 from zddrl.bench import common as C
+from zddrl.config import AlgoConfig
 from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S
-from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, PARAMS_RCVHWM, hello_fields
 
 T_STEPS, N_ENVS, OBS_DIM = 32, 4, 4
 """A CartPole rollout: 32 steps of 4 envs, 4 observation floats (about 5 KiB of arrays)."""
-PUSH_SNDHWM = 4
-"""What `zddrl actor` sets on its PUSH (actor/host.py). With the run's max_in_flight (2) as the HWM, libzmq's lagged
-view of what its I/O thread took refused about one send in two."""
 SOCKETS_PER_ACTOR = 3
 """Control DEALER, params SUB, trajectories PUSH."""
 FDS_PER_SOCKET = 2
@@ -121,7 +121,8 @@ class SimActor:
         self.queued = False
         """In its worker's queue of actors that may send."""
         self.retry_s = RETRY_S
-        self.stats_mark = (time.monotonic(), 0)
+        self.timers = ActorTimers()
+        """What `zddrl actor` reports from: this actor's steps and rollouts, nothing waited or sent."""
 
     @property
     def ready(self) -> bool:
@@ -151,18 +152,12 @@ class SimActor:
             ep_lengths=[21],
         )
 
-    def stats(self, now: float) -> P.Stats:
-        """The stats map `zddrl actor` sends every STATS_EVERY_S (actor/host.py ``_report``): the same keys, the
-        figures of a healthy actor, a first-observation hash of its own."""
-        steps = self.seq * T_STEPS * N_ENVS
-        since, steps0 = self.stats_mark
-        self.stats_mark = (now, steps)
+    def stats(self) -> P.Stats:
+        """The stats map `zddrl actor` sends every STATS_EVERY_S (actor/host.py ``_report``): its timers' figures
+        (``ActorTimers.stats``), those of a healthy actor, a first-observation hash of its own."""
+        self.timers.env_steps, self.timers.rollouts = self.seq * T_STEPS * N_ENVS, self.seq
         figures = {
-            "env_steps": steps,
-            "sps": (steps - steps0) / max(now - since, 1e-9),
-            "rollouts": self.seq,
-            **dict.fromkeys(("nonfinite_episodes", "refused_versions", "refused_runs"), 0),
-            **dict.fromkeys(("wait_params_s", "backpressure_s", "send_s", "comm_share", "wait_share"), 0.0),
+            **self.timers.stats(),
             "num_envs": N_ENVS,
             "run_id": self.run_id,
             "policy_version": self.version,
@@ -208,8 +203,6 @@ class SimWorker:
         self.blocked: list[tuple[float, int, SimActor]] = []
         """A heap of actors whose PUSH refused a message: (when it may try again, actor id, actor)."""
         arrays = cartpole_arrays(first_id)
-        from zddrl.transport.link import hello_fields
-
         pid = hello_fields()["pid"]
         self.actors = [
             SimActor(i, P.Hello(role="actor", peer_id=f"sim-{i}", host=host, pid=pid, num_envs=N_ENVS), arrays)
@@ -227,7 +220,7 @@ class SimWorker:
         """The zmq.proxy path: no broker, no control plane, no credit: a PUSH to the forwarder, bounded by its HWM."""
         actor.push = self.ctx.socket(zmq.PUSH)
         actor.push.setsockopt(zmq.LINGER, 0)
-        actor.push.setsockopt(zmq.SNDHWM, PUSH_SNDHWM)
+        actor.push.setsockopt(zmq.SNDHWM, TRAJECTORY_SNDHWM)
         actor.push.connect(self.endpoint)
         actor.run_id, actor.version, actor.param_hash = "bench-fleet-proxy", 0, "0" * 16
         actor.max_in_flight = 1 << 62
@@ -276,7 +269,7 @@ class SimWorker:
         actor.run_id = msg.run_id
         actor.sent = actor.credited = 0  # a new session: what the old one had in flight is gone
         if msg.run is not None:
-            actor.max_in_flight = int(msg.run.get("algo", {}).get("max_in_flight", 2))
+            actor.max_in_flight = int(msg.run.get("algo", {}).get("max_in_flight", AlgoConfig.max_in_flight))
             self._connect_data(actor, msg.ports)
         if actor.ready != was_ready:
             self.counts[S["ready"]] += 1 if actor.ready else -1
@@ -288,14 +281,14 @@ class SimWorker:
                 actor.push.close(linger=0)
             actor.push = self.ctx.socket(zmq.PUSH)
             actor.push.setsockopt(zmq.LINGER, 0)
-            actor.push.setsockopt(zmq.SNDHWM, PUSH_SNDHWM)
+            actor.push.setsockopt(zmq.SNDHWM, TRAJECTORY_SNDHWM)
             actor.push.connect(f"{self.connect_host}:{ports['trajectories']}")
         if actor.sub is None or ports["params"] != actor.ports.get("params"):
             if actor.sub is not None:
                 actor.sub.close(linger=0)
             actor.sub = self.ctx.socket(zmq.SUB)
             actor.sub.setsockopt(zmq.LINGER, 0)
-            actor.sub.setsockopt(zmq.RCVHWM, 64)
+            actor.sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
             actor.sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
             actor.sub.connect(f"{self.connect_host}:{ports['params']}")
         actor.ports = dict(ports)
@@ -389,7 +382,7 @@ class SimWorker:
             beat = P.Heartbeat(peer_id=actor.peer_id, policy_version=actor.version)
             self._send_control(actor, beat, "heartbeat_out", now)
             if self.stats and actor.ready and actor.control is not None:
-                self._send_control(actor, actor.stats(now), "stats_out", now)
+                self._send_control(actor, actor.stats(), "stats_out", now)
             self._schedule(actor, k, now + actor.interval)
 
     # ---------------------------------------------------------------- trajectories
@@ -476,9 +469,7 @@ def worker_main(
 ) -> None:
     """A worker process: ``count`` actors ``sim-<first_id>...`` reporting host ``sim-<worker>`` (``proxy``: pushing
     to a zmq.proxy frontend at ``control``, see SimWorker)."""
-    from zddrl.bench.common import _setup
-
-    _setup(f"bench-fleet-sim-{worker}")
+    C.setup_worker(f"bench-fleet-sim-{worker}")
     raise_nofile(worker_fds(count), f"a fleet worker with {count} actors")
     ctx = zmq.Context(io_threads=1)
     ctx.setsockopt(zmq.MAX_SOCKETS, count * SOCKETS_PER_ACTOR + FD_MARGIN)  # ZeroMQ's default is 1023 sockets

@@ -1,1 +1,0 @@
-"""Learner shards: the torch.distributed group (``shards``) and the device plan and launcher (``launch``)."""

@@ -1,0 +1,1 @@
+"""Learner shards: the torch.distributed group (``group``) and the device plan and launcher (``launch``)."""
