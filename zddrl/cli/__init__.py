@@ -165,18 +165,33 @@ def relay_credentials(config):
     help="Benchmark knob: every env step sleeps this long first, as a remote or slow simulator would.",
 )
 @click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
+@click.option(
+    "--procs",
+    default="1",
+    show_default=True,
+    envvar="ZDDRL_PROCS",
+    help="Actor processes: N, or 'auto' (one per core), ids --actor-id, --actor-id + 1, ...; one signal stops all.",
+)
 @allow_code_option("on this host")
 @keys_option
 @key_option
-def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name) -> None:
+def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, procs, allow_code, keys_dir, key_name) -> None:
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
     from zddrl.envs import SlowEnvs
+    from zddrl.ops.actor_procs import child_args, process_count, run_actor_processes
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
+    try:
+        count = process_count(procs)
+    except ValueError:
+        raise click.UsageError(f"--procs takes a count >= 1 or 'auto', got {procs!r}") from None
     allowed = allowed_code(allow_code)
     creds = credentials_of(keys_dir, "actor", key_name)
+    if count > 1:
+        args = child_args(connect, envs, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name)
+        raise SystemExit(run_actor_processes(args, actor_id, count, stop_on_signals()))
     try:
         ActorHost(
             connect,
