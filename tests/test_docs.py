@@ -65,4 +65,5 @@ def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     test_cmd = re.search(r"^(python3 -m venv .venv && .+pytest.*)$", readme, re.M)
     assert test_cmd and test_cmd.group(1) in ci
-    assert re.search(r"^python3 -m venv .venv && .+zddrl train examples/cartpole_ppo.toml$", readme, re.M)
+    main_job = re.search(r"^python3 -m venv .venv && .+zddrl train examples/cartpole_ppo.toml$", readme, re.M)
+    assert main_job and "grep -m1 '^python3 -m venv .venv && .*zddrl train examples/cartpole_ppo.toml$' README.md" in ci

@@ -133,3 +133,13 @@ def test_an_algorithms_own_figures_become_columns_and_scalars_and_undeclared_one
     assert len(named) == 1 and "'mine:ALGORITHM'" in named[0] and "not declared" in named[0]
     scalars = _read(tmp_path / "run" / "tb").Tags()["scalars"]  # skips here without tensorboard
     assert "perf/grad_variance" in scalars and not any("mystery" in tag for tag in scalars)
+
+
+def test_zddrl_train_says_on_the_console_how_to_watch_the_run_or_get_tensorboard(monkeypatch, tmp_path: Path) -> None:
+    import importlib.util
+
+    from zddrl.ops import train
+
+    assert train.tensorboard_hint(tmp_path) == f"TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert "pip install 'zddrl[tensorboard]'" in train.tensorboard_hint(tmp_path)

@@ -15,6 +15,7 @@ runs too and keeps the buffer across such restarts (its state under ``RUN_DIR/re
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -38,6 +39,8 @@ from zddrl.config import Config, TrainConfig, to_toml
 from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
+from zddrl.learner.tensorboard import INSTALL_HINT as TB_INSTALL_HINT
+from zddrl.learner.tensorboard import TB_DIR
 from zddrl.ops.restart import (
     RestartBudget,
     describe_restart,
@@ -266,6 +269,7 @@ def run_training(
         bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
                     f"(logs in {log_dir})")  # fmt: skip
+        logger.info(tensorboard_hint(run_dir))
         learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
     except KeyboardInterrupt:
         interrupted = True
@@ -279,6 +283,14 @@ def run_training(
         click.echo(interrupted_message(run_dir), err=True)
         raise click.exceptions.Exit(130)  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
     return _summary(learner, run_dir, t0, budget.used)
+
+
+def tensorboard_hint(run_dir: Path) -> str:
+    """How to watch the run in TensorBoard, or how to get it: on the console, where the user looks first (the
+    learner's own line about it goes to its log)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        return f"no TensorBoard events for this run: {TB_INSTALL_HINT} (metrics.csv and `zddrl plot` work without)"
+    return f"TensorBoard: tensorboard --logdir {run_dir / TB_DIR}"
 
 
 def _learner_args(run_dir: Path, connect: str, keys: list[str], replay_port: int) -> list[str]:
