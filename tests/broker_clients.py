@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.config import BrokerConfig, Config, run_kind
+from zddrl.keys import new_key
 from zddrl.ops.status import request_status
 
 WAIT_S = 10.0
@@ -206,3 +208,30 @@ class ProfiledBroker(BrokerHandle):
 def recv_control(sock: zmq.Socket, timeout_ms: int = int(WAIT_S * 1000)) -> P.Message:
     assert sock.poll(timeout_ms), "no message from the broker"
     return P.decode(sock.recv_multipart())
+
+
+def relay_key_dirs(
+    root: Path, where: Path, relay: str = "r", broker: str = "edge", actor: str = "a"
+) -> tuple[Path, Path]:
+    """The key directories of a relay host and of one of its actor hosts, laid out as docs/security.md says, under
+    ``where``: the relay's holds its own broker pair ``broker``, the root's public key (the only broker key of
+    ``root``), its relay key ``relay`` (whose public file the root gets), its actors' public key and the learners'
+    pins; the actor host's holds the relay's broker public key, its own key ``actor`` and the pins. Nothing
+    secret leaves the directory it was made in. Returns (relay's directory, actor host's directory)."""
+    relay_dir, actor_dir = where / "relay-keys", where / "actor-keys"
+    new_key(relay_dir, "broker", broker)
+    (root_public,) = (root / "broker").glob("*.key")
+    shutil.copy(root_public, relay_dir / "broker")
+    new_key(relay_dir, "relay", relay)
+    (root / "relays").mkdir(exist_ok=True)
+    shutil.copy(relay_dir / "relays" / f"{relay}.key", root / "relays")
+    new_key(actor_dir, "actor", actor)
+    (relay_dir / "actors").mkdir(exist_ok=True)
+    shutil.copy(actor_dir / "actors" / f"{actor}.key", relay_dir / "actors")
+    (actor_dir / "broker").mkdir()
+    shutil.copy(relay_dir / "broker" / f"{broker}.key", actor_dir / "broker")
+    for host in (relay_dir, actor_dir):
+        (host / "learners").mkdir(exist_ok=True)
+        for pin in (root / "learners").glob("*.sign.pub"):
+            shutil.copy(pin, host / "learners")
+    return relay_dir, actor_dir

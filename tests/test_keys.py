@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from broker_clients import cli
+from broker_clients import cli, relay_key_dirs
 from zddrl import keys as K
 
 
@@ -65,6 +65,26 @@ def test_a_client_takes_its_own_secret_and_the_brokers_public_key(root: Path) ->
     assert creds.signer is not None and creds.signer[0] == "l" and set(creds.pins) == {"l"}
 
 
+def test_a_relay_serves_with_its_own_pair_and_joins_with_the_upstreams_public_key(root: Path, tmp_path: Path) -> None:
+    relay_dir, _ = relay_key_dirs(root, tmp_path / "hosts")
+    assert not (relay_dir / "broker" / "b.key_secret").exists()
+    own = K.server_keys(relay_dir)  # the only broker secret there...
+    assert own.name == "edge" and K.server_keys(relay_dir, "edge").public == own.public  # ...or chosen by name
+    with pytest.raises(K.KeysError, match="missing"):
+        K.server_keys(relay_dir, "b")  # the root's public key only: no secret of it here
+    creds = K.relay_credentials(relay_dir, "edge")
+    assert creds.client.role == "relay" and creds.client.name == "r" and set(creds.pins) == {"l"}
+    assert creds.client.server == zmq.auth.load_certificate(str(root / "broker" / "b.key"))[0] != own.public
+    with pytest.raises(K.KeysError, match="choose one with --key NAME"):
+        K.client_keys(relay_dir, "relay")  # as a plain client it could not tell which broker it joins
+    K.new_key(tmp_path / "other", "broker", "other")
+    (relay_dir / "broker" / "other.key").write_bytes((tmp_path / "other" / "broker" / "other.key").read_bytes())
+    with pytest.raises(K.KeysError, match=r"other broker keys there: 2 \(b.key, other.key\)"):
+        K.relay_credentials(relay_dir)
+    with pytest.raises(K.KeysError, match="other broker keys there: none"):
+        K.relay_credentials(root)  # the root's own directory: serving with it would be holding the root's secret
+
+
 def test_a_signature_fails_on_any_change_and_any_other_signer(root: Path, tmp_path: Path) -> None:
     name, key = K.signing_key(root)
     pins = K.pinned_learners(root)
@@ -92,6 +112,8 @@ def test_the_keys_commands(tmp_path: Path) -> None:
     assert "l0.key_secret  (secret" in made.stdout and "l0.sign.pub  (public)" in made.stdout
     again = cli("keys", "new", "learner", "l0", "--keys", str(tmp_path))
     assert again.returncode == 2 and "never overwritten" in again.stderr
+    no_keys = cli("broker", "--key", "edge")
+    assert no_keys.returncode == 2 and "--key names a broker key in --keys" in no_keys.stderr, no_keys.stderr
     listed = cli("keys", "list", "--keys", str(tmp_path), "--json")
     assert [(k["role"], k["name"], k["secret"], k["signing"]) for k in json.loads(listed.stdout)] == [
         ("learner", "l0", True, True)

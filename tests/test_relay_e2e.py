@@ -4,20 +4,28 @@ Real `zddrl` processes on a short-heartbeat profile. Sync PPO trains CartPole th
 fleet names both relayed actors, so every round waits for both); the root's status shows the subtree with the
 accounting invariant per broker. Then relay A gets kill -9: its actor (started with ``--connect A,B``) moves to
 relay B, the root forgets A's subtree, training goes on, and every broker still accounts for all it read.
+
+On a closed tree, `zddrl broker --upstream ROOT --keys DIR --key NAME` starts with DIR laid out as docs/security.md
+says (its own broker pair, the root's public key, its relay key), never the root's secret.
 """
 
 from __future__ import annotations
 
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
-from broker_clients import ProfiledBroker
-from conftest import Procs, wait_for
+from broker_clients import ProfiledBroker, cli, learner_hello, parameters, relay_key_dirs, run_spec, trajectory
+from conftest import Bus, Procs, wait_for
 from test_train import CARTPOLE, metrics
+from zddrl import protocol as P
+from zddrl.keys import credentials, new_key
 from zddrl.ops.status import request_status
+from zddrl.transport.signatures import signed_hello, signed_params
 
 pytestmark = pytest.mark.slow
 
@@ -30,15 +38,15 @@ MORE_UPDATES = 5
 """Updates the run must make after relay A was killed."""
 
 
-def node(tmp_path: Path, name: str, **settings: object) -> tuple[Procs, ProfiledBroker]:
+def node(tmp_path: Path, name: str, *options: str, **settings: object) -> tuple[Procs, ProfiledBroker]:
     folder = tmp_path / name
     folder.mkdir()
     procs = Procs(folder)
-    return procs, ProfiledBroker(procs, folder, **HEARTBEAT, **settings).start()
+    return procs, ProfiledBroker(procs, folder, **HEARTBEAT, **settings).start(*options)
 
 
-def status(connect: str) -> dict:
-    body = request_status(connect, 2.0)
+def status(connect: str, creds: object = None) -> dict:
+    body = request_status(connect, 2.0, credentials=creds)  # type: ignore[arg-type]
     assert body is not None, f"no status from {connect}"
     return body
 
@@ -103,3 +111,54 @@ def test_actors_train_through_two_relays_and_move_when_one_is_killed(procs: Proc
         a_procs.stop_all()
         b_procs.stop_all()
         root_procs.stop_all()
+
+
+def test_a_closed_relay_serves_with_its_own_key_and_holds_only_the_roots_public_key(tmp_path: Path, bus: Bus) -> None:
+    """The relay's --keys holds its own broker pair, the root's public key and its relay key (docs/security.md,
+    "Relays"): it starts with --key choosing its pair, joins the root, and a signed version and a trajectory go
+    through it. A relay directory with no upstream key (the old layout: the root's own pair) is refused in one line."""
+    keys = tmp_path / "keys"
+    for role, name in [("broker", "root"), ("learner", "l"), ("monitor", "m")]:
+        new_key(keys, role, name)
+    relay_keys, actor_keys = relay_key_dirs(keys, tmp_path, broker="edge")
+    assert sorted(p.name for p in (relay_keys / "broker").iterdir()) == ["edge.key", "edge.key_secret", "root.key"]
+    root_procs, root = node(tmp_path, "root", "--keys", str(keys))
+    relay_procs, relay = node(
+        tmp_path, "relay", "--keys", str(relay_keys), "--key", "edge", upstream=root.connect
+    )  # fmt: skip
+    try:
+        learner = credentials(keys, "learner", "l")
+        assert learner.signer is not None
+        shard = bus.link(
+            root.connect,
+            signed_hello(learner_hello("learner-0", "run-k", run_spec()), learner.signer),
+            credentials=learner,
+        )
+        assert shard.wait_welcome(10) is not None
+        data = bus.socket(zmq.DEALER, identity=shard.data_identity, rcvhwm=0)
+        learner.apply(data)
+        data.connect(shard.endpoint("learners"))
+        data.send_multipart(P.encode(signed_params(parameters("run-k", 0), learner.signer)))
+        data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=4)))
+        actor_creds = credentials(actor_keys, "actor", "a")
+        actor = bus.link(relay.connect, P.Hello(role="actor", peer_id="actor-0", num_envs=1), credentials=actor_creds)
+        params = actor.wait_params(-1, 20)
+        assert params is not None and params.signer == "l", "a signed version from the root, through the relay"
+        push = bus.socket(zmq.PUSH)
+        actor_creds.apply(push)
+        push.connect(actor.endpoint("trajectories"))
+        push.send_multipart(P.encode(trajectory("run-k", "actor-0", 0)))
+        assert data.poll(10_000), "the relayed trajectory reached the learner"
+        got = P.decode(data.recv_multipart())
+        assert isinstance(got, P.Trajectory) and got.peer_id == "actor-0"
+        row = status(root.connect, credentials(keys, "monitor", "m"))["members"]["actor-0"]
+        assert row["relay"].startswith("relay-")
+    finally:
+        relay_procs.stop_all()
+        root_procs.stop_all()
+    old_layout = tmp_path / "old-layout"  # the root's pair copied to the relay host, as once needed
+    shutil.copytree(keys / "broker", old_layout / "broker")
+    shutil.copytree(relay_keys / "relays", old_layout / "relays")
+    refused = cli("broker", "--upstream", root.connect, "--keys", str(old_layout), "--bind", "tcp://127.0.0.1:*")
+    assert refused.returncode == 2, refused.stderr
+    assert "upstream's public key" in refused.stderr and "never its secret" in refused.stderr, refused.stderr

@@ -206,6 +206,15 @@ class TrainConfig:
     """Env steps between the learner's deterministic evaluations (0: none)."""
     eval_episodes: int = 10
     """Episodes per evaluation, one per env, each env seeded from ``env.seed + 1_000_000`` on."""
+    confirm_target: bool = True
+    """With ``target_kind = "train"``: a training return that reaches ``until_return`` ends the run only once the
+    learner's own evaluation (``eval_episodes`` deterministic episodes with the current network) reaches it too, so
+    that no actor's rewards alone can end a run; retried while the training return stays there, at most 10 % of
+    the learner's time. false: the training return alone (a fleet you fully trust)."""
+    max_actor_envs: int = 0
+    """Most envs the learner counts one actor with, whatever its hello claims (never fewer than ``env.num_envs``;
+    0: 16 x ``env.num_envs``): a rollout of more than 2 x the asked length times this many steps is refused. Sync
+    rollouts are sized from the env columns actors have actually delivered, never from claims."""
     checkpoint_replay: bool = False
     """apex/sac: checkpoints hold the replay buffer too (``--resume`` restores it)."""
     max_steps: int = 1_000_000
@@ -258,6 +267,7 @@ class TrainConfig:
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
         _require(self.target_kind in TARGET_KINDS, f"train.target_kind must be one of {TARGET_KINDS}")
         _require(self.eval_every >= 0 and self.eval_episodes >= 1, "train.eval_every >= 0, train.eval_episodes >= 1")
+        _require(self.max_actor_envs >= 0, "train.max_actor_envs must be >= 0 (0: 16 x env.num_envs)")
         _require(
             self.target_kind != "eval" or self.eval_every > 0,
             "train.target_kind = 'eval' needs train.eval_every > 0 (the evaluations are the target)",

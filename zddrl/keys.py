@@ -19,7 +19,8 @@ directory (docs/security.md)::
                                     pair serves their own socket, where only learner keys are admitted
 
 A public file in a role's folder is that role's allow-list at the broker; a host holds the secret files of
-its own keys only.
+its own keys only. A relay's directory holds two keys in ``broker/``: its own pair (its actors hold the public
+file) and its upstream's public key, never the upstream's secret (``relay_credentials``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ class ServerKeys:
     public: bytes
     secret: bytes = field(repr=False)
     allowed: dict[bytes, tuple[str, str]] = field(default_factory=dict)
+    name: str = ""
+    """The pair's name in ``broker/``."""
 
 
 @dataclass(frozen=True)
@@ -236,22 +239,26 @@ def public_key(root: Path | str, role: str, name: str | None = None) -> bytes:
     return public
 
 
-def client_keys(root: Path | str, role: str, name: str | None = None) -> ClientKeys:
-    """This host's keys as a client of ``role`` (its secret must be here) and the broker's public key."""
+def client_keys(root: Path | str, role: str, name: str | None = None, server: bytes | None = None) -> ClientKeys:
+    """This host's keys as a client of ``role`` (its secret must be here) and the broker's public key (``server``,
+    or the only one in ``broker/``)."""
     secret_path = _only(root, role, name, SECRET)
     public, secret = _load(secret_path)
     if secret is None:
         raise KeysError(f"{secret_path} holds no secret key")
-    server, _ = _load(_only(root, "broker", None, PUBLIC))
+    if server is None:
+        server, _ = _load(_only(root, "broker", None, PUBLIC))
     return ClientKeys(role, secret_path.name[: -len(SECRET)], public, secret, server)
 
 
-def server_keys(root: Path | str) -> ServerKeys:
-    """The broker's pair and every client's public key, each with its role and name. A public key listed
-    under two roles (or twice) is an error: a member's role must follow from its key alone."""
-    public, secret = _load(_only(root, "broker", None, SECRET))
+def server_keys(root: Path | str, name: str | None = None) -> ServerKeys:
+    """The broker's pair (``broker/NAME``, or the only broker secret there) and every client's public key, each
+    with its role and name. A public key listed under two roles (or twice) is an error: a member's role must
+    follow from its key alone."""
+    path = _only(root, "broker", name, SECRET)
+    public, secret = _load(path)
     if secret is None:
-        raise KeysError(f"{folder(root, 'broker')} holds no broker secret key")
+        raise KeysError(f"{path} holds no broker secret key")
     allowed: dict[bytes, tuple[str, str]] = {}
     for info in list_keys(root):
         if info.role == "broker":
@@ -260,7 +267,28 @@ def server_keys(root: Path | str) -> ServerKeys:
         if key in allowed:
             raise KeysError(f"one public key is listed as {allowed[key]} and as {(info.role, info.name)}")
         allowed[key] = (info.role, info.name)
-    return ServerKeys(public, secret, allowed)
+    return ServerKeys(public, secret, allowed, path.name[: -len(SECRET)])
+
+
+def relay_credentials(root: Path | str, name: str | None = None) -> Credentials:
+    """A relay's credentials towards its upstream: its relay key (the only secret in ``relays/``) and the
+    upstream's public key, which is the one broker public key in ``broker/`` besides the relay's own pair
+    (``broker/NAME``, or the only broker secret there). A directory whose ``broker/`` holds no other broker key
+    would make the relay serve its actors with its upstream's own secret: refused (docs/security.md, "Relays")."""
+    own = server_keys(root, name)
+    where = folder(root, "broker")
+    others = [p for p in sorted(where.glob(f"*{PUBLIC}")) if p.name != f"{own.name}{PUBLIC}"]
+    if len(others) != 1:
+        found = f"{len(others)} ({', '.join(p.name for p in others)})" if others else "none"
+        raise KeysError(
+            f"a relay's {where} holds its own broker pair ({own.name}, its actors hold the public file) and its "
+            f"upstream's public key; other broker keys there: {found}. Make the relay a pair of its own (zddrl keys "
+            "new broker NAME in its directory) and copy the upstream's broker/NAME.key beside it, never its secret"
+        )
+    upstream, _ = _load(others[0])
+    if upstream == own.public:
+        raise KeysError(f"{others[0]} is this relay's own broker key: a relay serves with a pair of its own")
+    return Credentials(client_keys(root, "relay", None, upstream), pinned_learners(root))
 
 
 def signing_key(root: Path | str, name: str | None = None) -> tuple[str, Ed25519PrivateKey]:

@@ -3,6 +3,9 @@ optimizer step a poisoned batch can no longer take (LearnerCore.step_optimizer).
 
 from __future__ import annotations
 
+import math
+
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -13,7 +16,7 @@ from zddrl import protocol as P
 from zddrl.algos.ppo.learner import PPOLearner
 from zddrl.algos.rollout import mismatch, truncations
 from zddrl.config import Config
-from zddrl.envs import EnvSpec
+from zddrl.envs import EnvSpec, env_spec, probe_spec
 
 CARTPOLE = EnvSpec((3,), True, 2)  # traj_arrays' observations have 3 numbers, its actions are 0/1
 BOX = EnvSpec((3,), False, 2, action_low=(-1.0, -1.0), action_high=(1.0, 1.0))
@@ -61,6 +64,51 @@ F32 = np.float32
 )
 def test_what_a_run_cannot_train_on_is_named(arrays: dict, spec: EnvSpec, why: str) -> None:
     assert why in mismatch(arrays, spec)
+
+
+RANGED = EnvSpec((3,), True, 2, reward_low=-1.0, reward_high=1.0)  # an env that declares rewards in [-1, 1]
+
+
+def test_rewards_outside_the_envs_declared_range_are_refused() -> None:
+    """Issue 28: the learner never bounded rewards by the env's own range, so one actor's 1e4-reward steps counted."""
+    assert mismatch(with_(), RANGED) == "" == mismatch(with_(rewards=np.array([[-1, 1], [0, 0.5]], F32)), RANGED)
+    assert "declared reward range [-1, 1] (1 .. 10000)" in mismatch(
+        with_(rewards=np.array([[1, 1e4], [1, 1]], F32)), RANGED
+    )
+    assert "declared reward range" in mismatch(with_(rewards=np.array([[-1.01, 0], [0, 0]], F32)), RANGED)
+    assert mismatch(with_(rewards=np.array([[1e4, 1], [1, 1]], F32)), CARTPOLE) == ""  # none declared: +-1e9 only
+    assert "non-finite values in 'rewards'" in mismatch(with_(rewards=np.array([[np.nan, 0], [0, 0]], F32)), RANGED)
+    one_sided = EnvSpec((3,), True, 2, reward_high=0.0)  # a cost env: rewards <= 0, no lower bound
+    assert mismatch(with_(rewards=np.full((2, 2), -1e6, F32)), one_sided) == ""
+    assert "declared reward range [-inf, 0]" in mismatch(with_(), one_sided)
+    tenth = EnvSpec((3,), True, 2, reward_low=0.0, reward_high=0.1)  # float32(0.1) is a hair above 0.1: allowed
+    assert mismatch(with_(rewards=np.full((2, 2), 0.1, F32)), tenth) == ""
+
+
+class _Declares(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, reward_range: object = None) -> None:
+        if reward_range is not None:
+            self.reward_range = reward_range
+
+
+@pytest.mark.parametrize(
+    "declared,expected",
+    [
+        ((-1, 1), (-1.0, 1.0)),
+        ((-math.inf, 0.0), (-math.inf, 0.0)),
+        (None, (-math.inf, math.inf)),  # gymnasium 1.x envs declare none
+        ((-math.inf, math.inf), (-math.inf, math.inf)),  # gymnasium 0.x's default: none either
+        ((1, -1), (-math.inf, math.inf)),  # not a range
+        ("bad", (-math.inf, math.inf)),
+    ],
+)
+def test_the_spec_reads_the_reward_range_the_env_declares(declared: object, expected: tuple) -> None:
+    spec = env_spec(gym.wrappers.TimeLimit(_Declares(declared), 10))  # read through the wrappers
+    assert (spec.reward_low, spec.reward_high) == expected
+    assert (probe_spec("CartPole-v1").reward_low, probe_spec("CartPole-v1").reward_high) == (-math.inf, math.inf)
 
 
 def test_impala_needs_the_runs_rollout_length() -> None:

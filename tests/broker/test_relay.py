@@ -17,13 +17,23 @@ from pathlib import Path
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, Pusher, Shard, collect, learner_hello, parameters, run_spec, trajectory
+from broker_clients import (
+    WAIT_S,
+    Pusher,
+    Shard,
+    collect,
+    learner_hello,
+    parameters,
+    relay_key_dirs,
+    run_spec,
+    trajectory,
+)
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.broker.relay import Relay, RelayRefused
 from zddrl.config import BrokerConfig
-from zddrl.keys import credentials, new_key
+from zddrl.keys import credentials, new_key, relay_credentials
 from zddrl.ops.status import format_status
 from zddrl.transport.signatures import signed_hello, signed_params
 
@@ -190,17 +200,24 @@ def test_a_relay_refuses_learners_and_the_root_refuses_a_relayed_id_held_by_a_di
 
 
 def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(bus: Bus, tmp_path: Path) -> None:
-    """Keys everywhere: the relay joins with a relay key, checks the run's and each version's signature, and its
-    actors train through it; the relay's key cannot push for an actor joined directly to the root (forged_sender)
-    nor for one nobody reported (unknown_sender)."""
+    """Keys everywhere, laid out as docs/security.md says: the relay serves its actors with a broker pair of its
+    own and joins the root with its relay key and the root's public key (never its secret); it checks the run's
+    and each version's signature, and its actors train through it; the relay's key cannot push for an actor joined
+    directly to the root (forged_sender) nor for one nobody reported (unknown_sender)."""
     keys = tmp_path / "keys"
-    for role, name in [("broker", "b"), ("learner", "l"), ("actor", "a"), ("actor", "d"), ("relay", "r")]:
+    for role, name in [("broker", "b"), ("learner", "l"), ("actor", "d")]:
         new_key(keys, role, name)
-    closed = {"keys": str(keys), **FAST}
+    relay_keys, actor_keys_dir = relay_key_dirs(keys, tmp_path)
+    assert not (relay_keys / "broker" / "b.key_secret").exists()
     with nodes() as start:
-        root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", **closed)))  # type: ignore[arg-type]
-        relay_cfg = BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root.connect, **closed)  # type: ignore[arg-type]
-        relay = start(Relay(relay_cfg, credentials=credentials(keys, "relay", "r")))
+        root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", keys=str(keys), **FAST)))  # type: ignore[arg-type]
+        relay_cfg = BrokerConfig(
+            bind="tcp://127.0.0.1:*",
+            upstream=root.connect,
+            keys=str(relay_keys),
+            **FAST,  # type: ignore[arg-type]
+        )
+        relay = start(Relay(relay_cfg, credentials=relay_credentials(relay_keys)))
         learner = credentials(keys, "learner", "l")
         assert learner.signer is not None
         hello = signed_hello(learner_hello("learner-0", "run-k", run_spec()), learner.signer)
@@ -212,7 +229,7 @@ def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(b
         data.send_multipart(P.encode(signed_params(parameters("run-k", 0), learner.signer)))
         data.send_multipart(P.encode(P.Credit(peer_id="learner-0", credit=16)))
 
-        actor_keys = credentials(keys, "actor", "a")
+        actor_keys = credentials(actor_keys_dir, "actor", "a")
         actor = bus.link(relay.connect, P.Hello(role="actor", peer_id="actor-0", num_envs=1), credentials=actor_keys)
         params = actor.wait_params(-1, WAIT_S)
         assert params is not None and params.signer == "l", "a signed version, verified by the actor, via the relay"
@@ -229,7 +246,7 @@ def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(b
         )
         assert direct.wait_welcome(WAIT_S) is not None
         forger = bus.socket(zmq.PUSH)  # the relay's key, straight to the root, naming others
-        credentials(keys, "relay", "r").apply(forger)
+        relay_credentials(relay_keys).apply(forger)
         forger.connect(f"tcp://127.0.0.1:{root.broker.ports['trajectories']}")
         forger.send_multipart(P.encode(trajectory("run-k", "actor-d", 0)))
         forger.send_multipart(P.encode(trajectory("run-k", "actor-nobody", 0)))

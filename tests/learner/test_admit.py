@@ -14,7 +14,7 @@ from loguru import logger
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl.config import Config
-from zddrl.learner.admit import ROLLOUT_SLACK, AskedLengths, envs_of, refusal
+from zddrl.learner.admit import ROLLOUT_SLACK, AskedLengths, envs_bound, envs_of, refusal
 from zddrl.learner.node import LearnerNode
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds
@@ -34,9 +34,21 @@ def test_refusal_bounds_steps_per_env_and_in_all_by_what_was_asked() -> None:
 
 def test_an_actors_envs_come_from_the_fleet_message() -> None:
     fleet = (1, {"a": {"num_envs": 16, "host": "h"}, "b": {"num_envs": 0, "host": "h"}})
-    assert envs_of("a", fleet, 4) == 16 and envs_of("b", fleet, 4) == 4
-    assert envs_of("new", fleet, 4) == 16  # not announced yet: the most any listed actor has
-    assert envs_of("new", None, 4) == 4
+    assert envs_of("a", fleet, 4, 64) == 16 and envs_of("b", fleet, 4, 64) == 4
+    assert envs_of("new", fleet, 4, 64) == 16  # not announced yet: the most any listed actor has
+    assert envs_of("new", None, 4, 64) == 4
+
+
+def test_a_claimed_env_count_is_bounded_by_the_run() -> None:
+    """Issue 28: "a hello with num_envs = 1048576, then one 262k-step rollout" was admitted: the bound came from the
+    sender's own claim. Now the claim counts at most ``train.max_actor_envs`` (0: 16 x env.num_envs)."""
+    huge = (1, {"thief": {"num_envs": 1 << 20, "host": "h"}})
+    assert envs_bound(Config()) == 64 and envs_of("thief", huge, 4, 64) == 64
+    assert envs_of("new", huge, 4, 64) == 64  # an actor not listed yet borrows no more than the bound either
+    assert envs_bound(Config().replace({"train.max_actor_envs": 512})) == 512
+    assert envs_bound(Config().replace({"train.max_actor_envs": 2, "env.num_envs": 8})) == 8  # never below the run's
+    assert "over 2 x the 32 x 64" in refusal((1, BIG), 0, 0, 32, envs_of("thief", huge, 4, 64))
+    assert refusal((1, 2 * 32 * 64), 0, 0, 32, 64) == ""  # 4,096 steps: what the bound allows, not 262k
 
 
 def test_the_bound_is_the_longest_length_of_the_latest_versions() -> None:
@@ -70,6 +82,7 @@ def test_a_rollout_far_bigger_than_asked_is_refused_before_it_is_read(node) -> N
     n, channel = node
     fleet, ledger = n.own.fleet, n.own.ledger
     rounds = SyncRounds(n.poller, n.config.algo, logger, fleet, ledger, lambda: fleet.refresh(n.link.fleet()))
+    rounds.report_times["b"].extend([0.001] * 3)  # a known normal round: the straggler timeout is its 50 ms floor
     channel.messages.extend([rollout_of("a", 0, 0, T=BIG, N=1), rollout_of("b", 0, 0, T=8, N=1)])
     lines: list[str] = []
     sink = logger.add(lines.append, level="WARNING", format="{message}")
@@ -82,7 +95,7 @@ def test_a_rollout_far_bigger_than_asked_is_refused_before_it_is_read(node) -> N
     assert [t.peer_id for t in got.batch] == ["b"] and elapsed < 1.0
     assert dict(ledger.progress.dropped_invalid) == {"a": 1} and ledger.env_steps() == 8
     assert any("from a (seq 0)" in line and f"a rollout of {BIG} steps per env" in line for line in lines), lines
-    assert fleet.stragglers == set()  # a refused rollout is an answer: the round did not wait for a
+    assert fleet.stragglers == {"a"}  # a refused rollout is no answer (issue 28): a missed the round
 
 
 def test_a_rollout_of_a_version_never_published_is_refused(node) -> None:
@@ -98,3 +111,13 @@ def test_the_main_shard_hands_the_asked_length_to_the_others() -> None:
     assert poller.asked_len == 8
     poller.poll(threading.Event(), {}, lambda m: True, [])
     assert poller.asked_len == 64
+
+
+def test_a_claim_of_a_million_envs_gets_no_huge_rollout_through_the_learner(node) -> None:
+    """Issue 28: "a hello with num_envs = 1048576, then one 262k-step rollout: the learner published no version for
+    18 s and grew by 716 MB". The node's own check, with the broker's fleet message listing that claim."""
+    n, _ = node
+    n.link.set_actors({"a": 1, "b": 1, "thief": 1 << 20})
+    assert "the 8 x 64 the run asked of this actor" in n._admit(rollout_of("thief", 0, 0, T=1, N=BIG))
+    assert "the 8 x 64" in n._admit(rollout_of("thief", 0, 0, T=8, N=2 * 64 + 1))
+    assert n._admit(rollout_of("thief", 0, 0, T=8, N=2 * 64)) == ""  # 1,024 steps: the most one actor may send

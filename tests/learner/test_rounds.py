@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 from loguru import logger
 
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl import protocol as P
+from zddrl.algos.rollout import mismatch
 from zddrl.config import Config
+from zddrl.envs import EnvSpec
 from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
@@ -23,14 +27,21 @@ from zddrl.shards.group import ShardGroup
 class Rig:
     """SyncRounds of a single (main) learner over a FakeLink whose fleet is ``actors``."""
 
-    def __init__(self, actors: dict[str, int], batch_size: int = 10**6, **algo) -> None:
+    def __init__(
+        self,
+        actors: dict[str, int],
+        batch_size: int = 10**6,
+        default_envs: int = 1,
+        check: Callable[[P.Trajectory], str] = lambda m: "",
+        **algo,
+    ) -> None:
         self.config = Config().replace({"algo.batch_size": batch_size, **{f"algo.{k}": v for k, v in algo.items()}})
         self.link, self.channel = FakeLink(actors), FakeChannel()
         self.lines: list[str] = []
         self.sink = logger.add(self.lines.append, level="INFO", format="{message}")
         self.ledger = Ledger(self.config, logger, time.time())
-        self.fleet = FleetPlan(1, batch_size, 8, logger)
-        poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), lambda m: "", logger)
+        self.fleet = FleetPlan(default_envs, batch_size, 8, logger)
+        poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), check, logger)
         self.rounds = SyncRounds(
             poller, self.config.algo, logger, self.fleet, self.ledger, lambda: self.fleet.refresh(self.link.fleet())
         )
@@ -76,26 +87,29 @@ def test_a_silent_actor_becomes_a_straggler_then_returns_to_the_quota(rig) -> No
 
 
 def test_rollouts_are_sized_so_that_the_fleet_makes_one_batch(rig) -> None:
-    r = rig({"a": 4, "b": 4}, batch_size=64)
+    r = rig({"a": 4, "b": 4}, batch_size=64, default_envs=4)
     r.fleet.refresh(r.link.fleet())
     assert r.fleet.rollout_len == 8  # 64 steps over 8 envs
     r.link.set_actors({"a": 4, "b": 4, "c": 8})  # an actor joins: the next rollouts are shorter
-    assert r.fleet.refresh(r.link.fleet()) and r.fleet.rollout_len == 4  # 64 steps over 16 envs
-    got = r.round(0, rollout_of("a", 0, 0, T=4, N=4), rollout_of("b", 0, 0, T=4, N=4), rollout_of("c", 0, 0, T=4, N=8))
-    assert got.actors == 3 and r.fleet.stragglers == set() and r.fleet.rollout_len == 4
+    assert r.fleet.refresh(r.link.fleet()) and r.fleet.rollout_len == 6  # c counts as env.num_envs (4) until it sends
+    assert r.fleet.publish(0) == 6
+    got = r.round(0, rollout_of("a", 0, 0, T=6, N=4), rollout_of("b", 0, 0, T=6, N=4), rollout_of("c", 0, 0, T=6, N=8))
+    assert got.actors == 3 and r.fleet.stragglers == set() and r.fleet.rollout_len == 4  # c showed 8: 64 over 16
     r.link.set_actors({"a": 4, "b": 4})  # c leaves
     r.fleet.refresh(r.link.fleet())
     assert r.fleet.rollout_len == 8
 
 
 def test_an_actor_that_joins_when_the_batch_is_already_full_is_a_straggler_until_it_keeps_up(rig) -> None:
-    r = rig({"a": 4, "b": 4}, batch_size=64)
+    r = rig({"a": 4, "b": 4}, batch_size=64, default_envs=4)
     r.fleet.refresh(r.link.fleet())
+    r.fleet.publish(0)  # asks 8
     r.link.set_actors({"a": 4, "b": 4, "c": 8})
     got = r.round(0, rollout_of("a", 0, 0, T=8, N=4), rollout_of("b", 0, 0, T=8, N=4))  # full before c reports
     assert got.actors == 2 and r.fleet.stragglers == {"c"} and r.fleet.rollout_len == 8  # 64 over a's and b's envs
+    r.fleet.publish(1)
     r.round(1, rollout_of("c", 0, 0, T=8, N=8), rollout_of("a", 1, 1, T=8, N=4), rollout_of("b", 1, 1, T=8, N=4))
-    assert r.fleet.stragglers == set() and r.fleet.rollout_len == 4  # c came within one version: back
+    assert r.fleet.stragglers == set() and r.fleet.rollout_len == 4  # c came within one version: back, with 8 envs
 
 
 def test_a_joining_actor_is_waited_for_in_the_round_it_joins(rig) -> None:
@@ -130,3 +144,85 @@ def test_a_consistently_slow_actor_never_sets_the_normal_round(rig) -> None:
     r.link.set_actors({"a": 1, "b": 1})  # slow leaves: its times are forgotten at the next round's start
     r.round(7, rollout_of("a", 0, 7), rollout_of("b", 0, 7))
     assert set(r.rounds.report_times) == {"a", "b"}
+
+
+def refuse(peer: str) -> Callable[[P.Trajectory], str]:
+    """A run check that refuses every rollout of ``peer`` (as ``algos.rollout.mismatch`` refuses a bad one)."""
+    return lambda m: "rewards outside the env's declared reward range" if m.peer_id == peer else ""
+
+
+def test_a_refused_rollout_is_no_answer_the_round_waits_for_its_actor(rig) -> None:
+    """Issue 28: a rollout the learner refused still counted as "reported", so one key answering every round with
+    refused data closed rounds before the others' data came ("batch_steps 0 for versions 101-454")."""
+    r = rig({"a": 1, "b": 1}, check=refuse("b"), min_round_timeout_s=0.05)
+    r.rounds.report_times["a"].extend([0.001] * 3)  # a known normal round: the straggler timeout is its 50 ms floor
+    got = r.round(3, rollout_of("b", 0, 3), rollout_of("a", 0, 3))
+    assert [t.peer_id for t in got.batch] == ["a"] and got.round_s >= 0.05  # waited for b to the timeout
+    assert r.fleet.stragglers == {"b"} and r.ledger.progress.dropped_invalid == {"b": 1}
+    # Per the straggler rules, as for an actor that sent nothing: not waited for next round, back once in time.
+    r.rounds.poller.check = lambda m: ""
+    got = r.round(4, rollout_of("b", 1, 4), rollout_of("a", 1, 4))
+    assert sorted(t.peer_id for t in got.batch) == ["a", "b"] and r.fleet.stragglers == set()
+
+
+def test_a_round_of_refused_rollouts_only_ends_by_the_timeout(rig) -> None:
+    r = rig({"a": 1}, check=refuse("a"), min_round_timeout_s=0.05)
+    r.rounds.report_times["a"].append(0.001)
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="WARNING", format="{message}")
+    try:
+        got = r.round(0, rollout_of("a", 0, 0))
+    finally:
+        logger.remove(sink)
+    assert got.batch == [] and not got.stopped and r.fleet.stragglers == {"a"}  # no deadlock: the next version comes
+    assert any("no rollout could be used" in line for line in lines), lines
+
+
+F32 = np.float32
+CLAIM = 1 << 20  # the issue's hello: num_envs = 1,048,576
+
+
+def test_a_claim_of_a_million_envs_does_not_shrink_the_rollouts_of_the_honest_fleet(rig) -> None:
+    """Issue 28: "an actor claiming 1,048,576 envs that answers every round brought rollout_len from 64 to 1". A
+    claim counts at most as one actor of the run's env.num_envs until the actor sends; then as what it sends."""
+    r = rig({"a": 4, "b": 4}, batch_size=256, default_envs=4, min_round_timeout_s=0.05)
+    r.fleet.refresh(r.link.fleet())
+    honest = r.fleet.rollout_len
+    assert honest == 32  # 256 steps over the honest 8 envs
+    r.rounds.report_times.update({peer: [0.001] for peer in ("a", "b")})
+    r.link.set_actors({"a": 4, "b": 4, "thief": CLAIM})
+    r.fleet.refresh(r.link.fleet())
+    assert r.fleet.rollout_len == 22  # ceil(256 / 12): the claim counts as 4 envs, not a million (which gave 1)
+    for v in range(5):  # it answers every round with one step of one env
+        L = r.fleet.publish(v)
+        got = r.round(
+            v, rollout_of("thief", v, v, T=1, N=1), rollout_of("a", v, v, T=L, N=4), rollout_of("b", v, v, T=L, N=4)
+        )
+        assert got.actors == 3 and r.fleet.stragglers == set()
+        assert r.fleet.rollout_len == honest  # worth 1/L of an env: ceil(256 / 8.05) = 32, the honest fleet's
+
+
+def test_a_silent_claim_of_a_million_envs_costs_one_round_at_most(rig) -> None:
+    r = rig({"a": 4, "b": 4}, batch_size=256, default_envs=4, min_round_timeout_s=0.05)
+    r.rounds.report_times.update({peer: [0.001] for peer in ("a", "b")})
+    r.link.set_actors({"a": 4, "b": 4, "thief": CLAIM})
+    r.fleet.refresh(r.link.fleet())
+    L = r.fleet.publish(0)
+    assert L == 22  # as one ordinary actor (4 envs) until it sends or misses a round
+    r.round(0, rollout_of("a", 0, 0, T=L, N=4), rollout_of("b", 0, 0, T=L, N=4))
+    assert r.fleet.stragglers == {"thief"} and r.fleet.rollout_len == 32  # missed a round: sized without it
+
+
+def test_rewards_beyond_the_declared_range_are_refused_counted_and_logged_once(rig) -> None:
+    """Issue 28: rewards outside the reward range the env declares are refused like any rollout the run cannot train
+    on: counted for the actor, one aggregated log line, and (as above) no answer in the round."""
+    ranged = EnvSpec((4,), True, 2, reward_low=-1.0, reward_high=1.0)
+    r = rig({"a": 1, "b": 1}, check=lambda m: mismatch(m.arrays, ranged), min_round_timeout_s=0.05)
+    r.rounds.report_times["a"].append(0.001)
+    for v in range(5):
+        forged = rollout_of("b", v, v)
+        forged = P.Trajectory(**{**forged.__dict__, "arrays": {**forged.arrays, "rewards": np.full((4, 1), 1e4, F32)}})
+        got = r.round(v, forged, rollout_of("a", v, v))
+        assert [t.peer_id for t in got.batch] == ["a"]
+    assert r.ledger.progress.dropped_invalid == {"b": 5} and r.ledger.progress.episodes == 0
+    assert len([line for line in r.lines if "declared reward range [-1, 1]" in line]) == 1, r.lines

@@ -4,8 +4,9 @@ whether a run can train on its arrays beyond the protocol's checks.
 ``zddrl.protocol.decode`` guarantees the shape of a trajectory (docs/protocol.md section 7): every
 array present, dtypes, and shapes that agree on ``T``, ``N`` and the observation shape. Whether the
 data fits *this run* (its environment's observation and action spaces, its rollout length) and is
-trainable (finite numbers, indices in range) depends on the run, so the learner asks ``mismatch``
-before a trajectory goes anywhere near a batch. ``truncations`` reads the optional truncation arrays.
+trainable (finite numbers, rewards within the env's declared range, indices in range) depends on the run, so
+the learner asks ``mismatch`` before a trajectory goes anywhere near a batch. ``truncations`` reads the optional
+truncation arrays.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ training on it would only be saved by the ratio bound (``returns.LOG_RATIO_BOUND
 REWARD_BOUND = 1e9
 """Rewards must lie within ``+-REWARD_BOUND``: no env pays more per step, and sums of such numbers (returns, n-step
 targets) overflow float32 (3.4e38) long before anything is learned from them."""
+REWARD_RANGE_SLACK = 1e-6
+"""Relative tolerance of the declared-reward-range check: a reward travels as float32, which may round the env's own
+float64 a hair past a bound it met."""
 BOUND_SLACK = 1e-4
 """Relative tolerance of the action-bounds check (float32 rounding of ``mid + half * tanh(u)``)."""
 _FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value", "td_errors")
@@ -99,6 +103,11 @@ def mismatch(
     rewards = arrays["rewards"]
     if np.abs(rewards).max() > REWARD_BOUND:  # NaN passes here: the finiteness check below names it
         return f"rewards beyond +-{REWARD_BOUND:g}"
+    if not _within_reward_range(rewards, spec):
+        return (
+            f"rewards outside the env's declared reward range [{spec.reward_low:g}, {spec.reward_high:g}] "
+            f"({rewards.min():g} .. {rewards.max():g})"
+        )
     logp = arrays["logp"]
     if logp.min() < -LOGP_BOUND or logp.max() > LOGP_BOUND:  # NaN passes here: the finiteness check below names it
         return f"implausible behaviour log-probabilities (outside +-{LOGP_BOUND:g}: {logp.min():g} .. {logp.max():g})"
@@ -113,6 +122,17 @@ def mismatch(
         if a is not None and a.size and a.dtype.kind == "f" and not np.isfinite(a).all():  # uint8 pixels always are
             return f"non-finite values in {name!r}"
     return ""
+
+
+def _within_reward_range(rewards: np.ndarray, spec: EnvSpec) -> bool:
+    """Whether every reward lies in the env's declared range (true where it declares none; NaN is left to the
+    finiteness check)."""
+    low, high = spec.reward_low, spec.reward_high
+    if not rewards.size or (np.isinf(low) and np.isinf(high)):
+        return True
+    low -= REWARD_RANGE_SLACK * max(1.0, abs(low)) if np.isfinite(low) else 0.0
+    high += REWARD_RANGE_SLACK * max(1.0, abs(high)) if np.isfinite(high) else 0.0
+    return not (rewards.min() < low or rewards.max() > high)
 
 
 def _within_bounds(actions: np.ndarray, spec: EnvSpec) -> bool:

@@ -14,7 +14,9 @@ binds a member's peer id to that user at hello and checks it on every message af
 role and a peer id come from the key, never from a header alone.
 
 Handshakes that fail (no key, a wrong server key, a key not on the list) happen inside libzmq: socket
-monitors count them (``HandshakeCounter``), so a stranger's attempts show in ``zddrl status``.
+monitors count them (``HandshakeCounter``), so a stranger's attempts show in ``zddrl status``. The control
+socket's monitor also reports connections that close, by file descriptor (``source_fd`` of a message names the
+connection it came on): a killed client's peer id is free for its own key at once (guard.py, rule 2).
 """
 
 from __future__ import annotations
@@ -86,9 +88,11 @@ class BrokerAuth:
     added is admitted from its next handshake, a key removed is revoked (its members are removed by the broker,
     and whatever its open connections send after is refused)."""
 
-    def __init__(self, ctx: zmq.Context, root: str) -> None:
+    def __init__(self, ctx: zmq.Context, root: str, name: str | None = None) -> None:
         self.root = root
-        self.keys = server_keys(root)
+        self.name = name
+        """The broker's own pair in ``broker/`` (None: the only secret there)."""
+        self.keys = server_keys(root, name)
         self._stamp = key_files(root)
         self.allow = _AllowList(self.keys.allowed)
         self.users = self._users()
@@ -108,7 +112,7 @@ class BrokerAuth:
         stamp = key_files(self.root)
         if stamp == self._stamp:
             return frozenset()
-        keys = server_keys(self.root)  # a failure is retried at the next look: the stamp stays the old one
+        keys = server_keys(self.root, self.name)  # a failure is retried at the next look: the stamp stays the old one
         if keys.public != self.keys.public:
             raise KeysError("the broker's own key changed on disk: it takes effect at the next start only")
         self._stamp = stamp
@@ -128,6 +132,14 @@ class BrokerAuth:
         self._auth.stop()
 
 
+def source_fd(frame: Any) -> int:
+    """The file descriptor of the connection a received frame came on (-1: unknown, e.g. a frame built in a test)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (AttributeError, TypeError, zmq.ZMQError):
+        return -1
+
+
 def user_of(frame: zmq.Frame) -> str:
     """The ZAP User-Id of the connection a received frame came from ("" on a socket without ZAP)."""
     try:
@@ -137,18 +149,26 @@ def user_of(frame: zmq.Frame) -> str:
 
 
 class HandshakeCounter:
-    """Socket monitors on the broker's sockets, counting handshakes that succeeded and that failed."""
+    """Socket monitors on the broker's sockets, counting handshakes that succeeded and that failed; the monitor of
+    ``closes_of`` (the control socket, first of ``socks``) also reports the connections that close."""
 
-    def __init__(self, socks: Iterable[zmq.Socket]) -> None:
-        self.monitors = [sock.get_monitor_socket(HANDSHAKE_EVENTS) for sock in socks]
+    def __init__(self, socks: Iterable[zmq.Socket], closes_of: zmq.Socket | None = None) -> None:
+        self.monitors = [
+            sock.get_monitor_socket(HANDSHAKE_EVENTS | (zmq.EVENT_DISCONNECTED if sock is closes_of else 0))
+            for sock in socks
+        ]
 
-    def drain(self, monitor: zmq.Socket, counters: dict[str, int]) -> None:
+    def drain(self, monitor: zmq.Socket, counters: dict[str, int]) -> list[int]:
+        """Count the handshakes ``monitor`` reported; returns the file descriptors of connections that closed."""
+        closed: list[int] = []
         while True:
             try:
                 event: Any = recv_monitor_message(monitor, zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return closed
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                closed.append(int(event["value"]))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 counters["handshakes_ok"] += 1
             else:
                 counters["handshakes_failed"] += 1

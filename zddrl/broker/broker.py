@@ -33,9 +33,9 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, user_of
+from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, source_fd, user_of
 from zddrl.broker.cadence import Cadence
-from zddrl.broker.guard import Guard, revoked_reject
+from zddrl.broker.guard import Claims, Guard, revoked_reject
 from zddrl.broker.health import HealthMonitor, HealthWarning
 from zddrl.broker.joining import Joining
 from zddrl.broker.limits import Limits
@@ -72,15 +72,21 @@ class Broker:
     to them (``handle_control``, ``handle_learner``: one message each, as the loop does), adopts runs
     (``start_run``) and versions (``publish``), and keeps liveness and status.
 
-    ``credentials``: a relay's client keys towards its upstream on a closed bus (docs/security.md)."""
+    ``credentials``: a relay's client keys towards its upstream on a closed bus (docs/security.md); ``key``: the name
+    of the broker's own pair in ``KEYS/broker/`` (``--key``; needed when it holds several secrets)."""
 
     router: Router
     """The data path (made by ``bind``, with the sockets)."""
 
     def __init__(
-        self, config: BrokerConfig, context: zmq.Context | None = None, credentials: keys.Credentials | None = None
+        self,
+        config: BrokerConfig,
+        context: zmq.Context | None = None,
+        credentials: keys.Credentials | None = None,
+        key: str | None = None,
     ) -> None:
         self.config = config
+        self.key = key
         # A context holds one ZAP handler at a fixed inproc address, and a closed one is unbound asynchronously:
         # a keyed broker gets a context of its own (two in one process, or one after another, never clash).
         self._own_ctx = context is None and bool(config.keys)
@@ -117,7 +123,7 @@ class Broker:
     def bind(self) -> dict[str, int]:
         """Create and bind every socket (``sockets.open_sockets``) and the parts that use them; returns the ports."""
         c = self.config
-        guard = self.guard = Guard(c, self.ctx, self.log)
+        guard = self.guard = Guard(c, self.ctx, self.log, self.key)
         self.auth = guard.auth
         s = open_sockets(self.ctx, c, self.auth)
         self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
@@ -136,23 +142,25 @@ class Broker:
         self.publisher = Publisher(
             self.params, self.replies.send_frames, self.counters, self.ratelog, c.heartbeat_interval_s, guard.pins
         )
+        self.claims = Claims(self.membership)
+        """Which key holds which peer id, on a closed bus (guard.py)."""
         self.joining = Joining(
             c, self.membership, self.current, guard, self.limits, self.cadence, self.ports, self.replies,
-            self.counters, self.ratelog, takes_learners=relay is None,
+            self.counters, self.ratelog, self.claims, takes_learners=relay is None,
         )  # fmt: skip
         self.subtrees = Subtrees(self.membership, self.joining.relayed_refused)
         self.liveness = Liveness(self.cadence, self.membership, self.current, self.replies, self.health, self.log)
         self.poller = zmq.Poller()
         self.poller.register(self.control, zmq.POLLIN)
         self.poller.register(self.learners, zmq.POLLIN)
-        for listener in (self.shards, self.subtrees, HealthOfMembers(self.health, self.ratelog)):
+        for listener in (self.shards, self.subtrees, self.claims, HealthOfMembers(self.health, self.ratelog)):
             self.membership.listen(listener)
         if relay is not None:
             self.upstream = self._upstream(relay)
             self.membership.listen(self.upstream)
             self.log.info(f"relay {relay.uplink.hello.peer_id}: upstream {c.upstream}")
         if self.auth is not None:
-            self.handshakes = HandshakeCounter(s[:4])
+            self.handshakes = HandshakeCounter(s[:4], closes_of=self.control)
             for monitor in self.handshakes.monitors:
                 self.poller.register(monitor, zmq.POLLIN)
         closed = "closed (CURVE, keys from " + c.keys + ")" if self.auth is not None else "open (no keys)"
@@ -219,7 +227,7 @@ class Broker:
             if self.handshakes is not None:
                 for monitor in self.handshakes.monitors:
                     if monitor in events:
-                        self.handshakes.drain(monitor, self.counters)
+                        self._drain_monitor(monitor)
             now = time.monotonic()
             if roster.changed and now >= roster.next_at:
                 self.shards.announce(now)
@@ -241,6 +249,13 @@ class Broker:
         if self.auth is not None:
             self.counters["zap_denied"] = self.guard.zap_denied()
             self._refresh_keys()
+
+    def _drain_monitor(self, monitor: zmq.Socket) -> None:
+        """Handshakes counted; control connections that closed told to the claims (their members' ids)."""
+        if self.handshakes is None:
+            return
+        for fd in self.handshakes.drain(monitor, self.counters):
+            self.claims.connection_closed(fd)
 
     def _update_trajectory_polling(self) -> None:
         want = self.router.outlet.credit > 0
@@ -308,7 +323,7 @@ class Broker:
         if member is not None:
             member.last_seen = time.monotonic()
         if isinstance(msg, P.Hello):
-            self._on_hello(identity, msg, user)
+            self._on_hello(identity, msg, user, source_fd(frames[0]) if self.handshakes is not None else -1)
         elif isinstance(msg, P.StatusRequest):
             self._on_status(identity, msg.page)
         elif member is None:
@@ -344,13 +359,15 @@ class Broker:
         else:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
-    def _on_hello(self, identity: bytes, msg: P.Hello, user: str) -> None:
+    def _on_hello(self, identity: bytes, msg: P.Hello, user: str, fd: int = -1) -> None:
+        if self.handshakes is not None:  # closed bus: connections that closed before this hello are known first
+            self._drain_monitor(self.handshakes.monitors[0])
         joining = self.joining
         if joining.refused(identity, msg, user):
             return
         if joining.starts_run(msg):
             self.start_run(msg.run_id, msg.run or {}, (msg.run_signer, msg.run_signature), run_bus(msg.bus))
-        member = joining.admit(identity, msg, user)  # a relay reports an actor upstream here, before its welcome
+        member = joining.admit(identity, msg, user, fd)  # a relay reports an actor upstream here, before its welcome
         self.log.info(f"{msg.role} {msg.peer_id} joined from {msg.host or '?'} (pid {msg.pid}, {msg.num_envs} envs)")
         self.replies.send(identity, joining.welcome(msg.peer_id))
         if msg.role in ("actor", "relay"):

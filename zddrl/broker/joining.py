@@ -10,7 +10,7 @@ import time
 
 from zddrl import protocol as P
 from zddrl.broker.cadence import Cadence
-from zddrl.broker.guard import Guard
+from zddrl.broker.guard import Claims, Guard
 from zddrl.broker.limits import Limits
 from zddrl.broker.membership import Member, Membership, id_conflict
 from zddrl.broker.run import CurrentRun
@@ -37,6 +37,7 @@ class Joining:
         replies: Replies,
         counters: dict[str, int],
         ratelog: RateLimitedLog,
+        claims: Claims,
         takes_learners: bool = True,
     ) -> None:
         self.config = config
@@ -50,6 +51,8 @@ class Joining:
         self.replies = replies
         self.counters = counters
         self._ratelog = ratelog
+        self.claims = claims
+        """Which key holds which peer id (closed bus; guard.py's rules)."""
         self.takes_learners = takes_learners
 
     def starts_run(self, msg: P.Hello) -> bool:
@@ -59,7 +62,8 @@ class Joining:
     def refused(self, identity: bytes, msg: P.Hello, user: str) -> bool:
         """Whether the hello is refused (answered with a reject that says why, counted by reason): a learner at a
         relay, over its connection's hello rate, another key's role or peer id, a conflict (``hello_conflict``:
-        ProtocolError, counted as malformed), a member cap, or a new run no pinned learner key signed."""
+        ProtocolError, counted as malformed), a member cap, or a new run no pinned learner key signed. Every
+        refusal is final but one: an id in another key's departure window (the client asks again later)."""
         if not self.takes_learners and msg.role in DATA_ROLES:
             return self._refuse(identity, msg, "learner_refused", REFUSED_LEARNER)
         if not self.limits.hello.allow(identity, time.monotonic()):  # dropped: its link asks again at its heartbeat
@@ -77,29 +81,38 @@ class Joining:
         if not why:
             counter, why = "hello_id_in_use", id_conflict(old, msg, self.config.heartbeat_interval_s)
         if not why:
-            counter, why = "hello_over_cap", self._cap_refusal(msg, old)
+            wait = self.guard.window_refusal(msg.peer_id, user, old, self.claims)
+            if wait:
+                return self._refuse(identity, msg, "auth_refused", wait, final=False)
+        if not why:
+            counter, why = "hello_over_cap", self._cap_refusal(msg, old, user)
         if not why and self.starts_run(msg):
             counter, why = "runs_refused", self.guard.run_refusal(msg, user)
             why = f"run spec {why}" if why else ""
         return bool(why) and self._refuse(identity, msg, counter, why)
 
-    def _refuse(self, identity: bytes, msg: P.Hello, counter: str, why: str) -> bool:
+    def _refuse(self, identity: bytes, msg: P.Hello, counter: str, why: str, final: bool = True) -> bool:
+        """Answer a refused hello: a final reject stops the client; another is only logged there (its next
+        heartbeat, from no member, gets "send hello first" and it asks again)."""
         self.counters[counter] += 1
         self._ratelog.warning(counter, f"refused a hello of {msg.role} {msg.peer_id}: {why}")
-        self.replies.send(identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}"))
+        self.replies.send(identity, P.Reject(reason=f"{P.REFUSED_PREFIX}{why}" if final else why))
         return True
 
-    def _cap_refusal(self, msg: P.Hello, old: Member | None) -> str:
+    def _cap_refusal(self, msg: P.Hello, old: Member | None, user: str) -> str:
         m = self.membership
         # shards and replays share one cap: every member on the learners socket
-        return self.limits.cap_refusal(msg, old, len(m), m.count(*DATA_ROLES), m.roster)
+        return self.limits.cap_refusal(
+            msg, old, len(m), m.count(*DATA_ROLES), m.roster, user, self.claims.of_key(user) if user else 0
+        )
 
-    def admit(self, identity: bytes, msg: P.Hello, user: str) -> Member:
+    def admit(self, identity: bytes, msg: P.Hello, user: str, fd: int = -1) -> Member:
         """The member an admitted hello makes, joined in place of its peer id's earlier session (a session of
-        another process is recorded as departed: it is judged afresh)."""
+        another process is recorded as departed: it is judged afresh). ``fd``: its control connection's file
+        descriptor (closed bus), whose closing the broker watches for."""
         old = self.membership.get(msg.peer_id)
         member = member_of(msg, identity)
-        member.user = user
+        member.user, member.conn_fd = user, fd
         if member.role == "replay":  # a replay service serves whatever run is current (re-welcomed at each new one)
             member.run_id = self.current.run_id
         if member.role in DATA_ROLES:  # on a closed bus a secret, kept across re-hellos of the same key
@@ -118,14 +131,16 @@ class Joining:
 
     def relayed_refused(self, relay: Member, hello: P.Hello, old: Member | None) -> bool:
         """Whether an actor a relay reports (as ``hello``) is refused by the checks of a direct hello, or because
-        its id is a live direct member's or another key's: counted (``relayed_refused``) and logged if so."""
+        its id is a live direct member's or another key's (an id of another role, a direct member's departure
+        window): counted (``relayed_refused``) and logged if so; the relay's next report asks again."""
         direct = old if old is not None and not old.relay else None  # another relay's actor moved: no conflict
         room = self.membership.roster.room_for(hello.peer_id, hello.num_envs, hello.host)
         why = hello_conflict(hello, room, self.current.run_id)
+        why = why or self.guard.relayed_refusal(relay, hello.peer_id, direct, self.claims)
         why = why or id_conflict(direct, hello, self.config.heartbeat_interval_s)
         if not why and direct is not None and direct.user != relay.user:
             why = f"peer id {hello.peer_id!r} is held by a member that joined with another key"
-        why = why or self._cap_refusal(hello, old)
+        why = why or self._cap_refusal(hello, old, relay.user)
         if why:
             self.counters["relayed_refused"] += 1
             self._ratelog.warning(
@@ -134,9 +149,21 @@ class Joining:
         return bool(why)
 
     def welcome(self, peer_id: str) -> P.Welcome:
-        """The welcome ``peer_id`` gets now: the current run (spec, seal and bus), the data ports, the heartbeat."""
+        """The welcome ``peer_id`` gets now: the current run (spec, seal and bus), the data ports, the heartbeat. On a
+        closed bus a monitor's carries its own peer id and the heartbeat only: it reads status, and nothing else (on
+        an open bus anyone may say hello as an actor and read the run)."""
         c, run = self.config, self.current
         member = self.membership.get(peer_id)
+        if member is not None and member.role == "monitor" and self.guard.auth is not None:
+            return P.Welcome(
+                peer_id=peer_id,
+                run_id="",
+                run=None,
+                ports={},
+                heartbeat_interval_s=self.cadence.interval_s,
+                heartbeat_liveness=c.heartbeat_liveness,
+                max_message_bytes=c.max_message_bytes,
+            )
         return P.Welcome(
             peer_id=peer_id,
             run_id=run.run_id,

@@ -34,8 +34,12 @@ MAX_MEMBERS_PER_ROLE = {"actor": 10_000, "learner": 256, "monitor": 64, "relay":
 """Members of each role at most; a hello past the cap is refused (``hello_over_cap``). Every member costs a row
 in the status pages, fleet entries, heartbeats and health tracks."""
 MAX_ACTORS_PER_HOST = 1024
-"""Actors reporting one ``host`` at most (refused past it, ``hello_over_cap``). ``host`` is what the hello says:
-this catches a runaway launcher, not a peer that lies."""
+"""Open bus: actors reporting one ``host`` at most (refused past it, ``hello_over_cap``). ``host`` is what the hello
+says: this catches a runaway launcher, not a peer that lies; a closed bus caps per key instead."""
+MAX_MEMBERS_PER_KEY = {"actor": 1024, "relay": 1024, "learner": 64, "replay": 64, "monitor": 16}
+"""Closed bus: members joined with one key at most, by the key's role (a relay's key counts the relay and the
+actors it reports); past it a hello is refused (``hello_over_cap``). A stolen key takes at most this share of
+its role's cap. A fleet of more actor processes than this gives its hosts keys of their own (docs/security.md)."""
 
 
 class TokenBucket:
@@ -95,9 +99,12 @@ class Limits:
         return self._status_bytes.take(now, nbytes)
 
     @staticmethod
-    def cap_refusal(msg: P.Hello, old: Member | None, members: int, learners: int, roster: Roster) -> str:
-        """Why ``msg`` would take its role (or its host's actors) past a cap, or "". ``old``: the member it
-        replaces (which does not count); ``members``, ``learners``: how many are joined; actors are the roster's."""
+    def cap_refusal(
+        msg: P.Hello, old: Member | None, members: int, learners: int, roster: Roster, user: str = "", of_key: int = 0
+    ) -> str:
+        """Why ``msg`` would take its role, its host's actors (open bus) or its key's members (closed bus: ``user``
+        the key, ``of_key`` its members now) past a cap, or "". ``old``: the member it replaces (which does not
+        count); ``members``, ``learners``: how many are joined; actors are the roster's."""
         actors = len(roster)
         # ``learners`` counts every member on the learners socket: shards and replays share one cap
         by_role = {"actor": actors, "learner": learners, "replay": learners, "monitor": members - actors - learners}
@@ -107,7 +114,13 @@ class Limits:
         cap = MAX_MEMBERS_PER_ROLE.get(msg.role, 0)
         if joined >= cap:
             return f"the broker takes at most {cap} members of role {msg.role!r}"
-        if msg.role == "actor":
+        if user:
+            role, _, name = user.partition(":")
+            cap = MAX_MEMBERS_PER_KEY.get(role, 0)
+            if of_key - (old is not None and old.user == user) >= cap:
+                what = f"at most {cap} members with one {role} key ({name!r})"
+                return f"the broker takes {what}: give hosts keys of their own"
+        elif msg.role == "actor":
             on_host = roster.on_host(msg.host) - (old is not None and old.role == "actor" and old.host == msg.host)
             if on_host >= MAX_ACTORS_PER_HOST:
                 return f"the broker takes at most {MAX_ACTORS_PER_HOST} actors from one host ({msg.host or '?'!r})"

@@ -69,6 +69,11 @@ class Member:
     user: str = ""
     """The ZAP User-Id (``ROLE:NAME`` of its key) of the connection it joined from; "" on an open bus. Every
     message after the hello must come from the same key."""
+    conn_fd: int = -1
+    """Closed bus: the file descriptor of the control connection it said hello on (-1: unknown, or an open bus)..."""
+    conn_closed: bool = False
+    """...and whether the broker saw that connection close (its process died, or its link reconnects): the same
+    key may then take its id at once (guard.Claims)."""
     counters: dict[str, int] = field(default_factory=lambda: defaultdict(int, MEMBER_COUNTERS))
     """``messages``, ``bytes``, ``env_steps`` (always in the status row) and ``dropped_<reason>`` once non-zero."""
     stats: dict[str, Any] = field(default_factory=dict)
@@ -209,9 +214,10 @@ def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
     """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
     with the same --actor-id would otherwise take the id from each other at every re-hello, and share
     seeds; a second learner would take over the bus from the live one. A member silent for a heartbeat
-    interval is taken over: a crashed process coming back. The advice fits the role: what a user does about
-    a clash of actor ids is not what they do about a second learner."""
-    if old is None or (old.host, old.pid) == (hello.host, hello.pid):
+    interval, or (closed bus) whose control connection closed, is taken over: a crashed process coming back
+    (on a closed bus only by its own key: guard.Guard). The advice fits the role: what a user does about a clash
+    of actor ids is not what they do about a second learner."""
+    if old is None or old.conn_closed or (old.host, old.pid) == (hello.host, hello.pid):
         return ""
     silent = time.monotonic() - old.last_seen
     if silent >= interval_s:

@@ -36,11 +36,16 @@ __all__ = ["Relay", "RelayRefused"]
 class Relay(Broker):
     """``Relay(config, credentials=...).bind()`` then ``run(stop)``, ``close()`` in a finally, as a Broker, with
     ``config.upstream`` set. ``credentials``: the relay's client keys towards its upstream on a closed bus
-    (docs/security.md)."""
+    (``keys.relay_credentials``: its relay key and the upstream's public key, docs/security.md); ``key``: its own
+    broker pair's name, as a Broker's."""
 
     def __init__(
-        self, config: BrokerConfig, context: zmq.Context | None = None, credentials: keys.Credentials | None = None
+        self,
+        config: BrokerConfig,
+        context: zmq.Context | None = None,
+        credentials: keys.Credentials | None = None,
+        key: str | None = None,
     ) -> None:
         if not config.upstream:
             raise ConfigError("a relay needs broker.upstream (--upstream tcp://ROOT:PORT)")
-        super().__init__(config, context, credentials)
+        super().__init__(config, context, credentials, key)

@@ -80,6 +80,14 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
 )
 @keys_option
 @click.option(
+    "--key",
+    "key_name",
+    default=None,
+    envvar="ZDDRL_BROKER_KEY",
+    help="Which broker pair in --keys/broker/ this broker serves with (needed when it holds several secrets). A "
+    "relay's broker/ holds its own pair and its upstream's public key (docs/security.md, \"Relays\").",
+)
+@click.option(
     "--insecure",
     is_flag=True,
     default=None,
@@ -101,7 +109,17 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     help="Relay: trajectories pushed upstream and unacknowledged at most (0 = 2 x the actors' windows).",
 )
 def broker(
-    bind, profile, trajectory_port, learner_port, params_port, ready_file, keys_dir, insecure, upstream, upstream_window
+    bind,
+    profile,
+    trajectory_port,
+    learner_port,
+    params_port,
+    ready_file,
+    keys_dir,
+    key_name,
+    insecure,
+    upstream,
+    upstream_window,
 ) -> None:
     """Run the broker (or, with --upstream, a relay): routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
@@ -122,7 +140,13 @@ def broker(
                 "upstream_window": upstream_window,
             },
         )
-        b = Relay(config, credentials=relay_credentials(config)) if config.upstream else Broker(config)
+        if key_name is not None and not config.keys:
+            raise ConfigError("--key names a broker key in --keys: give --keys DIR too")
+        b: Broker = (
+            Relay(config, credentials=relay_credentials(config, key_name), key=key_name)
+            if config.upstream
+            else Broker(config, key=key_name)
+        )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()
@@ -141,9 +165,18 @@ def broker(
         b.close()
 
 
-def relay_credentials(config):
-    """A relay's client keys towards its upstream (role ``relay`` in its --keys directory), None on an open bus."""
-    return credentials_of(config.keys, "relay", None) if config.keys else None
+def relay_credentials(config, key_name: str | None = None):
+    """A relay's client keys towards its upstream (its ``relay`` key and the upstream's public key in its --keys
+    directory, beside its own broker pair ``key_name``: ``keys.relay_credentials``), None on an open bus."""
+    from zddrl.keys import KeysError
+    from zddrl.keys import relay_credentials as of_relay
+
+    if not config.keys:
+        return None
+    try:
+        return of_relay(config.keys, key_name)
+    except KeysError as exc:
+        raise click.UsageError(f"--keys: {exc}") from None
 
 
 @main.command()

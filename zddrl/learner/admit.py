@@ -10,8 +10,13 @@ message limit (256 MiB by default) lets one CartPole rollout hold millions of st
   in its last ``LENGTHS_KEPT`` versions (sync mode sizes it from the fleet and publishes it with each version; the
   the async schedule asks ``env.rollout_len``);
 * at most ``ROLLOUT_SLACK x L x E`` steps in all, where ``E`` is the sender's env count as the broker's fleet
-  message announces it (the run's ``env.num_envs`` when it says 0; an actor the fleet does not list yet gets
-  the most envs of any listed actor, or ``env.num_envs`` if that is more).
+  message announces it (the run's ``env.num_envs`` when it says 0; an actor the fleet does not list yet gets the
+  most envs of any listed actor, or ``env.num_envs`` if that is more), **bounded by the run**: a hello's
+  ``num_envs`` is the client's own claim, so ``E`` is at most ``envs_bound(config)`` (``train.max_actor_envs``;
+  0: ``16 x env.num_envs``; never fewer than ``env.num_envs``). One claiming 1,048,576 envs gets no more room.
+
+``L`` is the run's own: the sync schedule sizes it from the env steps actors actually delivered, never from what
+they claim (``fleet.FleetPlan``).
 
 Every shard checks its own share of the stream: the main shard knows ``L`` first and sends it to the others in
 every poll's exchange (``ShardPoller.asked_len``); every shard reads the fleet message on its own link.
@@ -29,10 +34,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from zddrl.config import Config
+
 ROLLOUT_SLACK = 2
 """How many times the steps it was asked for a rollout may hold. 1 would do for zddrl's actors, which sample
 exactly what a version asks; 2 leaves room for a client that rounds up, while a rollout 1000 times too big is
 refused before it is read."""
+ENVS_FACTOR = 16
+"""``train.max_actor_envs = 0`` bounds an actor's claimed envs at this many times ``env.num_envs``."""
 LENGTHS_KEPT = 16
 """Published versions whose asked rollout length still bounds a rollout: a straggler's rollout of a version
 asked longer ones is dropped as late or stale, not refused as too big."""
@@ -52,13 +61,20 @@ class AskedLengths:
         return max(self.recent)
 
 
-def envs_of(peer_id: str, fleet: tuple[int, Mapping[str, Any]] | None, default_envs: int) -> int:
-    """The env count the broker's newest ``fleet`` message announces for ``peer_id`` (see the module docstring)."""
+def envs_bound(config: Config) -> int:
+    """The most envs the learner counts one actor with, whatever it claims (``train.max_actor_envs``)."""
+    env = config.env.num_envs
+    return max(config.train.max_actor_envs or ENVS_FACTOR * env, env)
+
+
+def envs_of(peer_id: str, fleet: tuple[int, Mapping[str, Any]] | None, default_envs: int, most: int) -> int:
+    """The env count the broker's newest ``fleet`` message announces for ``peer_id``, at most ``most``
+    (``envs_bound``; see the module docstring)."""
     actors = fleet[1] if fleet is not None else {}
     listed = actors.get(peer_id)
     if listed is not None:
-        return int(listed.get("num_envs") or default_envs)
-    return max([default_envs, *(int(a.get("num_envs") or default_envs) for a in actors.values())])
+        return min(int(listed.get("num_envs") or default_envs), most)
+    return min(max([default_envs, *(int(a.get("num_envs") or default_envs) for a in actors.values())]), most)
 
 
 def refusal(shape: tuple[int, ...], policy_version: int, version: int, asked_len: int, envs: int) -> str:

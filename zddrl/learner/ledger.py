@@ -6,6 +6,14 @@ the shards' exchange (``records.py``). Every received trajectory the run could t
 one is counted per actor, breaks that actor's episode streams, and is logged with its reason (aggregated: one
 line per ``logs.LOG_EVERY_S`` with a count). Late and stale drops are logged the first, then every 100th time
 per actor.
+
+The target (``train.until_return``) is the learner's to declare. With ``target_kind = "eval"`` it compares its own
+evaluations. With ``"train"`` the training return (the last 20 episodes, sums of the actors' rewards) says when
+to look, and the learner's own evaluation confirms (``train.confirm_target``, on by default): the run stops only
+if ``train.eval_episodes`` deterministic episodes with the current network, played by the learner on its own envs,
+reach the target too. One actor's rewards can then hold the training return at 1e5 forever without ending the run.
+A confirmation that fails is retried while the training return stays at the target, after a wait that keeps
+confirmations under ``CONFIRM_SHARE`` of the learner's time, and logged (aggregated).
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +37,9 @@ LAG_WINDOW = 20
 LAG_KEPT = 4096
 """Actors whose lag is remembered (the least recently heard-from forgotten first): one entry per peer id ever seen
 would grow without bound in a long run with churning actors."""
+CONFIRM_SHARE = 0.1
+"""Most of the learner's time that confirming a target may take: after a confirmation of ``s`` seconds that failed,
+the next waits ``(1 / CONFIRM_SHARE - 1) x s`` (a CartPole one takes well under a second)."""
 HASHES_KEPT = 256
 """Published versions whose parameter hash is remembered for the actors' hash check. Bounded: a multi-day
 run publishes millions of versions; data older than this many versions is stale in every mode."""
@@ -45,9 +57,20 @@ class Ledger:
     """``published`` per version, ``account`` or ``drop_*`` per received trajectory, ``row`` per update."""
 
     def __init__(
-        self, config: Config, log: Any, t0: float, world_size: int = 1, progress: Progress | None = None
+        self,
+        config: Config,
+        log: Any,
+        t0: float,
+        world_size: int = 1,
+        progress: Progress | None = None,
+        confirm: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
+        self.confirm = confirm
+        """Plays the learner's own evaluation now, its mean return: what confirms a training return's target. None:
+        nothing can (with ``train.confirm_target`` a training return then never ends the run)."""
+        self.next_confirm = 0.0
+        """Monotonic time before which no confirmation is tried again (``CONFIRM_SHARE``)."""
         self.log = log
         self.t0 = t0
         self.progress = progress or Progress()
@@ -184,16 +207,43 @@ class Ledger:
         self.last_row = row
         target, value = self.config.train.until_return, self.target_value()
         if not p.target and value >= target:
-            p.target = {
-                "wall_s_to_target": round(wall, 3),
-                "env_steps_to_target": steps,
-                "return_at_target": round(value, 2),
-            }
-            self.log.info(
-                f"target return {target} ({self.config.train.target_kind}) reached: {value:.1f} after {steps} env "
-                f"steps, {wall:.2f} s"
-            )
+            confirmed = self._confirmation(value)
+            row["eval_return"] = p.eval_return
+            if confirmed is not None:
+                p.target = {
+                    "wall_s_to_target": round(wall, 3),
+                    "env_steps_to_target": steps,
+                    "return_at_target": round(value, 2),
+                }
+                self.log.info(
+                    f"target return {target} ({self.config.train.target_kind}) reached: {value:.1f} after {steps} "
+                    f"env steps, {wall:.2f} s{confirmed}"
+                )
         return row
+
+    def _confirmation(self, value: float) -> str | None:
+        """Whether a target the training return ``value`` reached is confirmed by the learner's own evaluation (see
+        the module docstring): None when it is not, else what the log line adds ("" when nothing needs confirming)."""
+        t = self.config.train
+        if t.target_kind != "train":
+            return ""
+        if not t.confirm_target:
+            return " (not confirmed: train.confirm_target = false)"
+        started = time.monotonic()
+        if self.confirm is None or started < self.next_confirm:
+            return None
+        evaluated = self.progress.eval_return = float(self.confirm())
+        spent = time.monotonic() - started
+        self.next_confirm = started + spent / CONFIRM_SHARE
+        if evaluated >= t.until_return:
+            return f"; confirmed by the learner's own evaluation: {evaluated:.1f} over {t.eval_episodes} episodes"
+        self._ratelog.info(
+            "unconfirmed",
+            f"the training return {value:.1f} reached the target {t.until_return:g}, but the learner's own "
+            f"evaluation returned {evaluated:.1f} ({t.eval_episodes} deterministic episodes): not confirmed, the run "
+            f"goes on",
+        )
+        return None
 
     def target_value(self) -> float:
         """What the target is compared with: the training return (last 20 episodes) or the newest evaluation's."""

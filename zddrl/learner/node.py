@@ -32,7 +32,7 @@ from zddrl.algos.rollout import mismatch
 from zddrl.algos.spec import algorithm_of, declared
 from zddrl.config import Config, ConfigError
 from zddrl.envs import probe_spec
-from zddrl.learner.admit import AskedLengths, envs_of, refusal
+from zddrl.learner.admit import AskedLengths, envs_bound, envs_of, refusal
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.evaluation import Evaluator
 from zddrl.learner.fleet import FleetPlan
@@ -140,7 +140,7 @@ class LearnerNode:
         config, resume_version = self.config, self.policy_version if self.resume else None
         runlog = RunLog(self.run_dir, config.to_dict(), resume_version, tuple(self.figures.values()))
         return MainShard(
-            Ledger(config, self.log, self.t0, self.group.world_size, self.restored),
+            Ledger(config, self.log, self.t0, self.group.world_size, self.restored, confirm=self._confirm_target),
             runlog,
             Checkpoints(runlog, config.train),
             FleetPlan(
@@ -334,10 +334,15 @@ class LearnerNode:
 
     def _admit(self, msg: P.Trajectory) -> str:
         """Why ``msg`` is refused on its shapes and header numbers (``admit.refusal``), before any array is read."""
-        envs = envs_of(msg.peer_id, self.link.fleet(), self.config.env.num_envs)
+        envs = envs_of(msg.peer_id, self.link.fleet(), self.config.env.num_envs, envs_bound(self.config))
         return refusal(
             msg.arrays["rewards"].shape, msg.policy_version, self.policy_version, self.poller.asked_len, envs
         )
+
+    def _confirm_target(self) -> float:
+        """Main shard: the learner's own evaluation of the current network, confirming a training return's target."""
+        assert self.own is not None
+        return self.own.evaluator.confirm(self.core.greedy)
 
     def _mismatch(self, msg: P.Trajectory) -> str:
         """Why this run cannot train on ``msg`` (algos.rollout.mismatch), or "". An algorithm that stacks rollouts
@@ -365,7 +370,7 @@ class LearnerNode:
         own = self.own
         if own is None:
             return
-        self.rollout_len = own.fleet.rollout_len
+        self.rollout_len = own.fleet.publish(self.policy_version)
         lc = self.config.learner
         messages = split_params(
             run_id=self.run_id,

@@ -39,7 +39,7 @@ from zddrl.algos.rollout import mismatch
 from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.learner.admit import envs_of, refusal
+from zddrl.learner.admit import envs_bound, envs_of, refusal
 from zddrl.learner.episodes import Episodes
 from zddrl.learner.records import record_of
 from zddrl.logs import RateLimitedLog
@@ -110,7 +110,7 @@ class ReplayStore:
         """Insert one trajectory of the run, or refuse it (counted, its actor's episode streams broken where unread)."""
         assert self.buffer is not None and self.config is not None and self.spec is not None
         self.counters["received"] += 1
-        envs = envs_of(msg.peer_id, fleet, self.config.env.num_envs)
+        envs = envs_of(msg.peer_id, fleet, self.config.env.num_envs, envs_bound(self.config))
         why = refusal(msg.arrays["rewards"].shape, msg.policy_version, self.learner_version, self.asked_len, envs)
         readable = not why
         if not why:

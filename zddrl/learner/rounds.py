@@ -9,8 +9,12 @@ out any whose typical time is more than ``straggler_factor`` times the fleet's m
 two actors, the faster). So a round of many actors on few cores, where the last report normally comes well after
 the median one, is not cut short by a scheduler hiccup (its data would be dropped), and an actor that is
 consistently several times slower than the others never sets the normal round itself (it would be waited for
-forever). An actor whose rollout of version v the run cannot use has answered all the same (waiting for it would
-end the round by the straggler rule at best, and never if no rollout was usable).
+forever). A rollout the run refuses is no answer: its actor has not reported (otherwise one key sending refused
+rollouts quickly could close every round before the others' data came, and freeze learning). The round waits for
+it as for any actor, up to the straggler timeout, after which it is a straggler; the timeout also closes a round
+in which no rollout could be used, and its next version keeps the weights so that the actors sample again. Every
+accepted rollout, in time or late, tells the fleet what its actor is worth in env columns (``FleetPlan.delivered``):
+rollouts are sized from what actors deliver, not from what they claim.
 
 Async and IMPALA: take data as it arrives, drop what is more than ``max_staleness`` versions old, until a
 batch is full. Actors never wait.
@@ -133,6 +137,8 @@ class SyncRounds:
             if "expected" in control:
                 expected = set(control["expected"])
             for r in polled.records:
+                if fleet is not None and r.fresh:
+                    fleet.delivered(r.peer_id, r.policy_version, r.env_steps)
                 if r.used:
                     steps += r.env_steps
                     reported.add(r.peer_id)
@@ -147,10 +153,10 @@ class SyncRounds:
                 return CollectedBatch(batch, time.monotonic() - started, len(reported), stopped=True)
             if steps >= self.algo.batch_size:
                 break
-            if (steps or unusable) and expected and reported | unusable >= expected:
+            if steps and expected and reported >= expected:
                 break  # in sync mode each actor sends one rollout per version: nothing more will come
-            if steps and control["late"]:
-                by_timeout = True
+            if (steps or unusable) and control["late"]:
+                by_timeout = True  # an actor whose rollout was refused has not reported: it becomes a straggler
                 break
         round_s = time.monotonic() - started
         if fleet is not None:
@@ -159,7 +165,7 @@ class SyncRounds:
                     f"round {version}: no rollout could be used ({sorted(unusable)}); version "
                     f"{version + 1} keeps the weights so that the actors sample again"
                 )
-            fleet.round_closed(expected, reported | unusable, by_timeout)
+            fleet.round_closed(expected, reported, by_timeout)
         return CollectedBatch(batch, round_s, len(reported))
 
     def _forget(self, actors: Iterable[str]) -> None:
