@@ -10,10 +10,9 @@ from pathlib import Path
 import click
 
 from zddrl import STARTED_AT, __version__
+from zddrl.cli.actor import actor
 from zddrl.cli.common import (
     CONNECT_HELP,
-    allow_code_option,
-    allowed_code,
     checked_run_dir,
     config_of,
     connect_list,
@@ -32,7 +31,6 @@ from zddrl.cli.shards import default_shard_run_dir, launch_shards, run_shard, su
 from zddrl.config import ConfigError, load_broker_config
 from zddrl.logs import configure
 from zddrl.plugin import importable_from_environment
-from zddrl.transport.link import Refused
 
 
 class _LazyGroup(click.Group):
@@ -177,66 +175,6 @@ def relay_credentials(config, key_name: str | None = None):
         return of_relay(config.keys, key_name)
     except KeysError as exc:
         raise click.UsageError(f"--keys: {exc}") from None
-
-
-@main.command()
-@click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
-@click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
-@click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
-@click.option(
-    "--slowdown",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Testing knob: make this host FACTOR times slower per env step.",
-)
-@click.option(
-    "--env-latency-ms",
-    type=click.FloatRange(min=0.0),
-    default=0.0,
-    show_default=True,
-    help="Benchmark knob: every env step sleeps this long first, as a remote or slow simulator would.",
-)
-@click.option("--max-steps", type=int, default=None, help="Exit after this many env steps.")
-@click.option(
-    "--procs",
-    default="1",
-    show_default=True,
-    envvar="ZDDRL_PROCS",
-    help="Actor processes: N, or 'auto' (one per core), ids --actor-id, --actor-id + 1, ...; one signal stops all.",
-)
-@allow_code_option("on this host")
-@keys_option
-@key_option
-def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, procs, allow_code, keys_dir, key_name) -> None:
-    """Run an actor host: step envs with the newest policy, push trajectories."""
-    from zddrl.actor.host import ActorHost
-    from zddrl.envs import SlowEnvs
-    from zddrl.ops.actor_procs import child_args, process_count, run_actor_processes
-
-    if envs is not None and envs < 1:
-        raise click.UsageError("--envs must be >= 1")
-    try:
-        count = process_count(procs)
-    except ValueError:
-        raise click.UsageError(f"--procs takes a count >= 1 or 'auto', got {procs!r}") from None
-    allowed = allowed_code(allow_code)
-    creds = credentials_of(keys_dir, "actor", key_name)
-    if count > 1:
-        args = child_args(connect, envs, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name)
-        raise SystemExit(run_actor_processes(args, actor_id, count, stop_on_signals()))
-    try:
-        ActorHost(
-            connect,
-            actor_id,
-            envs,
-            make_envs=SlowEnvs(slowdown, env_latency_ms),
-            max_steps=max_steps,
-            allowed_code=allowed,
-            credentials=creds,
-        ).run(stop_on_signals())
-    except Refused as exc:
-        raise click.ClickException(str(exc)) from None
 
 
 GPUS_HELP = (
@@ -514,3 +452,4 @@ main.add_command(keys)
 main.add_command(replay)
 main.add_command(export)
 main.add_command(eval_cmd)
+main.add_command(actor)
