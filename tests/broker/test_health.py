@@ -134,6 +134,26 @@ def test_stuck_version_fires_after_its_time_and_clears(report_s: float) -> None:
     assert [raised for raised, _ in mon.pop_events()] == [True, False]
 
 
+def test_stuck_version_says_what_holds_the_actor() -> None:
+    """A relay cut from its root holds its actors by flow control: they go quiet, or report that they wait; the
+    warning says so instead of asking whether parameters reach them."""
+
+    def stuck(stats: dict, reports_at: list[float], judged_at: float) -> str:
+        mon = HealthMonitor()
+        for v in range(H.STUCK_VERSIONS + 2):
+            mon.published(v, f"h{v}")
+        for t in reports_at:
+            mon.observe("a", "actor", {"policy_version": 0, "param_hash": "h0", **stats}, t)
+        (w,) = mon.evaluate(judged_at)
+        return w.message
+
+    late = H.STUCK_AFTER_S + 2 + H.STATS_SLACK_S + 5
+    assert "no report for" in stuck({}, [0.0], late) and "flow control" in stuck({}, [0.0], late)
+    reporting = [float(t) for t in range(int(late))]
+    assert "waits 95%" in stuck({"wait_share": 0.95}, reporting, late)
+    assert stuck({"wait_share": 0.1}, reporting, late).endswith("are parameters reaching it?")
+
+
 def test_stuck_version_allows_the_runs_max_staleness() -> None:
     mon = HealthMonitor()
     mon.start_run(max_staleness=8)  # async modes act behind by design
@@ -255,6 +275,9 @@ def test_first_obs_hash() -> None:
     assert re.fullmatch(r"[0-9a-f]{16}", first_obs_hash(obs))
     assert first_obs_hash(obs) == first_obs_hash(obs[:1].copy()), "env 0 only: --envs does not matter"
     assert first_obs_hash(obs) != first_obs_hash(obs + 1)
+    same_start = np.zeros((8, 84, 84), dtype=np.uint8)  # Pong: one first frame whatever the seed
+    assert first_obs_hash(same_start) == "", "envs seeded apart that start alike say nothing about seeds"
+    assert first_obs_hash(same_start[:1]) != "", "one env: no way to tell, the hash is sent"
 
 
 class Unprintable(Exception):

@@ -57,10 +57,14 @@ def action_rng(base_seed: int, actor_id: int) -> np.random.Generator:
 
 
 def first_obs_hash(obs: np.ndarray) -> str:
-    """Short hash of env 0's first observation after the first reset (stats key ``first_obs_hash``).
+    """Short hash of env 0's first observation after the first reset (stats key ``first_obs_hash``), or "".
 
     The broker warns when two actors report the same one: their seeds are not split. Env 0 only,
-    so that two actors given the same --actor-id but different --envs still collide."""
+    so that two actors given the same --actor-id but different --envs still collide. "" (no claim) when the
+    actor's own envs, seeded apart, all start from the same observation: such a first frame says nothing about
+    seeds (Pong's is the same whatever the seed), and every actor would report it."""
+    if len(obs) > 1 and all(np.array_equal(obs[0], other) for other in obs[1:]):
+        return ""
     return hashlib.sha1(np.ascontiguousarray(obs[0], dtype=np.float32).tobytes()).hexdigest()[:16]
 
 

@@ -20,7 +20,8 @@ they read:
   restarted broker never saw them).
 * ``stuck_version`` (``policy_version``): an actor acts more than max(STUCK_VERSIONS, the run's
   max_staleness) versions behind the latest published one for more than STUCK_AFTER_S seconds (plus two
-  report intervals: with a large fleet actors report less often).
+  report intervals: with a large fleet actors report less often). The message says what the broker can
+  tell of the cause: an actor gone quiet, or one that waits most of its time, is held by flow control.
 * ``rss_growth`` (``rss_mb``, any role): RSS sampled every RSS_SAMPLE_EVERY_S grew by more than
   RSS_GROWTH over the last RSS_WINDOW samples, steadily (the medians of the window's thirds rise).
 * ``sps_collapse`` (``sps``): an actor under SPS_COLLAPSE_SHARE of its own peak env steps/s,
@@ -51,6 +52,11 @@ STUCK_VERSIONS = 3
 max_staleness, which async runs accept by design)."""
 STUCK_AFTER_S = 10.0
 """Seconds an actor must stay more than the allowed versions behind before the warning."""
+STATS_SLACK_S = 5.0
+"""An actor reports at most once a report interval and only after a rollout: quiet for two intervals plus this
+long (a slow env's rollout) means it is held, not merely between reports."""
+HELD_WAIT_SHARE = 0.8
+"""An actor that says it waits this share of its time is held by its broker or learner, not starved at its end."""
 RSS_SAMPLE_EVERY_S = 10.0
 """Seconds between the RSS samples kept (reports come about once a second; a window of seconds would
 only catch leaks that kill a process within minutes)."""
@@ -100,6 +106,8 @@ class _Track:
     sps_peak: float = 0.0
     sps_low: int = 0
     first_obs_hash: str | None = None
+    reported_at: float | None = None
+    wait_share: float | None = None
     rss: deque = field(default_factory=lambda: deque(maxlen=RSS_WINDOW))
     rss_at: float = float("-inf")
 
@@ -169,7 +177,8 @@ class HealthMonitor:
                 return self.active_of(member)
             version = stats.get("policy_version")
             if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
-                track.version = version
+                track.version, track.reported_at = version, now
+                track.wait_share = finite_float(stats.get("wait_share"))
                 track.param_hash = stats.get("param_hash") if isinstance(stats.get("param_hash"), str) else None
                 self._check_params(member, track, now)
                 self._check_stuck(member, track, now)
@@ -321,10 +330,26 @@ class HealthMonitor:
             self._set(
                 member,
                 "stuck_version",
-                f"acts with version {v}, {behind} behind the latest "
-                f"{self.latest}, for {stuck_s:.0f} s: are parameters reaching it?",
+                f"acts with version {v}, {behind} behind the latest {self.latest}, for {stuck_s:.0f} s: "
+                + self._stuck_cause(track, now),
                 now,
             )
+
+    def _stuck_cause(self, track: _Track, now: float) -> str:
+        """What the broker can tell of why: an actor reports after each rollout it sent, so one that went quiet (or
+        that says it waits most of its time) is held by flow control, not starved of parameters."""
+        quiet_s = now - track.reported_at if track.reported_at is not None else 0.0
+        if quiet_s > 2 * self.report_interval_s + STATS_SLACK_S:
+            return (
+                f"no report for {quiet_s:.0f} s (it reports after each rollout it sends): held sending, by flow "
+                "control? is the learner, or this relay's upstream, taking trajectories?"
+            )
+        if track.wait_share is not None and track.wait_share >= HELD_WAIT_SHARE:
+            return (
+                f"it waits {track.wait_share:.0%} of its time for parameters or for the broker to take its "
+                "trajectories: is the learner publishing and taking data?"
+            )
+        return "are parameters reaching it?"
 
     def _regroup(self, member: str, track: _Track, first: str, now: float) -> None:
         """``member`` reports ``first``. O(1) whatever the group's size: a fleet of a thousand actors sharing one seed
