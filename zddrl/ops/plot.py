@@ -150,6 +150,28 @@ def _note_missing_returns(runs: list[Run], ret_steps: Any, ret_wall: Any) -> Non
         ax.set_yticks([])
 
 
+def _label_axes(runs: list[Run], ret_steps: Any, ret_wall: Any, sps_wall: Any, stale: Any, steps_fmt: Any) -> None:
+    """Titles, axis labels, grids, tick formats and limits of the four panels."""
+    for ax, title, xlabel, ylabel in (
+        (ret_steps, "Return vs env steps", "env steps (all actors)", "mean return, last 20 episodes"),
+        (ret_wall, "Return vs wall time", "wall time since command start (s)", "mean return, last 20 episodes"),
+        (sps_wall, "Throughput", "wall time since command start (s)", "env steps / s (average since start)"),
+        (stale, "Policy lag of trained data", "env steps (all actors)", "staleness (policy versions)"),
+    ):
+        ax.set_title(title, fontsize=11)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlim(left=0)
+        if xlabel.startswith("env steps"):
+            ax.xaxis.set_major_formatter(steps_fmt)
+    sps_wall.yaxis.set_major_formatter(steps_fmt)
+    sps_wall.set_ylim(bottom=0)
+    top = max((x for r in runs for x in r.series["staleness_max"] if not math.isnan(x)), default=0.0)
+    stale.set_ylim(-0.2, max(top, 1.0) * 1.3 + 0.3)  # headroom for the legend
+    stale.yaxis.get_major_locator().set_params(integer=True)
+
+
 def figure(runs: list[Run]) -> Any:
     """The four panels of ``runs`` (a matplotlib Figure on an Agg canvas); PlotError without matplotlib."""
     try:
@@ -197,25 +219,7 @@ def figure(runs: list[Run]) -> Any:
 
     _note_missing_returns(runs, ret_steps, ret_wall)
 
-    steps_fmt = FuncFormatter(count_label)
-    for ax, title, xlabel, ylabel in (
-        (ret_steps, "Return vs env steps", "env steps (all actors)", "mean return, last 20 episodes"),
-        (ret_wall, "Return vs wall time", "wall time since command start (s)", "mean return, last 20 episodes"),
-        (sps_wall, "Throughput", "wall time since command start (s)", "env steps / s (average since start)"),
-        (stale, "Policy lag of trained data", "env steps (all actors)", "staleness (policy versions)"),
-    ):
-        ax.set_title(title, fontsize=11)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.set_xlim(left=0)
-        if xlabel.startswith("env steps"):
-            ax.xaxis.set_major_formatter(steps_fmt)
-    sps_wall.yaxis.set_major_formatter(steps_fmt)
-    sps_wall.set_ylim(bottom=0)
-    top = max((x for r in runs for x in r.series["staleness_max"] if not math.isnan(x)), default=0.0)
-    stale.set_ylim(-0.2, max(top, 1.0) * 1.3 + 0.3)  # headroom for the legend
-    stale.yaxis.get_major_locator().set_params(integer=True)
+    _label_axes(runs, ret_steps, ret_wall, sps_wall, stale, FuncFormatter(count_label))
     handles = ret_steps.get_legend_handles_labels()[0] + style  # below the panels: it hides no curve
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=10, frameon=False)
     envs = sorted({r.env_id for r in runs if r.env_id})

@@ -226,20 +226,7 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
             child[:] = [
                 subprocess.Popen([sys.executable, "-m", "zddrl", *args], preexec_fn=own_group_dying_with_parent)
             ]
-            proc = child[0]
-            if stopping:  # a signal between two children
-                proc.send_signal(stopping[0])
-            termed = False
-            while proc.poll() is None:
-                if not termed and not stopping and overdue(t0, learner_t0, max_seconds):
-                    logger.info(f"train.max_seconds ({max_seconds:.0f} s) reached: stopping the restarted learner")
-                    proc.send_signal(signal.SIGTERM)
-                    termed = True
-                try:
-                    proc.wait(timeout=POLL_S)
-                except subprocess.TimeoutExpired:
-                    pass
-            code = proc.returncode
+            code, termed = _run_child(child[0], stopping, overdue_at=(t0, learner_t0, max_seconds))
             if code == 0:
                 return
             cause = exit_cause(code)
@@ -252,21 +239,47 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
                 raise SupervisorError(give_up_message(budget, cause, "its output above", run_dir))
             resume, _ = resume_point(run_dir, t0)
             logger.warning(describe_restart(budget.used, budget, cause, delay, resume, ""))
-            waited = wait_for_group(proc.pid)  # the child leads its own group (own_group_dying_with_parent)
+            waited = wait_for_group(child[0].pid)  # the child leads its own group (own_group_dying_with_parent)
             _wait(delay - waited, stopping)
             resume, learner_t0 = resume_point(run_dir, t0)  # now: an orphaned shard 0 may have checkpointed
             if stopping:
                 raise SupervisorError(f"stopped by {signal.Signals(stopping[0]).name} before restart {budget.used}")
     finally:
-        if child and child[0].poll() is None:
-            child[0].send_signal(signal.SIGTERM)
-            try:
-                child[0].wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                child[0].kill()
-                child[0].wait()
+        if child:
+            _stop_child(child[0])
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _run_child(proc: subprocess.Popen, stopping: list[int], overdue_at: tuple[float, float, float]) -> tuple[int, bool]:
+    """Wait for one learner child to exit; SIGTERM it once when the run's time is up. Returns its exit code and
+    whether it was told to stop for time."""
+    t0, learner_t0, max_seconds = overdue_at
+    if stopping:  # a signal between two children
+        proc.send_signal(stopping[0])
+    termed = False
+    while proc.poll() is None:
+        if not termed and not stopping and overdue(t0, learner_t0, max_seconds):
+            logger.info(f"train.max_seconds ({max_seconds:.0f} s) reached: stopping the restarted learner")
+            proc.send_signal(signal.SIGTERM)
+            termed = True
+        try:
+            proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+    return proc.returncode, termed
+
+
+def _stop_child(proc: subprocess.Popen) -> None:
+    """A learner still running when supervision ends (an exception, a signal): SIGTERM, then SIGKILL after a grace."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def own_group_dying_with_parent() -> None:

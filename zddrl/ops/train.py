@@ -231,14 +231,8 @@ def run_training(
     """
     t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
-    _check_env_id(config)  # a misspelt env id: one line, before anything is written
-    if algorithm_of(config).replay:  # a buffer that cannot fit must not cost a learner's failed starts
-        _check_env(config)
-    fresh = not run_dir.exists()
-    """A directory this command makes is removed again if the env is refused after the start (nothing ran)."""
+    fresh = _open_run_dir(config, run_dir)
     log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(config.to_dict()))
     control, traj, learn, params, replay_port = free_ports(5)
     connect = f"tcp://127.0.0.1:{control}"
     if not algorithm_of(config).replay or config.replay.placement != "service":
@@ -283,6 +277,19 @@ def run_training(
         click.echo(interrupted_message(run_dir), err=True)
         raise click.exceptions.Exit(130)  # 128 + SIGINT, as a shell reports it; not click's "Aborted!"
     return _summary(learner, run_dir, t0, budget.used)
+
+
+def _open_run_dir(config: Config, run_dir: Path) -> bool:
+    """Check what can be checked before anything is written, then make the run directory with its config and log
+    folder. Returns whether this command made it: a directory it made is removed again if the env is refused after
+    the start (nothing ran)."""
+    _check_env_id(config)  # a misspelt env id: one line, before anything is written
+    if algorithm_of(config).replay:  # a buffer that cannot fit must not cost a learner's failed starts
+        _check_env(config)
+    fresh = not run_dir.exists()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(config.to_dict()))
+    return fresh
 
 
 def tensorboard_hint(run_dir: Path) -> str:
