@@ -8,6 +8,7 @@ that travels to the actors. No sockets here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,24 @@ from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.logs import RateLimitedLog
 from zddrl.shards.group import ShardGroup
+
+PROFILE_REGIONS = ("forward", "value", "backward", "gradients", "optimizer")
+"""The parts of an update named for torch.profiler (``zddrl.<region>``; ``zddrl bench learner --profile`` sums them):
+the training forward pass, no-grad value passes (bootstraps, targets), backward, the gradients' average over the
+shards and clipping, and the optimizer's step."""
+_profiled = [False]
+"""Whether regions are recorded: a record_function costs several microseconds even with no profiler running, a
+nullcontext a tenth of one (set by ``profile_regions``)."""
+
+
+def profile_regions(on: bool) -> None:
+    """Name the update's regions for a torch.profiler session (off: no cost in a run)."""
+    _profiled[0] = on
+
+
+def region(name: str) -> contextlib.AbstractContextManager:
+    """One of PROFILE_REGIONS, as a context manager."""
+    return torch.profiler.record_function(f"zddrl.{name}") if _profiled[0] else contextlib.nullcontext()
 
 
 class RunningMeanStd:
@@ -197,11 +216,12 @@ class LearnerCore:
         torso (the CNN: nearly all of the compute) runs in bfloat16 where torch's autocast allows (convolutions,
         matrix products), and the heads, the distribution, the losses and Adam in float32 on its output: log-probs
         and values keep float32's precision, which the importance ratios and V-trace targets need."""
-        if self.config.learner.autocast == "off":
-            return self.model.evaluate(obs, actions)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16):
-            x = self.model.features(obs)
-        return self.model.evaluate_features(x.float(), actions)
+        with region("forward"):
+            if self.config.learner.autocast == "off":
+                return self.model.evaluate(obs, actions)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                x = self.model.features(obs)
+            return self.model.evaluate_features(x.float(), actions)
 
     def refusal(self, arrays) -> str:
         """Why this core cannot take a rollout that fits the run (``rollout.mismatch``), or "": its ``life_lost``
@@ -260,7 +280,7 @@ class LearnerCore:
         """V(obs) with the current network (no grad), for ``[K, *obs]`` raw observations."""
         if len(obs) == 0:
             return np.zeros(0, dtype=np.float32)
-        with torch.no_grad():
+        with torch.no_grad(), region("value"):
             return self.model.value(self.tensor(self.normalize(obs))).cpu().numpy()
 
     def tensor(self, x: np.ndarray) -> torch.Tensor:
@@ -276,14 +296,16 @@ class LearnerCore:
         params = optimizer.params
         self._ratelog.flush()
         optimizer.zero_grad(set_to_none=True)
-        if loss is not None:
-            loss.backward()
-        else:
-            for p in params:
-                p.grad = torch.zeros_like(p)
-        if self.group.average_gradients(params, weight) == 0:
-            return None
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm))
+        with region("backward"):
+            if loss is not None:
+                loss.backward()
+            else:
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+        with region("gradients"):
+            if self.group.average_gradients(params, weight) == 0:
+                return None
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, self.algo.max_grad_norm))
         if not math.isfinite(grad_norm):
             # One poisoned sample (a finite but absurd log-probability, say) must not turn every weight into
             # NaN for good. Gradients are all-reduced, so every shard sees the same norm and skips alike.
@@ -292,7 +314,8 @@ class LearnerCore:
                 "skipped-step", f"skipped an optimizer step: gradient norm {grad_norm} ({self.skipped_steps} so far)"
             )
             return None
-        optimizer.step()
+        with region("optimizer"):
+            optimizer.step()
         return grad_norm
 
     def state(self) -> dict:

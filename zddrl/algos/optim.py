@@ -1,8 +1,11 @@
-"""Adam with torch.optim.Adam's update rule, in foreach kernels.
+"""Adam with torch.optim.Adam's update rule, in torch's fused Adam kernel (foreach kernels where there is none).
 
 Why not ``torch.optim.Adam``: constructing any ``torch.optim`` optimizer imports ``torch._dynamo``,
 which takes ~0.9 s on this kind of machine: a third of `zddrl train`'s start-up on CartPole. The
-update below is the same arithmetic (tests compare it with torch's, step by step).
+update below is the same arithmetic (tests compare it with torch's, step by step). Fused: one pass over the
+parameters and both moments instead of six foreach passes; on the Pong example's 1M-parameter network a step
+takes a quarter of the foreach form's time on a CPU core (``zddrl bench learner --profile`` shows the
+optimizer's share of an update).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+FUSED = hasattr(torch, "_fused_adam_")
+"""torch's fused Adam kernel (CPU and CUDA since torch 2.4); the foreach form otherwise."""
 
 
 class Adam:
@@ -24,6 +30,9 @@ class Adam:
         self.steps = 0
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
+        self._step_of = [torch.zeros((), dtype=torch.float32, device=p.device) for p in self.params]
+        """Each parameter's step count as the fused kernel takes it (bias corrections); equal to ``steps`` for a
+        parameter that had a gradient at every step."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -43,6 +52,14 @@ class Adam:
         index = {id(p): i for i, p in enumerate(self.params)}
         m = [self.exp_avg[index[id(p)]] for p in params]
         v = [self.exp_avg_sq[index[id(p)]] for p in params]
+        if FUSED:
+            steps = [self._step_of[index[id(p)]] for p in params]
+            torch._foreach_add_(steps, 1.0)
+            torch._fused_adam_(
+                params, grads, m, v, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=0.0,
+                eps=group["eps"], amsgrad=False, maximize=False,
+            )  # fmt: skip
+            return
         torch._foreach_lerp_(m, grads, 1 - beta1)  # m = beta1 * m + (1 - beta1) * g
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
@@ -63,6 +80,8 @@ class Adam:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
+        for step in self._step_of:
+            step.fill_(self.steps)
         for dst, src in zip(self.exp_avg + self.exp_avg_sq, list(state["exp_avg"]) + list(state["exp_avg_sq"])):
             dst.copy_(src)
         self.param_groups[0]["lr"] = float(state["lr"])

@@ -34,6 +34,7 @@ from loguru import logger
 from zddrl import protocol as P
 from zddrl.bench import common as C
 from zddrl.bench.broadcast import BenchPublisher
+from zddrl.bench.learner_profile import format_profile, profile_updates
 from zddrl.config import AUTOCASTS, Config, ConfigError, kind_label, load_config, run_kind
 from zddrl.proc import free_ports
 from zddrl.shards.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
@@ -115,8 +116,10 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     for batch in data[1:]:
         core.update(batch)
     wall = time.perf_counter() - t0
+    profiled = profile_updates(core.update, data[1:], wall) if spec.get("profile") else None
     if group.is_main:
-        figures = {"wall_s": wall, "comm_s": group.comm_s - comm0, "samples_per_update": T * N * actors}
+        figures: dict[str, Any] = {"wall_s": wall, "comm_s": group.comm_s - comm0, "samples_per_update": T * N * actors}
+        figures |= {"profile": profiled} if profiled else {}
         Path(out).write_text(
             json.dumps(
                 {**figures, "model": config.model.kind, "mode": kind_label(config.algo.name, config.algo.schedule)}
@@ -183,6 +186,8 @@ def run_throughput(devices: tuple[str, ...], threads: int, options: dict[str, An
         "update_ms": round(1e3 * figures["wall_s"] / updates, 2),
         "collective_share": round(figures["comm_s"] / figures["wall_s"], 3),
     }
+    if "profile" in figures:
+        row["profile"] = figures["profile"]
     what = options.get("config") or f"hidden {options.get('hidden')}"
     logger.info(
         f"{shards} shard(s) on {devices[0]} x {threads} thread(s), {what}, autocast {options['autocast']}: "
@@ -332,6 +337,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
             f"{ratio:>8.2f}x"
         )
+        lines += format_profile(r) if "profile" in r else []
     if report["broadcast"]:
         lines += [
             "",
@@ -405,6 +411,12 @@ def _ints(text: str) -> list[int]:
     help="learner.autocast values to measure, comma-separated (off,bf16: side by side).",
 )
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="Run the timed updates again under torch.profiler: the update's time by region (forward, value passes, "
+    "backward, gradient averaging and clipping, optimizer, other) and the costliest operators.",
+)
 def learner(
     as_json,
     shards,
@@ -422,6 +434,7 @@ def learner(
     config_path,
     autocasts,
     no_broadcast,
+    profile,
 ) -> None:
     """Learner throughput with 1 and N shards (CPU, or --gpus), and ~10M-parameter broadcast (fp32/bf16 chunks
     vs pickle)."""
@@ -448,6 +461,7 @@ def learner(
             raise click.UsageError(str(exc)) from None
         runs = [(devices[:1], 1)] + ([(devices, 1)] if len(devices) > 1 else [])
     common = {"updates": updates, "mode": mode, "epochs": epochs, "minibatches": minibatches, "batch": batch}
+    common["profile"] = profile
     models = [{"config": config_path}] if config_path else [{"hidden": _ints(h)} for h in hiddens]
     throughput = [
         run_throughput(devices, threads, {**common, **model, "autocast": cast})
