@@ -2,7 +2,7 @@
 ``--service``, of a replay service on the bus: bench/replay_service.py).
 
 For each workload (CartPole-sized 4 x float32 observations; Atari's 4x84x84 uint8 frames) one
-``algos.replay.PrioritizedReplay`` is built at ``--capacity`` (10^6), or at the largest round
+``algos.replay_buffer.prioritized.PrioritizedReplay`` is built at ``--capacity`` (10^6), or at the largest round
 capacity whose bytes fit in ``--memory-fraction`` of the memory available now, whichever is
 smaller (the row says which and why: 10^6 Atari frames are 28 GB). Then, in one process:
 
@@ -33,7 +33,7 @@ import click
 import numpy as np
 
 from benchmarks.replay_learners import bench_learners, format_learner_rows
-from zddrl.algos.replay import PrioritizedReplay, available_memory, replay_nbytes
+from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay, available_memory, replay_nbytes
 
 WORKLOADS: dict[str, tuple[tuple[int, ...], Any]] = {"cartpole": ((4,), np.float32), "atari": ((4, 84, 84), np.uint8)}
 ACTION_DTYPE = np.int64

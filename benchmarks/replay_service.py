@@ -6,8 +6,8 @@ the run spec, version 0 published, then ``RemoteReplay``, the learner's own clie
 PUSH of ready-made rollouts of ``T x N = 32 x 8`` steps, the local rows' workload). Per workload:
 
 * **insert**: rollouts pushed as fast as the credit lets them, timed until the replay's ``inserted`` (read from its
-  answers) counts them all: actor -> broker -> replay, checked (``replay_store.take_in``: shapes, finite numbers,
-  episode counting) and inserted;
+  answers) counts them all: actor -> broker -> replay, checked (``replay.store.ReplayStore.take_in``: shapes, finite
+  numbers, episode counting) and inserted;
 * **sample** and **sample+update**: ``RemoteReplay.sample(256)`` (one request, one answer of 256 transitions over
   TCP, importance weights computed here), and the same with the batch's priority updates riding on the next request.
 
@@ -32,8 +32,8 @@ from benchmarks.replay import BATCH, N_ENVS, T_STEPS, WORKLOADS, rollouts_of
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import probe_spec
-from zddrl.learner.replay_client import RemoteReplay
 from zddrl.proc import free_ports, stop_processes
+from zddrl.replay.client import RemoteReplay
 from zddrl.transport.link import BrokerLink
 
 ENVS: dict[str, dict[str, Any]] = {

@@ -4,6 +4,7 @@ layers below it; nothing in the learning maths imports sockets or wire messages.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zddrl"
@@ -13,9 +14,10 @@ LAYERS = [
     {"plugin"},
     {"brokerconf", "algoconf"},
     {"config", "keys", "logs", "proc", "values"},
-    {"envs"},
+    {"envs", "intake"},
     {"shards"},
     {"algos", "transport"},
+    {"replay"},
     {"broker", "actor", "learner"},
     {"ops"},
     {"cli"},
@@ -57,12 +59,19 @@ def test_imports_run_one_way() -> None:
     assert not wrong, "imports that go up or sideways:\n" + "\n".join(wrong)
 
 
+def imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, by its full dotted name."""
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    return names | {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+
+
 def test_the_maths_and_the_wire_never_touch_sockets() -> None:
     for path in list((PACKAGE / "algos").rglob("*.py")) + list((PACKAGE / "protocol").rglob("*.py")):
         tree = ast.parse(path.read_text())
         names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        if path.parent.name == "algos":
+        if owner(path) == "algos":  # its subpackages too (apex/, sac/, replay_buffer/)
             assert "zmq" not in names and not any(
                 m.startswith(("zmq", "zddrl.protocol", "zddrl.transport")) for m in modules
             ), path
@@ -79,3 +88,13 @@ def test_the_bus_is_blind_to_training() -> None:
         for dst in imports(path) & {"config", "algoconf", "algos", "plugin", "envs"}
     ]
     assert not wrong, wrong
+
+
+def test_the_replay_buffer_is_numpy_only() -> None:
+    """The buffer's data structures serve the cores, the actors (TD errors, without torch) and the replay service:
+    numpy and the standard library, and nothing of zddrl outside their own package."""
+    for path in (PACKAGE / "algos" / "replay_buffer").rglob("*.py"):
+        for module in imported_modules(path):
+            top = module.split(".")[0]
+            inside = module.startswith("zddrl.algos.replay_buffer")
+            assert inside or top == "numpy" or top in sys.stdlib_module_names, f"{path} imports {module}"

@@ -12,7 +12,7 @@ from zddrl.actor.rollout import collect
 from zddrl.algos.model import flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
 from zddrl.algos.offpolicy_policy import NumpyDuelingQ, NumpyGaussian, QPolicy, SACPolicy, apex_epsilons
-from zddrl.algos.replay_nstep import nstep_td_errors
+from zddrl.algos.replay_buffer.nstep import nstep_td_errors
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, VecEnv
 from zddrl.protocol import Parameters

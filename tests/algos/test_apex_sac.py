@@ -12,7 +12,7 @@ import torch
 
 from zddrl.algos.apex.learner import ApexLearner
 from zddrl.algos.checks import replay_refusal, spec_refusal
-from zddrl.algos.replay_nstep import nstep_td_errors
+from zddrl.algos.replay_buffer.nstep import nstep_td_errors
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac.learner import SACLearner
 from zddrl.config import Config, ConfigError, run_kind

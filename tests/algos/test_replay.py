@@ -1,5 +1,5 @@
-"""zddrl.algos.replay: priorities and importance weights against a slow reference, next observations across
-episode ends and ring wrap-around, dtypes, version filtering, the memory check and checkpoints."""
+"""zddrl.algos.replay_buffer.prioritized: priorities and importance weights against a slow reference, next
+observations across episode ends and ring wrap-around, dtypes, version filtering, the memory check and checkpoints."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_replay_nstep import slow_nstep
 
-from zddrl.algos.replay import PrioritizedReplay, ReplayMemoryError, replay_nbytes
-from zddrl.algos.replay_memory import check_fits
+from zddrl.algos.replay_buffer.memory import check_fits
+from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay, ReplayMemoryError, replay_nbytes
 
 ATARI = (4, 84, 84)
 
@@ -94,7 +94,7 @@ def test_priorities_and_weights_match_the_slow_reference() -> None:
 
 
 def expected_next(arrays: dict, t: int, i: int, k: int) -> np.ndarray:
-    """s_{t+k}, as replay_nstep.py defines it; after a termination the transition's own observation."""
+    """s_{t+k}, as replay_buffer/nstep.py defines it; after a termination the transition's own observation."""
     last = t + k - 1
     if arrays["terminated"][last, i]:
         return arrays["obs"][t, i]

@@ -1,11 +1,11 @@
-"""zddrl.algos.replay_nstep: n-step returns against a slow loop written from the definition."""
+"""zddrl.algos.replay_buffer.nstep: n-step returns against a slow loop written from the definition."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from zddrl.algos.replay_nstep import nstep_returns
+from zddrl.algos.replay_buffer.nstep import nstep_returns
 
 
 def slow_nstep(rewards, terminated, truncated, gamma, n):

@@ -1,4 +1,5 @@
-"""zddrl.algos.sumtree: proportional sampling against the intended distribution and a slow prefix-sum search."""
+"""zddrl.algos.replay_buffer.sumtree: proportional sampling against the intended distribution and a slow prefix-sum
+search."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from zddrl.algos.sumtree import SumTree
+from zddrl.algos.replay_buffer.sumtree import SumTree
 
 Z_1E6 = 4.753
 """The standard normal's upper 1e-6 quantile: a chi-square beyond it is a one-in-a-million fluke."""

@@ -1,6 +1,6 @@
 """Issue 13, attack 3: "one in-spec 262k-step rollout (9.5 MiB) costs the learner 7 s and +640 MB". A rollout may
 hold at most ROLLOUT_SLACK times the steps its sender was asked for, and one from a version never published is
-refused; both are judged from shapes and header numbers, before any array is read (``learner/admit.py``)."""
+refused; both are judged from shapes and header numbers, before any array is read (``intake/admit.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from loguru import logger
 from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl.config import Config
-from zddrl.learner.admit import ROLLOUT_SLACK, AskedLengths, envs_bound, envs_of, refusal
+from zddrl.intake.admit import ROLLOUT_SLACK, AskedLengths, envs_bound, envs_of, refusal
 from zddrl.learner.node import LearnerNode
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.rounds import SyncRounds

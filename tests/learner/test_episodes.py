@@ -15,10 +15,10 @@ from fakes import FakeChannel, FakeLink
 from samples import rollout_of
 from zddrl import protocol as P
 from zddrl.config import Config
-from zddrl.learner.episodes import REORDER_WINDOW, Episodes, segments_of
+from zddrl.intake.episodes import REORDER_WINDOW, Episodes, segments_of
+from zddrl.intake.records import record_of, records_of
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
-from zddrl.learner.records import record_of, records_of
 from zddrl.learner.rounds import AsyncStream
 from zddrl.shards.group import ShardGroup
 
@@ -150,7 +150,7 @@ def test_forged_returns_and_step_totals_in_the_header_do_not_end_the_run() -> No
 
 def test_what_the_learner_keeps_per_actor_is_bounded_whatever_the_peer_ids() -> None:
     from zddrl.algos.core import REWARD_STREAMS_KEPT, RewardScaler
-    from zddrl.learner.episodes import STREAMS_KEPT
+    from zddrl.intake.episodes import STREAMS_KEPT
     from zddrl.learner.ledger import LAG_KEPT
 
     ledger, scaler = Ledger(Config(), logger, time.time()), RewardScaler(0.99)

@@ -1,4 +1,4 @@
-"""A learner's side of the replay services (zddrl/learner/replay_client.py) against real ROUTER sockets served by
+"""A learner's side of the replay services (zddrl/replay/client.py) against real ROUTER sockets served by
 real ``ReplayStore``s: batches split by priority mass, importance weights over every replay against a slow
 reference, priority updates back to the replay that served each row, intake and reports, a replay that is gone."""
 
@@ -17,9 +17,9 @@ from samples import cartpole_trajectory
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.learner import replay_client
-from zddrl.learner.replay_client import RemoteReplay
-from zddrl.learner.replay_store import ReplayStore
+from zddrl.replay import client as replay_client
+from zddrl.replay.client import RemoteReplay
+from zddrl.replay.store import ReplayStore
 
 SPEC = EnvSpec((4,), True, 2)
 CONFIG = Config().replace(
@@ -34,7 +34,7 @@ CONFIG = Config().replace(
 
 
 class FakeReplay:
-    """A ROUTER answering replay_sample with a ReplayStore, on its own thread (what replay_service.py does,
+    """A ROUTER answering replay_sample with a ReplayStore, on its own thread (what zddrl/replay/service.py does,
     without the broker)."""
 
     def __init__(self, ctx: zmq.Context, name: str, port: int = 0) -> None:

@@ -13,9 +13,9 @@ from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.keys import credentials, folder, public_key
-from zddrl.learner.replay_client import RemoteReplay
-from zddrl.learner.replay_service import ReplayService
 from zddrl.ops.train import throwaway_keys
+from zddrl.replay.client import RemoteReplay
+from zddrl.replay.service import ReplayService
 from zddrl.transport.io import NOBLOCK, recv_frames
 
 SPEC = EnvSpec((4,), True, 2)

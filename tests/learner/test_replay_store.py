@@ -1,4 +1,4 @@
-"""The replay service's buffer and books (zddrl/learner/replay_store.py): intake checked and counted, reports,
+"""The replay service's buffer and books (zddrl/replay/store.py): intake checked and counted, reports,
 requests, runs that keep or replace the buffer, and state saved and loaded."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from samples import cartpole_trajectory
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.learner.replay_store import ReplayStore
+from zddrl.replay.store import ReplayStore
 
 SPEC = EnvSpec((4,), True, 2)
 

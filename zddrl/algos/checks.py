@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from zddrl.algos.replay_memory import ReplayMemoryError, check_fits, replay_nbytes
+from zddrl.algos.replay_buffer.memory import ReplayMemoryError, check_fits, replay_nbytes
 from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec

@@ -16,7 +16,7 @@ import numpy as np
 
 from zddrl.algos.flat import unflatten
 from zddrl.algos.policy import ACTIVATIONS, ActOutput
-from zddrl.algos.replay_nstep import nstep_td_errors
+from zddrl.algos.replay_buffer.nstep import nstep_td_errors
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 SQUASH_EPS = 1e-6

@@ -1,7 +1,7 @@
 """What the replay algorithms (apex, sac) share: intake into the buffer and the gradient steps the replay ratio owes.
 
-An update takes in the batch's rollouts (``replay.PrioritizedReplay.insert_arrays``: n-step returns, the
-policy version that acted, the actor's initial priorities where it sends them), then takes
+An update takes in the batch's rollouts (``replay_buffer.prioritized.PrioritizedReplay.insert_arrays``: n-step
+returns, the policy version that acted, the actor's initial priorities where it sends them), then takes
 ``replay.replay_ratio`` gradient steps per env step taken in, once the buffer (all shards) holds
 ``replay.learning_starts`` transitions. Fractions carry over to the next update, so over a run the ratio holds
 exactly. The learner reads no more data before it has taken them: that throttles intake, and the credit
@@ -12,7 +12,7 @@ steps (the owed count is computed from the steps of every shard), each on a batc
 gradients averaged (``LearnerCore.step_optimizer``).
 
 ``replay.placement = "service"``: the buffer is not here but in ``zddrl replay`` processes, which take the
-trajectories in; the learner node attaches a ``ReplaySource`` (``learner/replay_client.py``) that samples from
+trajectories in; the learner node attaches a ``ReplaySource`` (``zddrl/replay/client.py``) that samples from
 them, and an update takes the steps owed for the env steps they took in since the last one (the main shard's
 count: every shard sees the same replays). No sockets here.
 """
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from zddrl.algos.core import LearnerCore
-from zddrl.algos.replay import PrioritizedReplay, TransitionBatch
+from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay, TransitionBatch
 from zddrl.algos.rollout import Rollout
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
@@ -98,7 +98,8 @@ class ReplayLearner(LearnerCore):
         self.remote = remote
 
     def refusal(self, arrays: Any) -> str:
-        """Why a checked rollout cannot go into this buffer, or "": its block must fit the ring (``replay.py``)."""
+        """Why a checked rollout cannot go into this buffer, or "": its block must fit the ring
+        (``replay_buffer/prioritized.py``)."""
         why = super().refusal(arrays)
         return why or (block_refusal(arrays, self.replay.capacity) if self.replay is not None else "")
 
@@ -235,7 +236,8 @@ def buffer_for(config: Config, spec: EnvSpec, seed: int) -> PrioritizedReplay:
 
 
 def block_refusal(arrays: Any, capacity: int) -> str:
-    """Why a checked rollout's block cannot go into a ring of ``capacity`` slots (``replay.py``), or ""."""
+    """Why a checked rollout's block cannot go into a ring of ``capacity`` slots (``replay_buffer/prioritized.py``),
+    or ""."""
     T, N = arrays["rewards"].shape
     block = (T + 1) * N + (len(arrays["trunc_idx"]) if "trunc_idx" in arrays else 0)
     if block > capacity:

@@ -1,4 +1,4 @@
-"""`zddrl replay`: a replay service on the bus (zddrl/learner/replay_service.py; docs/protocol.md section 5.9)."""
+"""`zddrl replay`: a replay service on the bus (zddrl/replay/service.py; docs/protocol.md section 5.9)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def replay(connect, bind, replay_id, state_dir, save_every_s, ready_file, allow_
     import threading
 
     from zddrl.keys import folder
-    from zddrl.learner.replay_service import ReplayService
+    from zddrl.replay.service import ReplayService
 
     creds = credentials_of(keys_dir, "replay", key_name)
     allowed = allowed_code(allow_code)

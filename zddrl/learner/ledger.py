@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 
 from zddrl.config import Config
-from zddrl.learner.episodes import Episodes
+from zddrl.intake.episodes import Episodes
+from zddrl.intake.records import Record
 from zddrl.learner.progress import Progress
-from zddrl.learner.records import Record
 from zddrl.logs import RateLimitedLog
 
 LAG_WINDOW = 20

@@ -32,19 +32,20 @@ from zddrl.algos.rollout import mismatch
 from zddrl.algos.spec import algorithm_of, declared
 from zddrl.config import Config, ConfigError
 from zddrl.envs import probe_spec
-from zddrl.learner.admit import AskedLengths, envs_bound, envs_of, refusal
+from zddrl.intake.admit import AskedLengths, envs_bound, envs_of, refusal
+from zddrl.intake.window import stream_window
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
 from zddrl.learner.evaluation import Evaluator
 from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import ShardPoller
 from zddrl.learner.progress import PROGRESS_LINE_EVERY_S, Progress, progress_line
-from zddrl.learner.replay_client import RemoteReplay, ServiceFeed
-from zddrl.learner.rounds import AsyncStream, CollectedBatch, SyncRounds, stream_window
+from zddrl.learner.rounds import AsyncStream, CollectedBatch, ServiceFeed, SyncRounds
 from zddrl.learner.runlog import RunLog, load_checkpoint
 from zddrl.learner.welcome import NotJoined as NotJoined  # re-exported: the CLI catches it with the node
 from zddrl.learner.welcome import await_welcome
 from zddrl.proc import rss_mb
+from zddrl.replay.client import RemoteReplay
 from zddrl.shards.group import ShardError, ShardGroup
 from zddrl.transport import signatures as signing
 from zddrl.transport.channel import CREDIT_WINDOW, DataChannel

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from zddrl import protocol as P
-from zddrl.learner.records import Record, in_order, record_of, records_of
+from zddrl.intake.records import Record, in_order, record_of, records_of
 from zddrl.shards.group import ShardGroup
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.link import BrokerLink

@@ -1,4 +1,5 @@
-"""How a learner collects a batch: a sync round (distributed PPO) or a batch of the async stream.
+"""How a learner collects a batch: a sync round (distributed PPO), a batch of the async stream, or the replay services'
+intake.
 
 Sync: a round collects trajectories of the current version v until the batch is full (``algo.batch_size`` env
 steps summed over actors), every expected actor has reported, or the round has taken more than
@@ -19,13 +20,16 @@ rollouts are sized from what actors deliver, not from what they claim.
 Async and IMPALA: take data as it arrives, drop what is more than ``max_staleness`` versions old, until a
 batch is full. Actors never wait.
 
-Both return a ``CollectedBatch`` (this shard's part of the batch and what the update's row needs), or one with
+Replay services (``replay.placement = "service"``, ``ServiceFeed``): the replays take the run's data in (``zddrl
+replay``); a collect ends once they have taken in a batch's worth of env steps, and its batch is empty: the update
+samples from them (``zddrl.replay.client.RemoteReplay``).
+
+All return a ``CollectedBatch`` (this shard's part of the batch and what the update's row needs), or one with
 ``stopped`` set when the run is over. Counting (``Ledger``) and the fleet are the main shard's alone.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
@@ -36,23 +40,19 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.config import AlgoConfig, Config
+from zddrl.config import AlgoConfig
 from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import Polled, ShardPoller
+from zddrl.replay.client import RemoteReplay
+from zddrl.shards.group import ShardGroup
 
 FIRST_ROUNDS_TIMEOUT_S = 10.0
 """Straggler timeout until an actor has reported in time once."""
 ACTOR_WINDOW = 20
 """Recent in-time report times of an actor that its typical time is the median of."""
-
-
-def stream_window(config: Config, consumers: int = 1) -> int:
-    """The credit window of one of ``consumers`` sharing a run's async stream (learner shards, replay services):
-    about one batch of rollouts in all. Every rollout queued ahead of the update is acted by a policy a version
-    older by the time it is trained on, so a deep queue is stale data (docs/benchmarks.md, the replay service)."""
-    per_batch = math.ceil(config.algo.batch_size / (config.env.rollout_len * config.env.num_envs))
-    return math.ceil(per_batch / consumers) + 1
+SERVICE_POLL_S = 0.002
+"""Between figures-only requests while a service batch is being collected."""
 
 
 class CollectedBatch(NamedTuple):
@@ -208,3 +208,42 @@ class AsyncStream:
             "staleness_hist": " ".join(f"{v}:{n}" for v, n in enumerate(hist) if n),
         }
         return CollectedBatch(batch, time.monotonic() - started, len({peer for peer, _, _ in used}), mean, figures)
+
+
+class ServiceFeed:
+    """The service placement's collector: ``collect(stop, version)`` returns once the replays took in
+    ``algo.batch_size`` more env steps (an update's worth, as the local placement reads them), counting their
+    reports in the main shard's ledger. The batch it returns is empty: the update samples from the replays. Shards
+    end a collect together (the main shard decides, in the group's exchange)."""
+
+    def __init__(
+        self, poller: ShardPoller, remote: RemoteReplay, algo: AlgoConfig, ledger: Ledger | None, group: ShardGroup
+    ) -> None:
+        self.poller, self.remote, self.algo, self.ledger, self.group = poller, remote, algo, ledger, group
+
+    def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
+        started, start = time.monotonic(), self.remote.taken
+        remote = self.remote
+        remote.policy_version = version
+        while True:
+            self.poller.keep_link()
+            remote.room = max(0, self.algo.batch_size - (remote.taken - start))
+            remote.refresh()
+            ledger = self.ledger
+            if ledger is not None:
+                report = remote.take_reports()
+                ledger.intake(report.env_steps, report.returns, report.invalid)
+            control = {
+                "stop": stop.is_set() or (ledger is not None and ledger.finished()),
+                "done": remote.taken - start >= self.algo.batch_size,
+            }
+            if self.group.sharded:
+                parts = self.group.exchange(control if self.group.is_main else None)
+                control = {**parts[0], "stop": parts[0]["stop"] or stop.is_set()}
+            if control["stop"]:
+                return CollectedBatch([], time.monotonic() - started, 0, stopped=True)
+            if control["done"]:
+                remote.room = 0  # no intake while the update takes its gradient steps
+                fleet = self.poller.link.fleet()
+                return CollectedBatch([], time.monotonic() - started, len(fleet[1]) if fleet else 0)
+            stop.wait(SERVICE_POLL_S)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from zddrl.algos.replay import TransitionBatch
+from zddrl.algos.replay_buffer.prioritized import TransitionBatch
 from zddrl.algos.replay_learner import ReplayLearner
 from zddrl.config import Config
 from zddrl.envs import EnvSpec

@@ -24,7 +24,7 @@ import torch
 from zddrl.algos.checks import spec_refusal
 from zddrl.algos.offpolicy_nets import TwinQ
 from zddrl.algos.optim import Adam
-from zddrl.algos.replay import TransitionBatch
+from zddrl.algos.replay_buffer.prioritized import TransitionBatch
 from zddrl.algos.replay_learner import ReplayLearner
 from zddrl.config import Config, ModelConfig
 from zddrl.envs import EnvSpec

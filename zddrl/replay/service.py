@@ -15,7 +15,7 @@ One process, one thread, three sockets:
   (docs/protocol.md section 5.9). On a closed bus it is a CURVE server with the replay's key pair and admits
   learner keys only (ZAP against ``KEYS/learners/``).
 
-The buffer and its books are ``replay_store.ReplayStore``. With ``--state-dir`` the buffer is saved every
+The buffer and its books are ``store.ReplayStore``. With ``--state-dir`` the buffer is saved every
 ``--save-every-s`` seconds and at a clean stop, and loaded at start: a replay killed and started again with the
 same directory serves what it held at its last save. No remote party chooses code here: messages are decoded by
 ``zddrl.protocol`` (never unpickled) and a malformed one is counted and dropped.
@@ -37,10 +37,10 @@ from zddrl import protocol as P
 from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvError, probe_spec
-from zddrl.learner.replay_store import ReplayStore
-from zddrl.learner.rounds import stream_window
+from zddrl.intake.window import stream_window
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
+from zddrl.replay.store import ReplayStore
 from zddrl.transport.channel import DataChannel
 from zddrl.transport.io import NOBLOCK, recv_frames
 from zddrl.transport.link import BrokerLink, hello_fields

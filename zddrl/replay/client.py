@@ -1,5 +1,5 @@
 """A learner shard's side of the replay services (``replay.placement = "service"``; the services:
-``replay_service.py``).
+``service.py``).
 
 ``RemoteReplay`` is the ``ReplaySource`` the replay algorithms' gradient steps sample from (``algos.replay_learner``).
 It holds one DEALER per replay endpoint (``zddrl learner --replay tcp://H:P,...``) and speaks ``replay_sample`` /
@@ -24,7 +24,6 @@ It holds one DEALER per replay endpoint (``zddrl learner --replay tcp://H:P,...`
 from __future__ import annotations
 
 import math
-import threading
 import time
 from typing import NamedTuple
 
@@ -33,19 +32,13 @@ import zmq
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.algos.replay import TransitionBatch
-from zddrl.config import AlgoConfig, Config
+from zddrl.algos.replay_buffer.prioritized import TransitionBatch
+from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.learner.ledger import Ledger
-from zddrl.learner.poll import ShardPoller
-from zddrl.learner.rounds import CollectedBatch
 from zddrl.logs import RateLimitedLog
-from zddrl.shards.group import ShardGroup
 
 REPLY_TIMEOUT_S = 5.0
 """How long a sample waits for a replay's answer before it draws its batch without that replay."""
-SERVICE_POLL_S = 0.002
-"""Between figures-only requests while a service batch is being collected."""
 REFRESH_TIMEOUT_S = 0.5
 """How long a figures-only request waits (a replay that is not there must not hold up collecting for long)."""
 
@@ -347,42 +340,3 @@ class RemoteReplay:
     @property
     def max_priority(self) -> float:
         return max((p.last.max_priority for p in self.peers if p.last is not None), default=1.0)
-
-
-class ServiceFeed:
-    """The service placement's collector: ``collect(stop, version)`` returns once the replays took in
-    ``algo.batch_size`` more env steps (an update's worth, as the local placement reads them), counting their
-    reports in the main shard's ledger. The batch it returns is empty: the update samples from the replays. Shards
-    end a collect together (the main shard decides, in the group's exchange)."""
-
-    def __init__(
-        self, poller: ShardPoller, remote: RemoteReplay, algo: AlgoConfig, ledger: Ledger | None, group: ShardGroup
-    ) -> None:
-        self.poller, self.remote, self.algo, self.ledger, self.group = poller, remote, algo, ledger, group
-
-    def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
-        started, start = time.monotonic(), self.remote.taken
-        remote = self.remote
-        remote.policy_version = version
-        while True:
-            self.poller.keep_link()
-            remote.room = max(0, self.algo.batch_size - (remote.taken - start))
-            remote.refresh()
-            ledger = self.ledger
-            if ledger is not None:
-                report = remote.take_reports()
-                ledger.intake(report.env_steps, report.returns, report.invalid)
-            control = {
-                "stop": stop.is_set() or (ledger is not None and ledger.finished()),
-                "done": remote.taken - start >= self.algo.batch_size,
-            }
-            if self.group.sharded:
-                parts = self.group.exchange(control if self.group.is_main else None)
-                control = {**parts[0], "stop": parts[0]["stop"] or stop.is_set()}
-            if control["stop"]:
-                return CollectedBatch([], time.monotonic() - started, 0, stopped=True)
-            if control["done"]:
-                remote.room = 0  # no intake while the update takes its gradient steps
-                fleet = self.poller.link.fleet()
-                return CollectedBatch([], time.monotonic() - started, len(fleet[1]) if fleet else 0)
-            stop.wait(SERVICE_POLL_S)

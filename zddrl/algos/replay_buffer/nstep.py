@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from zddrl.algos.replay_block import next_offsets
+from zddrl.algos.replay_buffer.block import next_offsets
 
 __all__ = ["NStepReturns", "nstep_returns", "nstep_td_errors"]
 
@@ -79,7 +79,7 @@ def nstep_td_errors(arrays: Mapping[str, np.ndarray], q_taken: np.ndarray, gamma
 
     ``delta_t = G_t + discount_t V(s_{t+k}) - Q(s_t, a_t)``, with ``V(s) = max_a Q(s, a)`` read from the
     rollout's ``values`` (``obs[t + k]``), ``next_value`` (``t + k = T``) or ``trunc_value`` (a truncated
-    episode's final observation): the bootstrap observation ``replay_block.next_offsets`` picks, so the same
+    episode's final observation): the bootstrap observation ``block.next_offsets`` picks, so the same
     transition the buffer stores. ``q_taken``: ``Q(s_t, a_t)`` ``[T, N]``.
     """
     rewards, terminated, truncated = arrays["rewards"], arrays["terminated"], arrays["truncated"]

@@ -7,7 +7,7 @@ priority seen so far (or, as Ape-X's actors do, one computed from their own TD e
 corrected by the importance weights ``w_i = (N P(i))^-beta / max_j w_j = (p_i / p_min)^-beta``,
 ``beta`` annealed linearly from ``beta0`` to 1 over ``beta_steps`` calls of ``sample``.
 Numpy only (no torch, no sockets): every insert, sample and update is vectorized; the only Python
-loops run over the tree's levels (``sumtree.py``) and over ``n`` (``replay_nstep.py``).
+loops run over the tree's levels (``sumtree.py``) and over ``n`` (``nstep.py``).
 
 **Storage.** One ring of ``capacity`` slots; a slot holds one observation, and, when it is a
 transition's start, that transition. Per slot:
@@ -18,7 +18,7 @@ array           dtype                   what
 ``obs``         the env's (``uint8``    the observation (``[capacity, *obs_shape]``)
                 stays ``uint8``)
 ``actions``     the run's               the action taken from it
-``returns``     float32                 the n-step return ``G_t`` (``replay_nstep.py``)
+``returns``     float32                 the n-step return ``G_t`` (``nstep.py``)
 ``discounts``   float32                 ``gamma^k``; 0 after a termination, and when no transition
 ``next_slot``   int32                   the slot holding ``s_{t+k}``, the bootstrap observation
 ``versions``    int32                   the policy version that acted; -1: observation only
@@ -37,7 +37,7 @@ then the ``K`` final observations of episodes truncated in it (``trunc_obs``); t
 are observation-only (priority 0, never drawn). A transition's ``next_slot`` points at ``obs[t + k]``
 in its block, at ``next_obs`` when ``t + k = T``, or at its episode's ``trunc_obs`` after a
 truncation; after a termination at its own slot (a placeholder: the discount is 0). The details
-are in ``replay_block.py``, the returns in ``replay_nstep.py``.
+are in ``block.py``, the returns in ``nstep.py``.
 
 **Wrap-around.** New blocks overwrite the oldest slots first, in the order they were written, and
 every ``next_slot`` points forward within its own block. So while a transition's slot is alive,
@@ -75,10 +75,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from zddrl.algos.replay_block import CheckedRollout, checked_rollout, next_offsets
-from zddrl.algos.replay_memory import ReplayMemoryError, available_memory, check_fits, replay_nbytes
-from zddrl.algos.replay_nstep import nstep_returns
-from zddrl.algos.sumtree import SumTree
+from zddrl.algos.replay_buffer.block import CheckedRollout, checked_rollout, next_offsets
+from zddrl.algos.replay_buffer.memory import ReplayMemoryError, available_memory, check_fits, replay_nbytes
+from zddrl.algos.replay_buffer.nstep import nstep_returns
+from zddrl.algos.replay_buffer.sumtree import SumTree
 
 __all__ = ["PrioritizedReplay", "TransitionBatch", "ReplayMemoryError", "available_memory", "replay_nbytes"]
 
@@ -227,7 +227,7 @@ class PrioritizedReplay:
         return first + np.arange(T * N, dtype=np.int64).reshape(T, N)
 
     def _write_block(self, r: CheckedRollout, versions: np.ndarray, priorities: np.ndarray) -> None:
-        """Write the rollout's block from slot ``written % capacity`` on (replay_block.py's layout)."""
+        """Write the rollout's block from slot ``written % capacity`` on (block.py's layout)."""
         T, N = r.rewards.shape
         tail = N + len(r.trunc_obs)  # the observation-only slots
         ns = nstep_returns(r.rewards, r.terminated, r.truncated, self.gamma, self.n_step)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from zddrl import protocol as P
-from zddrl.learner.episodes import INCARNATION_CHARS, Segments, segments_of
+from zddrl.intake.episodes import INCARNATION_CHARS, Segments, segments_of
 
 HASH_CHARS = 64
 """A parameter hash is 16 hex digits; a record keeps at most this many characters of whatever the header says."""

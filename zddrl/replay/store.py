@@ -1,4 +1,4 @@
-"""A replay service's buffer and its books (``zddrl replay``; the process and its sockets: ``replay_service.py``).
+"""A replay service's buffer and its books (``zddrl replay``; the process and its sockets: ``service.py``).
 
 ``ReplayStore`` holds one ``PrioritizedReplay`` for the run being served (``adopt``), takes in the trajectories the
 broker routes to it (``take_in``: checked like a learner shard checks them, episodes counted from the verified
@@ -33,15 +33,15 @@ from typing import Any
 import numpy as np
 
 from zddrl import protocol as P
-from zddrl.algos.replay import PrioritizedReplay
+from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay
 from zddrl.algos.replay_learner import block_refusal, buffer_for
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
-from zddrl.learner.admit import envs_bound, envs_of, refusal
-from zddrl.learner.episodes import Episodes
-from zddrl.learner.records import record_of
+from zddrl.intake.admit import envs_bound, envs_of, refusal
+from zddrl.intake.episodes import Episodes
+from zddrl.intake.records import record_of
 from zddrl.logs import RateLimitedLog
 
 STATE_NAME = "replay_state"

@@ -1,6 +1,6 @@
 """What a replay buffer costs in memory, and the check that it fits before anything is allocated.
 
-The sizes are those of ``replay.PrioritizedReplay``'s arrays (its module docstring, "Storage"). The
+The sizes are those of ``prioritized.PrioritizedReplay``'s arrays (its module docstring, "Storage"). The
 check compares them with the memory available *now* (``MemAvailable`` in /proc/meminfo: free memory
 plus the caches the kernel can drop, without swapping): numpy's zeroed arrays are only backed by
 pages as they fill, so without it a buffer too big for the host is built happily and the learner is
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from zddrl.algos.sumtree import SumTree
+from zddrl.algos.replay_buffer.sumtree import SumTree
 
 __all__ = ["SLOT_EXTRA_BYTES", "ReplayMemoryError", "available_memory", "check_fits", "replay_nbytes"]
 

@@ -1,4 +1,4 @@
-"""A rollout as ``replay.PrioritizedReplay`` stores it: the checks on its arrays and the layout of its block.
+"""A rollout as ``prioritized.PrioritizedReplay`` stores it: the checks on its arrays and the layout of its block.
 
 ``insert`` writes one time-major rollout ``[T, N]`` as a contiguous block of ``(T + 1) N + K`` ring
 slots (modulo the capacity):
@@ -13,13 +13,13 @@ offset in the block   observation                         transition
 
 The last ``N + K`` are observation-only slots (priority 0, never drawn): the price of never storing a
 second copy of an observation is ``1/T`` more slots (plus one per truncated episode). A transition
-summing ``k`` rewards (``replay_nstep.py``) bootstraps from ``s_{t+k}``, which ``next_offsets`` finds
+summing ``k`` rewards (``nstep.py``) bootstraps from ``s_{t+k}``, which ``next_offsets`` finds
 at offset ``(t + k) N + i``: ``obs[t + k]`` inside the rollout, ``next_obs`` when ``t + k = T``; after
 a truncation at step ``t + k - 1`` it is that episode's ``trunc_obs`` (``obs[t + k]`` is already the
 next episode's reset observation); after a termination it is the transition's own slot, a
 placeholder: the discount is 0, and actors do not ship a terminated episode's last observation.
 Every offset points forward or at the transition itself, which is what keeps wrap-around safe
-(``replay.py``, "Wrap-around").
+(``prioritized.py``, "Wrap-around").
 """
 
 from __future__ import annotations
