@@ -248,7 +248,7 @@ class LearnerCore:
     def learning_rewards(self, trajectories: Sequence[Rollout]) -> list[np.ndarray]:
         """Each trajectory's ``[T, N]`` rewards as the loss sees them: their sign with ``env.clip_rewards``
         (Mnih et al. 2015), then divided by the return's std with ``algo.normalize_reward``. The wire keeps the
-        env's own rewards, which the learner's episode figures sum (learner/episodes.py): true returns."""
+        env's own rewards, which the learner's episode figures sum (intake/episodes.py): true returns."""
         rewards = [t.arrays["rewards"] for t in trajectories]
         if self.config.env.clip_rewards:
             rewards = [np.sign(r) for r in rewards]

@@ -1,8 +1,8 @@
 """The main learner shard's record of a run: counting, drops, actor lag, the metrics row and the summary.
 
 Only the main shard (rank 0) keeps one; the records of what the other shards received reach it through
-the shards' exchange (``records.py``). Every received trajectory the run could train on counts toward env steps
-(its ``T * N``) and episode returns (summed from its rewards, ``episodes.py``), trained on or not; every refused
+the shards' exchange (``intake/records.py``). Every received trajectory the run could train on counts toward env steps
+(its ``T * N``) and episode returns (summed from its rewards, ``intake/episodes.py``), trained on or not; every refused
 one is counted per actor, breaks that actor's episode streams, and is logged with its reason (aggregated: one
 line per ``logs.LOG_EVERY_S`` with a count). Late and stale drops are logged the first, then every 100th time
 per actor.
@@ -117,7 +117,7 @@ class Ledger:
 
     def intake(self, env_steps: int, returns: list[float], invalid: int) -> None:
         """What replay services took in (``replay.placement = "service"``): they count steps, episodes and refusals
-        as a shard does (``replay_store.py``) and report the sums; their refusals count under ``replay``."""
+        as a shard does (``zddrl/replay/store.py``) and report the sums; their refusals count under ``replay``."""
         if env_steps:
             self.first_s.setdefault("wall_s_first_trajectory", round(time.time() - self.t0, 3))
         self.progress.count_steps(env_steps)

@@ -118,7 +118,7 @@ class LearnerNode:
         if checkpoint is not None:
             progress = self._restore(load_checkpoint(checkpoint), checkpoint)
         self.lengths = AskedLengths(self.rollout_len)
-        """Per-env rollout lengths the latest versions asked for: what bounds a rollout's size (``admit.py``)."""
+        """Per-env rollout lengths the latest versions asked for: what bounds a rollout's size (``intake/admit.py``)."""
         self.run_dir, self.resume, self.restored = Path(run_dir), resume, progress
         """Where ``open_run`` writes the run; whether it continues it; the checkpoint's counting (None: a new run)."""
         self.t0 = t0 if t0 is not None else time.time()
@@ -237,7 +237,7 @@ class LearnerNode:
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
 
     def _service_feed(self, ledger: Ledger | None) -> ServiceFeed:
-        """The service placement: sample from the replays (``replay_client.py``) instead of a buffer here."""
+        """The service placement: sample from the replays (``zddrl/replay/client.py``) instead of a buffer here."""
         remote = RemoteReplay(
             list(self.replays),
             self.config,

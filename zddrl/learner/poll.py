@@ -2,7 +2,7 @@
 
 ``ShardPoller.poll`` takes at most one trajectory of this run off the shard's data channel (returning its
 credit), checks that the run can train on it, and then exchanges a record of what it got with every
-other shard (``records.py``). Every shard calls it the same number of times, so a round or batch ends at
+other shard (``intake/records.py``). Every shard calls it the same number of times, so a round or batch ends at
 the same poll everywhere; decisions that depend on time (the straggler timeout, run limits) come from
 the main shard as ``control`` in that same exchange.
 """
@@ -40,7 +40,7 @@ class ShardPoller:
     publish (sent again after a re-welcome); ``keep(batch)`` what a stopped run collected. ``check(msg) -> why``
     says why the run cannot use a trajectory ("" when it can); ``open_channel()`` opens a data channel to the
     link's learners port (again when a re-welcome names another). ``admit(msg) -> why`` runs first, on shapes
-    and header numbers alone: what it refuses is never read further (``admit.py``). ``asked()`` (main shard) is
+    and header numbers alone: what it refuses is never read further (``intake/admit.py``). ``asked()`` (main shard) is
     the rollout length that ``admit`` bounds rollouts with; every exchange hands it to the other shards
     (``asked_len``)."""
 

@@ -3,7 +3,7 @@
 Env steps are the ``T * N`` of every received rollout that the run could train on (trained on or dropped as
 late or stale: those steps were sampled all the same), read from its arrays; the actor's own cumulative
 ``total_env_steps`` is not believed (one message claiming 1e15 would end the run). Episode returns are the
-learner's own sums of the rewards it verified (``episodes.py``), never the actor's. Steps and wall time of
+learner's own sums of the rewards it verified (``intake/episodes.py``), never the actor's. Steps and wall time of
 earlier incarnations of the run (before a resume) are carried as offsets.
 """
 
