@@ -154,7 +154,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """The replay buffer of the replay algorithms (apex, sac; zddrl/algos/replay_buffer/prioritized.py), one per learner shard."""
+    """The replay buffer of apex and sac (algos/replay_buffer/prioritized.py), one per learner shard."""
 
     capacity: int = 100_000
     """Transitions held (per learner shard, or per replay service); a capacity that would not fit in memory is an
