@@ -148,11 +148,7 @@ class Router:
         elif owner is None:
             # Learners keep per-actor figures, which made-up peer ids would grow without bound. An actor
             # the broker forgot (expired, broker restarted) is told to hello again at its next heartbeat.
-            self.drop(
-                "unknown_sender",
-                None,
-                f"dropped a trajectory from {msg['peer_id']!r}, which is not an actor that joined with hello",
-            )
+            self.drop("unknown_sender", None, self._unknown_sender(msg["peer_id"]))
             return None
         # Otherwise an actor that left (bye or expiry) sent it before: it goes on, with no credit to return.
         if actor is not None and actor.relay:  # what this broker read of the relay, beside what the relay reports
@@ -170,6 +166,23 @@ class Router:
         else:
             self._forwarded(nbytes, actor, msg["env_steps"])
         return actor
+
+    def _unknown_sender(self, peer_id: str) -> str:
+        """The log line for a trajectory of ``peer_id``, which no joined actor has: what became of that actor, as far
+        as the last departures tell."""
+        for row in self.membership.departures.rows(time.monotonic()):
+            if row["member"] == peer_id and row["role"] == "actor":
+                went = "expired" if row["reason"].startswith("expired") else "left"
+                return (
+                    f"dropped a trajectory from {peer_id!r}: that actor {went} {row['ago_s']:.0f} s ago "
+                    f"({row['reason'].splitlines()[0]}) and has not said hello since; it must, and its link does once "
+                    "the broker rejects its next heartbeat"
+                )
+        return (
+            f"dropped a trajectory from {peer_id!r}, which is not an actor that joined with hello (or one that expired "
+            "or left a while ago, or joined before this broker restarted: it must say hello again, which its link "
+            "does once the broker rejects its next heartbeat)"
+        )
 
     def _forwarded(self, nbytes: int, actor: Member | None, env_steps: int) -> None:
         self._decided += 1

@@ -9,9 +9,12 @@ with its own, and the session's state. Per session (one welcome from one broker 
     params   SUB     the upstream's parameter versions, published on to the relay's actors
     push     PUSH    the relay's actors' trajectories, frames untouched, at most ``window`` unacknowledged
 
-A session that goes silent for heartbeat interval x liveness ends; the next broker of the list (or the same one,
-after a backoff: ``transport.fallback.Brokers``) gets a fresh hello. What was pushed and not acknowledged when
-a session ends is counted in ``lost`` (it may or may not have been read upstream; nobody will say).
+A session ends as a client's does (``transport.session.Session``): silent for heartbeat interval x liveness, or,
+with a list, its connection down for an interval (the control socket's monitor, ``transport.handshakes``, which also
+says why a handshake failed); the next broker of the list (or the same one, after a backoff:
+``transport.fallback.Brokers``) gets a fresh hello. Within a session one hello is in flight at a time. What was
+pushed and not acknowledged when a session ends is counted in ``lost`` (it may or may not have been read upstream;
+nobody will say).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ import time
 from typing import Any
 
 import zmq
+from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.transport.fallback import Brokers
-from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, PARAMS_RCVHWM
+from zddrl.transport.handshakes import HandshakeWatch
+from zddrl.transport.link import PARAMS_RCVHWM
+from zddrl.transport.session import Session
 
 
 class Uplink:
@@ -51,8 +57,14 @@ class Uplink:
         self.acked_before = 0
         """Acknowledged in the sessions that ended: ``acked_total`` = this + ``acked``."""
         self.sessions = 0
-        self.interval_s, self.liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
-        self.deadline = self.next_beat = self.reopen_at = 0.0
+        self.session: Session | None = None
+        """The deadlines and the hello of the current session (None between sessions)."""
+        self.reopen_at = 0.0
+        role, key = (credentials.client.role, credentials.client.name) if credentials else ("relay", "")
+        self.handshakes = HandshakeWatch(role, key, logger.bind(role="relay"))
+        """The control socket's monitor: why a handshake failed, and whether the connection is up."""
+        self.hellos = 0
+        """Hellos sent upstream, every session."""
 
     @property
     def acked_total(self) -> int:
@@ -71,24 +83,40 @@ class Uplink:
             self.credentials.apply(sock)
         return sock
 
-    def open(self, now: float) -> zmq.Socket:
-        """Start a session with ``brokers.current``: a fresh DEALER and a hello on it."""
+    @property
+    def monitor(self) -> zmq.Socket | None:
+        return self.handshakes.monitor
+
+    def open(self, now: float) -> tuple[zmq.Socket, zmq.Socket]:
+        """Start a session with ``brokers.current``: a fresh DEALER and a hello on it. Returns the sockets to poll:
+        the DEALER and its monitor."""
         self.control = self._socket(zmq.DEALER)
+        monitor = self.handshakes.watch(self.control)
         self.control.connect(self.brokers.current)
         self.control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
-        self.interval_s, self.liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
-        self.deadline = now + self.interval_s * self.liveness
-        self.next_beat = now + self.interval_s
-        return self.control
+        self.hellos += 1
+        self.session = Session(now, fallback=len(self.brokers) > 1)
+        return self.control, monitor
+
+    def watch(self, now: float) -> None:
+        """The monitor reported: failed handshakes are logged, and the session learns if the connection is up."""
+        if self.session is not None:
+            self.session.connection(self.handshakes.drain(self.brokers.current), now)
+
+    def rehello(self, now: float) -> bool:
+        """A reject asks for a hello: send one unless one is on its way (``Session.wants_hello``); True if sent."""
+        if self.session is None or not self.session.wants_hello(now):
+            return False
+        self.hellos += 1
+        return self.send(self.hello)
 
     def welcomed(self, welcome: P.Welcome, now: float) -> zmq.Socket:
         """A welcome: (re)open the data sockets on the host of the broker that sent it; returns the new SUB."""
         self._close_data()
         self._end_credit()  # a re-welcome is a new session for the credit too (the link's rule)
         self.welcome = welcome
-        self.interval_s, self.liveness = welcome.heartbeat_interval_s, welcome.heartbeat_liveness
-        self.beat_heard(now)
-        self.next_beat = min(self.next_beat, now + self.interval_s)  # the upstream's schedule from now on
+        if self.session is not None:
+            self.session.welcomed(welcome, now)  # the upstream's schedule from now on
         host = self.brokers.host
         self.push = self._socket(zmq.PUSH)
         # No high-water mark: the relay's credit (its window) bounds what is queued here, and a send within the
@@ -105,14 +133,21 @@ class Uplink:
 
     def heard_interval(self, interval_s: float, now: float) -> None:
         """The upstream's heartbeat set a new interval (its fleet grew or shrank; 0: unchanged)."""
-        if interval_s > 0 and interval_s != self.interval_s:
-            self.interval_s = interval_s
-            self.beat_heard(now)
-            self.next_beat = min(self.next_beat, now + interval_s)
+        if self.session is not None:
+            self.session.retimed(interval_s, now)
 
     def beat_heard(self, now: float) -> None:
         """Anything from upstream: it is alive for another interval x liveness."""
-        self.deadline = now + self.interval_s * self.liveness
+        if self.session is not None:
+            self.session.heard(now)
+
+    def beat_due(self, now: float) -> bool:
+        """A heartbeat (and the subtree report with it) is due now."""
+        return self.session is not None and self.session.beat_due(now)
+
+    def ended(self, now: float) -> str:
+        """Why the session's upstream counts as gone ("" while it does not: ``Session.ended``)."""
+        return self.session.ended(now) if self.session is not None else ""
 
     def credit(self, n: int) -> None:
         self.acked = min(self.sent, self.acked + n)
@@ -133,8 +168,10 @@ class Uplink:
         served = self.welcome is not None
         self._close_data()
         if self.control is not None:
+            self.handshakes.stop(self.control)
             self.control.close(linger=linger_ms)
             self.control = None
+        self.session = None
         self._end_credit()
         self.welcome = None
         wait_s = self.brokers.next(served)
@@ -164,5 +201,10 @@ class Uplink:
             "acked_total": self.acked_total,
             "lost": self.lost,
             "sessions": self.sessions,
-            "silent_s": round(max(0.0, time.monotonic() - (self.deadline - self.interval_s * self.liveness)), 3),
+            "silent_s": round(self._silent_s(time.monotonic()), 3),
         }
+
+    def _silent_s(self, now: float) -> float:
+        """Seconds since the upstream was last heard in this session (0 between sessions)."""
+        s = self.session
+        return max(0.0, now - (s.deadline - s.interval_s * s.liveness)) if s is not None else 0.0

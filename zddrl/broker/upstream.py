@@ -37,6 +37,7 @@ from zddrl.protocol.rules import RunBus, run_bus
 from zddrl.transport import signatures as signing
 from zddrl.transport.io import NOBLOCK, recv_frames, send_frames
 from zddrl.transport.link import BYE_LINGER_MS
+from zddrl.transport.session import SILENT
 
 WINDOW_PER_ACTOR_WINDOWS = 2
 """The automatic upstream window is this many times the sum of the relay's actors' windows."""
@@ -134,18 +135,21 @@ class Upstream(Listener):
         up = self.uplink
         if up.control is None:
             if now >= up.reopen_at:
-                self.poller.register(up.open(now), zmq.POLLIN)
+                for sock in up.open(now):
+                    self.poller.register(sock, zmq.POLLIN)
         else:
+            if up.monitor is not None and up.monitor in events:
+                up.watch(now)
             if up.control in events:
                 self._drain(up.control, now)
             if up.sub is not None and up.sub in events:
                 self._drain(up.sub, now)
-            if up.control is not None and now >= up.next_beat:
+            if up.control is not None and up.beat_due(now):
                 up.send(P.Heartbeat(peer_id=up.hello.peer_id, policy_version=self.current.policy_version))
                 self.report(full=True)
-                up.next_beat = now + up.interval_s
-            if up.control is not None and now > up.deadline:
-                self._end_session(now, "silent")
+            cause = up.ended(now) if up.control is not None else ""
+            if cause:
+                self._end_session(now, cause)
         self.outlet.refresh()
 
     def _drain(self, sock: zmq.Socket, now: float) -> None:
@@ -189,11 +193,15 @@ class Upstream(Listener):
         elif isinstance(msg, P.Heartbeat):
             up.heard_interval(msg.interval_s, now)
         elif isinstance(msg, P.Reject):
-            self.log.warning(f"upstream rejected us: {msg.reason}")
             if msg.reason.startswith(P.REFUSED_PREFIX):
                 raise RelayRefused(f"the upstream broker at {up.brokers.current} refused this relay: {msg.reason}")
-            if msg.rehello:
-                up.send(up.hello)
+            if not msg.rehello:
+                self.log.warning(f"upstream rejected us: {msg.reason}")
+            elif up.rehello(now):  # the first reject of a burst; the others answer what was sent before that hello
+                self.log.warning(
+                    f"the upstream broker at {up.brokers.current} does not know this relay (it restarted, or expired "
+                    "it): saying hello again"
+                )
         # any message keeps the session alive (beat_heard); fleet and status messages are not for a relay
 
     def _on_welcome(self, welcome: P.Welcome, now: float) -> None:
@@ -234,14 +242,17 @@ class Upstream(Listener):
             return
         self.publish(msg, frames)
 
-    def _end_session(self, now: float, why: str) -> None:
+    def _end_session(self, now: float, cause: str) -> None:
+        """The upstream is gone (``cause``: ``Session.ended``): close the session, say when and where next."""
         up = self.uplink
-        for sock in (up.control, up.sub):
+        for sock in (up.control, up.sub, up.monitor):
             if sock is not None:
                 self.poller.unregister(sock)
         silent = up.brokers.current
+        refused = up.handshakes.refused
         wait_s = up.close(now)
-        self.log.warning(f"upstream {why}: " + up.brokers.moving(silent, wait_s))
+        why = refused or ("" if cause == SILENT else cause)
+        self.log.warning("upstream " + up.brokers.moving(silent, wait_s, why))
 
     # ---------------------------------------------------------------- reports
     def joined(self, member: Member) -> None:

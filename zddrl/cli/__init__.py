@@ -425,15 +425,15 @@ def train(
 @key_option
 def status(connect, as_json, watch, interval, timeout, page, keys_dir, key_name) -> None:
     """Print the broker's counters, members, drops and health warnings."""
-    from zddrl.ops.status import format_status, request_status, watch_status
+    from zddrl.ops.status import ask_status, format_status, watch_status
 
     creds = credentials_of(keys_dir, "monitor", key_name)
     if watch:
         watch_status(connect, interval, timeout, creds, page=page)
         return
-    body = request_status(connect, timeout, credentials=creds, page=page)
-    if body is None:
-        raise click.ClickException(f"no answer from a broker at {connect} within {timeout} s")
+    body, why = ask_status(connect, timeout, credentials=creds, page=page)
+    if body is None:  # why: a refused handshake or request; "" when nothing answered in time
+        raise click.ClickException(why or f"no answer from a broker at {connect} within {timeout} s")
     click.echo(json.dumps(body, indent=2) if as_json else format_status(body))
 
 

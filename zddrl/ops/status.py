@@ -13,14 +13,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import zmq
 from loguru import logger
+from zmq.utils.monitor import recv_monitor_message
 
 from zddrl import protocol as P
 from zddrl.config import split_endpoints
 from zddrl.keys import Credentials
+from zddrl.transport.handshakes import HANDSHAKE_FAILED, refusal
 from zddrl.values import finite_float
 
 MIN_INTERVAL_S = 0.1
@@ -28,6 +30,13 @@ MIN_INTERVAL_S = 0.1
 REASON_CHARS = 120
 """Departure reasons are shown up to this many characters of their first line (crash reports carry a
 traceback: `zddrl status --json` has it in full)."""
+
+
+class Answer(NamedTuple):
+    """What a status request got: the body, or why none came ("" for silence: nothing answered in time)."""
+
+    body: dict[str, Any] | None
+    why: str = ""
 
 
 def request_status(
@@ -40,44 +49,81 @@ def request_status(
 ) -> dict[str, Any] | None:
     """One status request for ``page`` of the member rows (from 1) on a fresh DEALER (a CURVE client with
     ``credentials`` on a closed bus); None if no broker answers within the timeout, refuses (it rate-limits
-    status requests), or answers with something that is not a valid status message: a caller that asks now and
-    then must not die of a bad answer. ``connect`` may be a fallback list (``tcp://A:5555,tcp://B:5555``): each
-    broker is asked in turn, ``timeout_s`` each, and the first answer is returned."""
+    status requests, or refuses the handshake), or answers with something that is not a valid status message: a
+    caller that asks now and then must not die of a bad answer. ``connect`` may be a fallback list
+    (``tcp://A:5555,tcp://B:5555``): each broker is asked in turn, ``timeout_s`` each, and the first answer is
+    returned. ``ask_status`` says why none came."""
+    return ask_status(connect, timeout_s, context, credentials, page=page).body
+
+
+def ask_status(
+    connect: str,
+    timeout_s: float,
+    context: zmq.Context | None = None,
+    credentials: Credentials | None = None,
+    *,
+    page: int = 1,
+) -> Answer:
+    """``request_status``, with why no body came: a refused handshake is known at once (no keys on a closed bus,
+    a key the broker does not hold), not after the timeout."""
     ctx = context or zmq.Context.instance()
+    whys = []
     for endpoint in split_endpoints(connect):
-        body = _request_one(ctx, endpoint, timeout_s, credentials, page)
-        if body is not None:
-            return body
-    return None
+        answer = _request_one(ctx, endpoint, timeout_s, credentials, page)
+        if answer.body is not None:
+            return answer
+        if answer.why:
+            whys.append(answer.why)
+    return Answer(None, "; ".join(whys))
 
 
 def _request_one(
     ctx: zmq.Context, connect: str, timeout_s: float, credentials: Credentials | None, page: int
-) -> dict[str, Any] | None:
+) -> Answer:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if credentials is not None:
         credentials.apply(sock)
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
     try:
         sock.connect(connect)
         sock.send_multipart(P.encode(P.StatusRequest(peer_id="status", page=page)))
-        if not sock.poll(int(timeout_s * 1000)):
-            return None
-        while True:  # anything else the broker might send first is skipped
-            try:
-                msg = P.decode(sock.recv_multipart())
-            except P.ProtocolError as exc:
-                logger.warning(f"unusable status answer from {connect}: {exc}")
-                return None
-            if isinstance(msg, P.Status):
-                return msg.body
-            if isinstance(msg, P.Reject):
-                logger.warning(f"the broker at {connect} refused the status request: {msg.reason}")
-                return None
-            if not sock.poll(int(timeout_s * 1000)):
-                return None
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            events = dict(poller.poll(left_ms))
+            if monitor in events:  # ZeroMQ gives up on a refused handshake: no answer will come
+                event = recv_monitor_message(monitor)["event"]
+                key = credentials.client.name if credentials is not None else ""
+                return Answer(None, refusal(event, connect, "monitor", key))
+            if sock in events:
+                answer = _answer(connect, sock)
+                if answer is not None:
+                    return answer
+        return Answer(None)
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
+
+
+def _answer(connect: str, sock: zmq.Socket) -> Answer | None:
+    """The status answer just received on ``sock``; None for anything else the broker might send first (skipped)."""
+    try:
+        msg = P.decode(sock.recv_multipart())
+    except P.ProtocolError as exc:
+        why = f"unusable status answer from {connect}: {exc}"
+        logger.warning(why)
+        return Answer(None, why)
+    if isinstance(msg, P.Status):
+        return Answer(msg.body)
+    if isinstance(msg, P.Reject):
+        why = f"the broker at {connect} refused the status request: {msg.reason}"
+        logger.warning(why)
+        return Answer(None, why)
+    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -375,11 +421,10 @@ def watch_status(
         with _screen(out, use_rich) as screen:
             while True:
                 try:
-                    body = request_status(connect, timeout_s, credentials=credentials, page=page)
+                    body, why = ask_status(connect, timeout_s, credentials=credentials, page=page)
                 except P.ProtocolError as exc:  # something else answers on that port; keep asking
                     body, why = None, f"not a zddrl broker answer ({exc})"
-                else:
-                    why = f"no answer within {timeout_s:g} s"
+                why = why or f"no answer within {timeout_s:g} s"
                 now = time.monotonic()
                 if body is not None:
                     last, last_at = body, now

@@ -1,9 +1,10 @@
 """Which broker a client talks to next: one endpoint, or a fallback list tried round robin.
 
 ``BrokerLink`` holds one ``Brokers``; when its session with the current broker ends (silent for heartbeat
-interval x liveness) it calls ``next(served)`` and waits what that returns. With one broker this is the
-reconnect backoff of docs/protocol.md section 5.2; with several, moving on within a pass over the list is
-immediate and the same capped backoff comes between full passes.
+interval x liveness, or, with a list, its connection down for an interval: ``transport.session``) it calls
+``next(served)`` and waits what that returns. With one broker this is the reconnect backoff of docs/protocol.md
+section 5.2; with several, moving on within a pass over the list is immediate and the same capped backoff comes
+between full passes.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class Brokers:
         self.pass_served = False
         return self.backoff
 
-    def moving(self, silent: str, wait_s: float) -> str:
-        """The log line for leaving the silent broker ``silent`` for ``current`` after ``wait_s``."""
+    def moving(self, silent: str, wait_s: float, why: str = "") -> str:
+        """The log line for leaving the silent broker ``silent`` for ``current`` after ``wait_s``; ``why``: what more
+        is known of its silence (its connection closed, its handshake refused), if anything."""
+        why = f" ({why})" if why else ""
         if len(self.endpoints) == 1:
-            return f"broker at {silent} silent; reconnecting in {wait_s:.2f} s"
+            return f"broker at {silent} silent; reconnecting in {wait_s:.2f} s{why}"
         later = f" in {wait_s:.2f} s" if wait_s else ""
-        return f"broker at {silent} silent; moving to the broker at {self.current}{later}"
+        return f"broker at {silent} silent; moving to the broker at {self.current}{later}{why}"

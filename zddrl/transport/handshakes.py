@@ -1,7 +1,11 @@
-"""A closed-bus client's watch on its CURVE handshakes: a key the broker refuses is otherwise only silence.
+"""A client's watch on its control connection: refused handshakes, which are otherwise only silence, and the
+connection lost and regained, which the transport knows long before heartbeats expire.
 
-``BrokerLink`` opens one per control session when it has credentials; ``drain`` counts the failures the socket
-monitor reports and says once per HANDSHAKE_LOG_EVERY_S which key failed and what to check.
+``BrokerLink`` (and a relay's ``Uplink``) open one socket monitor per control session, keys or not: a client
+without keys that reaches a closed bus fails its handshake just as a refused key does. ``drain`` reads the
+monitor, says at once (then once per HANDSHAKE_LOG_EVERY_S) why a handshake failed and what to check, and
+returns whether the connection is up or down now, which a client with a fallback list uses to move on early
+(``transport.session``). ``refusal`` words a failed handshake for any client, `zddrl status` included.
 """
 
 from __future__ import annotations
@@ -15,41 +19,72 @@ from zmq.utils.monitor import recv_monitor_message
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+CONNECTION_DOWN = zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+"""The connection closed (the broker's process died: its kernel closed the socket), or a connect was refused."""
+WATCHED = HANDSHAKE_FAILED | CONNECTION_DOWN | zmq.EVENT_HANDSHAKE_SUCCEEDED
 HANDSHAKE_LOG_EVERY_S = 30.0
-"""A refused CURVE handshake is retried by ZeroMQ every reconnect interval: say so once per this many seconds."""
+"""A refused handshake is retried by ZeroMQ (or by the next session): say so at once, then once per this long."""
+
+
+def refusal(event: int, broker: str, role: str, key: str) -> str:
+    """Why the handshake with ``broker`` failed (monitor ``event``) and what to check; ``key`` is this client's key
+    name, "" for a client without keys."""
+    if not key:
+        return (
+            f"the broker at {broker} refused the handshake: it wants keys (a closed bus) and this {role} has none: "
+            f"give --keys (a key directory with a key of role {role} and the broker's public key; docs/security.md)"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        why = f"refused our key: is the {role} key {key!r} in the broker's key directory (or revoked)?"
+    elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        why = "does not speak CURVE: is it an open bus (started without --keys)?"
+    else:
+        why = "could not complete the CURVE handshake: is the broker key in our key directory (broker/) this broker's?"
+    return f"the handshake with the broker at {broker} failed: it {why} (docs/security.md)"
 
 
 class HandshakeWatch:
-    """Counts the failed handshakes of one control socket (``failures`` goes on across sessions)."""
+    """The socket monitor of one control socket at a time; ``failures`` goes on across sessions. ``role`` and
+    ``key`` (this client's key name, "" without keys) word what to check when a handshake fails."""
 
-    def __init__(self, role: str, name: str, log: Any) -> None:
-        self.role, self.name, self.log = role, name, log
+    def __init__(self, role: str, key: str, log: Any) -> None:
+        self.role, self.key, self.log = role, key, log
         self.failures = 0
+        self.refused = ""
+        """What the last failed handshake means (``refusal``), until one succeeds."""
         self.monitor: zmq.Socket | None = None
-        self._logged = 0.0
+        self._logged: float | None = None
 
     def watch(self, control: zmq.Socket) -> zmq.Socket:
         """Start watching ``control``; returns the monitor socket to poll."""
-        self.monitor = control.get_monitor_socket(HANDSHAKE_FAILED)
+        self.monitor = control.get_monitor_socket(WATCHED)
         return self.monitor
 
-    def drain(self, broker: str) -> None:
+    def drain(self, broker: str) -> bool | None:
+        """Read what the monitor reported; True if the connection to ``broker`` is up now (a handshake succeeded
+        last), False if it is down (closed, refused, or its handshake failed), None if nothing changed."""
         assert self.monitor is not None
+        up: bool | None = None
         while True:
             try:
-                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
-                return
-            self.failures += 1
-            now = time.monotonic()
-            if now - self._logged >= HANDSHAKE_LOG_EVERY_S:
-                self._logged = now
-                why = "refused our key" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else "failed"
-                self.log.error(
-                    f"the CURVE handshake with the broker at {broker} {why} ({self.failures} so far): is the "
-                    f"{self.role} key {self.name!r} in the broker's key directory, and is the broker key in ours "
-                    "this broker's? (docs/security.md)"
-                )
+                return up
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                up, self.refused = True, ""
+            elif event & CONNECTION_DOWN:
+                up = False
+            elif event & HANDSHAKE_FAILED:
+                up = False
+                self._failed(event, broker)
+
+    def _failed(self, event: int, broker: str) -> None:
+        self.failures += 1
+        self.refused = refusal(event, broker, self.role, self.key)
+        now = time.monotonic()
+        if self._logged is None or now - self._logged >= HANDSHAKE_LOG_EVERY_S:
+            self._logged = now
+            self.log.error(f"{self.refused} (failed handshakes so far: {self.failures})")
 
     def stop(self, control: zmq.Socket) -> None:
         if self.monitor is not None:

@@ -17,7 +17,6 @@ import queue
 import socket
 import threading
 import time
-import traceback
 from typing import Any
 
 import zmq
@@ -27,19 +26,16 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
+from zddrl.transport.crash import CRASH_MESSAGE_CHARS as CRASH_MESSAGE_CHARS  # re-exported: where callers look
+from zddrl.transport.crash import CRASH_TRACEBACK_CHARS as CRASH_TRACEBACK_CHARS
+from zddrl.transport.crash import crash_reason
 from zddrl.transport.fallback import Brokers
 from zddrl.transport.handshakes import HandshakeWatch
 from zddrl.transport.params import Assembler
+from zddrl.transport.session import HEARTBEAT_INTERVAL_S, SILENT, Session
 
-HEARTBEAT_INTERVAL_S = 1.0
-"""Until the welcome says otherwise."""
-HEARTBEAT_LIVENESS = 3
 BYE_LINGER_MS = 500
 """How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
-CRASH_MESSAGE_CHARS = 1000
-"""Longest exception message sent in a crash report."""
-CRASH_TRACEBACK_CHARS = 4000
-"""Longest traceback sent in a crash report; its end is kept (the innermost frames and the error)."""
 
 
 class Refused(RuntimeError):
@@ -102,10 +98,14 @@ class BrokerLink:
         """Fleet messages ignored because they named another run than the link's."""
         self._sub: zmq.Socket | None = None
         self._sub_port: int | None = None
-        self.handshakes = (
-            HandshakeWatch(credentials.client.role, credentials.client.name, self.log) if credentials else None
-        )
-        """Closed bus: the failed CURVE handshakes of the control socket (a refused key is otherwise silence)."""
+        role, key = (credentials.client.role, credentials.client.name) if credentials else (hello.role, "")
+        self.handshakes = HandshakeWatch(role, key, self.log)
+        """The control socket's monitor: failed handshakes (a refused key, or no keys on a closed bus, is otherwise
+        silence) and the connection lost and regained (a fallback list is left early: ``Session``)."""
+        self.hellos = 0
+        """Hellos sent, every session: one per reconnection."""
+        self.hellos_held = 0
+        """Rejects asking for a hello that got none: they answered messages sent before the hello on its way."""
 
     # ---------------------------------------------------------------- caller side
     def start(self) -> BrokerLink:
@@ -239,33 +239,34 @@ class BrokerLink:
     # ---------------------------------------------------------------- link thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            control, sub = self._open()
+            control = self._open()
+            served, cause = False, ""
             try:
-                served = self._serve(control, sub)
+                served, cause = self._serve(control)
             except Exception:  # a bug in the link must not hang its owner silently
                 self.log.exception("control link failed")
-                served = False
             finally:
                 # Closing on purpose lingers: linger 0 discards what ZeroMQ has not written yet, and the
                 # bye that close() just queued would race the close, leaving the member (and a learner's
                 # credit) at the broker until heartbeat expiry.
                 control.close(linger=BYE_LINGER_MS if self._stop.is_set() else 0)
-                if sub is not None:
-                    sub.close(linger=0)
             if self._stop.is_set():
                 break
             self.reconnects += 1
-            silent, wait_s = self.connect, self.brokers.next(served)
-            self.log.warning(self.brokers.moving(silent, wait_s))
+            gone, wait_s = self.connect, self.brokers.next(served)
+            why = self.handshakes.refused or ("" if cause == SILENT else cause)
+            self.log.warning(self.brokers.moving(gone, wait_s, why))
             self._stop.wait(wait_s)
         with self._cond:
             self._cond.notify_all()
 
-    def _open(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+    def _open(self) -> zmq.Socket:
         control = self.socket(zmq.DEALER)
+        self.handshakes.watch(control)  # before connecting: a refused handshake fails within the connect's first ms
         control.connect(self.connect)
         control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
-        return control, None
+        self.hellos += 1
+        return control
 
     @staticmethod
     def _try_send(sock: zmq.Socket, msg: P.Message) -> bool:
@@ -278,85 +279,99 @@ class BrokerLink:
         except zmq.Again:
             return False
 
-    def _serve(self, control: zmq.Socket, sub: zmq.Socket | None) -> bool:
-        """Talk to the broker until it is silent for too long; True if a welcome was received."""
+    def _serve(self, control: zmq.Socket) -> tuple[bool, str]:
+        """Talk to the broker until it is gone: (whether it welcomed us, why it counts as gone: ``Session.ended``;
+        "" when the link was closed or refused)."""
+        session = Session(time.monotonic(), fallback=len(self.brokers) > 1)
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
-        if self.handshakes is not None:
-            poller.register(self.handshakes.watch(control), zmq.POLLIN)
+        poller.register(self.handshakes.monitor, zmq.POLLIN)
         try:
-            return self._serve_loop(control, sub, poller)
+            cause = self._serve_loop(control, poller, session)
+            return session.welcomed_once, cause
         finally:
-            # The SUB opened inside _serve_loop (kept in self._sub) is closed however the session ends.
+            # The SUB opened at a welcome (kept in self._sub) is closed however the session ends.
             if self._sub is not None:
                 self._sub.close(linger=0)
                 self._sub = None
-            if self.handshakes is not None:
-                self.handshakes.stop(control)
+            self.handshakes.stop(control)
 
-    def _serve_loop(self, control: zmq.Socket, sub: zmq.Socket | None, poller: zmq.Poller) -> bool:
-        interval, liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
-        deadline = time.monotonic() + interval * liveness
-        next_beat = time.monotonic() + interval
-        welcomed = False
-        self._sub = sub
+    def _serve_loop(self, control: zmq.Socket, poller: zmq.Poller, session: Session) -> str:
         while not self._stop.is_set():
             self._flush_outbox(control)
-            events = dict(poller.poll(int(min(100, interval * 1000))))
-            if self.handshakes is not None and self.handshakes.monitor in events:
-                self.handshakes.drain(self.connect)
+            events = dict(poller.poll(int(min(100, session.interval_s * 1000))))
+            if self.handshakes.monitor in events:
+                session.connection(self.handshakes.drain(self.connect), time.monotonic())
             if control in events:
                 for msg in self._drain(control):
-                    deadline = time.monotonic() + interval * liveness
-                    if isinstance(msg, P.Welcome):
-                        welcomed = True
-                        interval, liveness = msg.heartbeat_interval_s, msg.heartbeat_liveness
-                        self.interval_s = interval
-                        deadline = time.monotonic() + interval * liveness
-                        # Beat on the broker's schedule from the welcome on: on the default 1 s, a broker
-                        # configured with interval x liveness under 1 s would expire a healthy member.
-                        next_beat = min(next_beat, time.monotonic() + interval)
-                        # (Re)subscribe at every welcome that names another params port: a restarted broker
-                        # may re-welcome this same session on a new one.
-                        if self.subscribe_params and (sub is None or self._sub_port != msg.ports.get("params")):
-                            if sub is not None:
-                                poller.unregister(sub)
-                                sub.close(linger=0)
-                            sub = self._sub = self._subscribe(msg)
-                            poller.register(sub, zmq.POLLIN)
-                        self._on_welcome(msg)
-                    elif isinstance(msg, P.Reject):
-                        self.log.warning(f"broker rejected us: {msg.reason}")
-                        if msg.rehello:
-                            self._try_send(control, self.hello)
-                        elif msg.reason.startswith(P.REFUSED_PREFIX):
-                            self._refuse(msg.reason)
-                            return welcomed
-                    elif isinstance(msg, (P.Parameters, P.ParamChunk)):
-                        self._on_params(msg)
-                    elif isinstance(msg, P.Credit):
-                        self._on_credit(msg)
-                    elif isinstance(msg, P.Heartbeat):
-                        self.last_broker_beat = time.time()
-                        if msg.interval_s > 0 and msg.interval_s != interval:  # the fleet grew or shrank
-                            interval = self.interval_s = msg.interval_s
-                            deadline = time.monotonic() + interval * liveness
-                            next_beat = min(next_beat, time.monotonic() + interval)
-                    elif isinstance(msg, P.Fleet):
-                        self._on_fleet(msg)
-            if sub is not None and sub in events:
-                for msg in self._drain(sub):
+                    if not self._on_control(msg, control, poller, session):
+                        return ""  # refused: the link has stopped
+            if self._sub is not None and self._sub in events:
+                for msg in self._drain(self._sub):
                     if isinstance(msg, (P.Parameters, P.ParamChunk)):
                         self._on_params(msg)
             now = time.monotonic()
-            if now >= next_beat:
+            if session.beat_due(now):
                 version = self.params.policy_version if self.params is not None else -1
                 self._try_send(control, P.Heartbeat(peer_id=self.hello.peer_id, policy_version=version))
-                next_beat = now + interval
-            if now > deadline:
-                return welcomed
+            cause = session.ended(now)
+            if cause:
+                return cause
         self._flush_outbox(control)
-        return welcomed
+        return ""
+
+    def _on_control(self, msg: P.Message, control: zmq.Socket, poller: zmq.Poller, session: Session) -> bool:
+        """One message from the broker on control; False if it refused us (the link stops)."""
+        now = time.monotonic()
+        session.heard(now)
+        if isinstance(msg, P.Welcome):
+            session.welcomed(msg, now)
+            self.interval_s = session.interval_s
+            self._resubscribe(msg, poller)
+            self._on_welcome(msg)
+        elif isinstance(msg, P.Reject):
+            return self._on_reject(msg, control, session, now)
+        elif isinstance(msg, (P.Parameters, P.ParamChunk)):
+            self._on_params(msg)
+        elif isinstance(msg, P.Credit):
+            self._on_credit(msg)
+        elif isinstance(msg, P.Heartbeat):
+            self.last_broker_beat = time.time()
+            session.retimed(msg.interval_s, now)  # the fleet grew or shrank
+            self.interval_s = session.interval_s
+        elif isinstance(msg, P.Fleet):
+            self._on_fleet(msg)
+        return True
+
+    def _on_reject(self, msg: P.Reject, control: zmq.Socket, session: Session, now: float) -> bool:
+        """A broker that does not know us asks for a hello: one per reconnection (``Session.wants_hello``)."""
+        if msg.rehello:
+            if session.wants_hello(now):
+                self.log.warning(
+                    f"the broker at {self.connect} does not know us (it restarted, or expired us): saying hello again"
+                )
+                self.hellos += 1
+                self._try_send(control, self.hello)
+            else:
+                self.hellos_held += 1  # it answers a message sent before the hello on its way
+            return True
+        if msg.reason.startswith(P.REFUSED_PREFIX):
+            self.log.warning(f"broker refused us: {msg.reason}")
+            self._refuse(msg.reason)
+            return False
+        self.log.warning(f"broker rejected us: {msg.reason}")
+        return True
+
+    def _resubscribe(self, welcome: P.Welcome, poller: zmq.Poller) -> None:
+        """(Re)subscribe at every welcome that names another params port: a restarted broker may re-welcome this
+        same session on a new one."""
+        if not self.subscribe_params or (self._sub is not None and self._sub_port == welcome.ports.get("params")):
+            return
+        if self._sub is not None:
+            poller.unregister(self._sub)
+            self._sub.close(linger=0)
+        self._sub = self._subscribe(welcome)
+        poller.register(self._sub, zmq.POLLIN)
 
     def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
         sub = self.socket(zmq.SUB)
@@ -385,9 +400,7 @@ class BrokerLink:
                 msg = self._outbox.get_nowait()
             except queue.Empty:
                 return
-            try:
-                control.send_multipart(P.encode(msg), zmq.NOBLOCK)
-            except zmq.Again:
+            if not self._try_send(control, msg):
                 return  # the broker is not there; stats are best effort
 
     def _on_welcome(self, msg: P.Welcome) -> None:
@@ -466,30 +479,6 @@ A version that loses a chunk here is not used; the broker sends the actor its ne
 directly when its heartbeats show it behind."""
 REFUSED_PARAMS = ("chunk_hash", "whole_hash", "bad_chunk")
 """Assembler rejections that mean damaged data (not merely old, repeated or early)."""
-
-
-def crash_reason(exc: BaseException) -> str:
-    """``crashed: <type>: <message>`` then the traceback, both truncated to a few KB.
-
-    Never raises: it runs while the process is already dying, and a broken ``__str__`` must not hide
-    the original exception."""
-    try:
-        message = str(exc)
-    except Exception:  # noqa: BLE001
-        message = "<unprintable message>"
-    if len(message) > CRASH_MESSAGE_CHARS:
-        message = message[:CRASH_MESSAGE_CHARS] + " ..."
-    try:
-        # Each piece bounded too: the last one repeats the message, which must not crowd out the frames.
-        tb = "".join(
-            p if len(p) <= CRASH_MESSAGE_CHARS else p[:CRASH_MESSAGE_CHARS] + " ...\n"
-            for p in traceback.format_exception(type(exc), exc, exc.__traceback__)
-        )
-    except Exception:  # noqa: BLE001
-        tb = ""
-    if len(tb) > CRASH_TRACEBACK_CHARS:
-        tb = "... (traceback truncated)\n" + tb[-CRASH_TRACEBACK_CHARS:]
-    return f"{P.CRASH_PREFIX}{type(exc).__name__}: {message}\n{tb}".rstrip("\n")
 
 
 def hello_fields() -> dict[str, Any]:

@@ -305,7 +305,9 @@ class FrameCache:
 
     or why it is refused (the message must not go out):
 
-    * ``"stale"``: not newer than the cached version;
+    * ``"repeat"``: the cached version itself (same version and hash) sent again: a learner re-publishes its
+      current version after every re-welcome, which a restarted broker needs and this one already has;
+    * ``"stale"``: older than the cached version, or the same version with another hash;
     * ``"signature"``: a params message that ``verify`` refuses (``refusal`` says why): unsigned, signed by a
       key not pinned, or a signature that does not verify;
     * ``"duplicate"``: the params message of the version being received again, or a chunk of it
@@ -347,7 +349,7 @@ class FrameCache:
 
     def add(self, msg: P.Parameters | P.ParamChunk, frames: list) -> str:
         if msg.policy_version <= self.version:
-            return "stale"
+            return "repeat" if (msg.policy_version, msg.param_hash) == (self.version, self.param_hash) else "stale"
         building = self._building
         if building is not None:
             building.feed()  # what the last messages added, now that they went out
