@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,39 @@ def test_parse_override_reads_toml_values() -> None:
     assert parse_override("env.id=CartPole-v1") == ("env.id", "CartPole-v1")
     with pytest.raises(ConfigError):
         parse_override("no-equals-sign")
+
+
+def test_a_misspelt_section_names_the_likely_one_and_lists_the_sections() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"trian.max_steps": 5})
+    assert str(err.value) == (
+        "unknown config section 'trian' (did you mean train?); sections: env, model, algo, replay, train, learner"
+    )
+
+
+@pytest.mark.parametrize(
+    "key, meant",
+    [
+        ("learning_rate", "algo.lr"),
+        ("algo.learning_rate", "algo.lr"),
+        ("algo.n_epochs", "algo.epochs"),
+        ("algo.clip_range", "algo.clip"),
+        ("train.gamma", "algo.gamma"),
+        ("total_timesteps", "train.max_steps"),
+        ("algo.num_envs", "env.num_envs"),
+        ("algo.n_steps", "algo.batch_size? It counts the env steps of an update over all envs: n_steps x n_envs."),
+        ("model.net_arch", "model.hidden"),
+    ],
+)
+def test_names_from_sb3_and_cleanrl_point_to_zddrls_key(key: str, meant: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"unknown config key(s) {key} (did you mean {meant}")):
+        load_config(None, {key: 1})
+
+
+def test_every_habit_points_to_a_real_key() -> None:
+    from zddrl.tomlconf import HABITS
+
+    defaults = Config().to_dict()
+    for name, meant in HABITS.items():
+        section, key = meant.split(" ")[0].split(".")
+        assert key in defaults[section], f"{name} -> {meant}: no such key"

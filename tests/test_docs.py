@@ -67,3 +67,28 @@ def test_readme_has_the_two_setup_commands_and_ci_runs_the_test_one() -> None:
     assert test_cmd and test_cmd.group(1) in ci
     main_job = re.search(r"^python3 -m venv .venv && .+zddrl train examples/cartpole_ppo.toml$", readme, re.M)
     assert main_job and "grep -m1 '^python3 -m venv .venv && .*zddrl train examples/cartpole_ppo.toml$' README.md" in ci
+
+
+def readme_commands() -> list[str]:
+    """Every command line in README.md's code blocks, backslash continuations joined."""
+    blocks = re.findall(r"^```\w*\n(.*?)^```$", (ROOT / "README.md").read_text(), re.M | re.S)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+def test_readme_commands_to_the_closed_broker_carry_keys() -> None:
+    # README's BROKER is the closed one of "Across hosts": a client without keys cannot reach it.
+    talking = [line for line in readme_commands() if "--connect tcp://BROKER" in line]
+    assert len(talking) >= 6
+    for line in talking:
+        assert "--keys " in line, f"README command talks to the closed broker without --keys: {line}"
+
+
+def test_readme_makes_a_key_for_every_role_its_commands_use() -> None:
+    commands = readme_commands()
+    made = next(line for line in commands if "zddrl keys new" in line)
+    roles_made = set(re.findall(r'"(\w+) \w+"', made)) | set(re.findall(r"zddrl keys new (\w+) ", made))
+    role_of = {"broker": "broker", "learner": "learner", "actor": "actor", "status": "monitor", "replay": "replay"}
+    for line in commands:
+        cmd = re.match(r"zddrl (\w+) .*--keys keys/", line)
+        if cmd and cmd.group(1) in role_of:
+            assert role_of[cmd.group(1)] in roles_made, f"no {role_of[cmd.group(1)]} key is made for: {line}"

@@ -41,6 +41,7 @@ from zddrl.tomlconf import build as _build
 from zddrl.tomlconf import parse_override as parse_override
 from zddrl.tomlconf import require as _require
 from zddrl.tomlconf import to_toml as to_toml
+from zddrl.tomlconf import unknown_section
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -392,7 +393,8 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     _require(len(parts) in (1, 2), f"override {key!r} must be 'section.key' or a top-level key")
     if len(parts) == 2:
-        _require(parts[0] in _SECTIONS and parts[0] != "name", f"unknown config section {parts[0]!r}")
+        sections = [name for name in _SECTIONS if name != "name"]
+        _require(parts[0] in sections, unknown_section(parts[0], sections))
         data.setdefault(parts[0], {})[parts[1]] = value
     else:
         data[parts[0]] = value

@@ -94,11 +94,59 @@ def build(cls: type, data: Any, prefix: str, none_is_inf: frozenset[str] = froze
         raise ConfigError(str(exc)) from None
 
 
+HABITS: dict[str, str] = {
+    "learning_rate": "algo.lr",
+    "n_epochs": "algo.epochs",
+    "update_epochs": "algo.epochs",
+    "num_minibatches": "algo.minibatches",
+    "clip_range": "algo.clip",
+    "clip_coef": "algo.clip",
+    "ent_coef": "algo.ent_coef",
+    "vf_coef": "algo.vf_coef",
+    "gae_lambda": "algo.gae_lambda",
+    "gamma": "algo.gamma",
+    "max_grad_norm": "algo.max_grad_norm",
+    "normalize_advantage": "algo.norm_adv",
+    "norm_adv": "algo.norm_adv",
+    "anneal_lr": 'algo.lr_schedule = "linear"',
+    "n_steps": "algo.batch_size",
+    "num_steps": "algo.batch_size",
+    "total_timesteps": "train.max_steps",
+    "n_envs": "env.num_envs",
+    "num_envs": "env.num_envs",
+    "env_id": "env.id",
+    "seed": "env.seed",
+    "net_arch": "model.hidden",
+    "activation_fn": "model.activation",
+    "buffer_size": "replay.capacity",
+    "learning_starts": "replay.learning_starts",
+}
+"""Stable-Baselines3's and CleanRL's names (and zddrl keys in the wrong section) -> the zddrl key that means the same;
+only names with a true equivalent (SB3's ``batch_size`` is a minibatch, zddrl's an update: not listed)."""
+
+HABIT_NOTES = {
+    "n_steps": "It counts the env steps of an update over all envs: n_steps x n_envs.",
+    "num_steps": "It counts the env steps of an update over all envs: num_steps x num_envs.",
+}
+"""Where the equivalent is not one to one, what to write."""
+
+
 def with_guess(prefix: str, key: str, known: set[str]) -> str:
-    """``prefix + key``, and the known key it most likely misspells: the list of every known key follows, but the
-    one meant is hard to spot in it."""
+    """``prefix + key``, and the key it most likely means: a habit from another library (``HABITS``), else the
+    known key it misspells. The list of every known key follows, but the one meant is hard to spot in it."""
+    habit = HABITS.get(key)
+    if habit is not None and not habit.startswith(f"{prefix}{key}"):
+        note = f" {HABIT_NOTES[key]}" if key in HABIT_NOTES else ""
+        return f"{prefix}{key} (did you mean {habit}?{note})"
     close = difflib.get_close_matches(key, sorted(known), n=1)
     return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{key}"
+
+
+def unknown_section(name: str, sections: list[str]) -> str:
+    """The error for a dotted key whose section does not exist: the likely one and every section."""
+    close = difflib.get_close_matches(name, sections, n=1)
+    guess = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown config section {name!r}{guess}; sections: {', '.join(sections)}"
 
 
 def parse_override(text: str) -> tuple[str, Any]:

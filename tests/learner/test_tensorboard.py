@@ -142,4 +142,4 @@ def test_zddrl_train_says_on_the_console_how_to_watch_the_run_or_get_tensorboard
 
     assert train.tensorboard_hint(tmp_path) == f"TensorBoard: tensorboard --logdir {tmp_path / 'tb'}"
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert "pip install 'zddrl[tensorboard]'" in train.tensorboard_hint(tmp_path)
+    assert 'install -c constraints.txt -e ".[tensorboard]"' in train.tensorboard_hint(tmp_path)  # README's form

@@ -159,3 +159,21 @@ def test_a_run_with_no_return_yet_gets_a_note_and_a_warning(tmp_path: Path) -> N
         assert [t.get_text() for t in ax.texts] == ["no return yet:\nfewer than 20 episodes finished"]
     assert ret_steps.get_xlim() == (0, 30_000)  # the run's steps, not an empty 0..0.05 axis
     assert "30k" in [t.get_text() for t in ret_steps.get_xticklabels()]
+
+
+@pytest.mark.parametrize("runs", [2, 3, 6])
+def test_the_legend_of_runs_labelled_by_their_directories_fits_in_the_figure(tmp_path: Path, runs: int) -> None:
+    pytest.importorskip("matplotlib", reason=NEEDS_MPL)
+    from zddrl.ops.plot import Run
+
+    series = {c: [1.0, 2.0, 3.0] for c in ("wall_s", "env_steps", "sps", "return_mean_20")}
+    series |= {"staleness_mean": [0.0] * 3, "staleness_max": [0.0] * 3}
+    summary = {"algorithm": "ppo", "schedule": "sync", "seed": 1, "target_return": 475.0, "reached": True}
+    summary |= {"env_steps_to_target": 2.0, "wall_s_to_target": 2.0}
+    config = {"name": "cartpole_ppo", "env": {"id": "CartPole-v1"}}
+    same = [Run(tmp_path / f"cartpole_ppo-20261203-10111{i}-1a2b", series, summary, config) for i in range(runs)]
+    fig = figure(same)
+    fig.canvas.draw()
+    legend = fig.legends[0].get_window_extent()
+    assert "cartpole_ppo-20261203-101110-1a2b" in fig.legends[0].get_texts()[0].get_text()
+    assert 0 <= legend.x0 and legend.x1 <= fig.bbox.width and legend.y0 >= 0, (legend, fig.bbox)

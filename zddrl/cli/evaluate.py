@@ -11,7 +11,7 @@ from zddrl.cli.common import allow_code_option, allowed_code
 
 
 @click.command("eval")
-@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("checkpoint", type=click.Path(exists=True))
 @click.option("--episodes", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--seed", type=int, default=10_000, show_default=True)
 @click.option(
@@ -24,12 +24,14 @@ from zddrl.cli.common import allow_code_option, allowed_code
     "--video",
     "video_dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help='Write each episode as DIR/episode-NNN.mp4 (H.264; needs the video extra: pip install -e ".[video]").',
+    help="Write each episode as DIR/episode-NNN.mp4 (H.264; needs the video extra: "
+    'pip install -c constraints.txt -e ".[video]").',
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (the per-episode lines go to stderr).")
 @allow_code_option("when reading the checkpoint's run (a checkpoint may come from anywhere)")
 def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json, allow_code) -> None:
-    """Deterministic evaluation of a checkpoint: a line per episode, then the mean/std return."""
+    """Deterministic evaluation of CHECKPOINT (a checkpoint file, or a run directory: its final, else newest,
+    checkpoint): a line per episode, then the mean/std return."""
     from zddrl.learner.runlog import CheckpointError
     from zddrl.ops.evaluate import Episode, evaluate
 
@@ -37,7 +39,7 @@ def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json, 
         cut = " (cut by the step limit)" if ep.truncated else ""
         film = f", video {ep.video}" if ep.video else ""
         click.echo(
-            f"episode {k + 1}/{episodes}: return {ep.ret:g} in {ep.steps:,} steps{cut}, {ep.seconds:.1f} s{film}",
+            f"episode {k + 1}/{episodes}: return {ep.ret:g} in {ep.steps:,} steps{cut}, {duration(ep.seconds)}{film}",
             err=as_json,
         )
 
@@ -53,3 +55,8 @@ def eval_cmd(checkpoint, episodes, seed, max_episode_steps, video_dir, as_json, 
         if as_json
         else f"{result['episodes']} episodes of {result['env_id']}: return {result['mean']:.2f} +- {result['std']:.2f}"
     )
+
+
+def duration(seconds: float) -> str:
+    """A CartPole episode lasts milliseconds, an Atari game minutes: each in a unit that shows it."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"

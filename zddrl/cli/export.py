@@ -13,7 +13,7 @@ FORMATS = ("torchscript", "onnx")
 
 
 @click.command("export")
-@click.argument("checkpoint", type=click.Path(exists=True, dir_okay=False))
+@click.argument("checkpoint", type=click.Path(exists=True))
 @click.option(
     "--format",
     "fmt",
@@ -30,8 +30,9 @@ FORMATS = ("torchscript", "onnx")
 )
 @allow_code_option("when reading the checkpoint's run (a checkpoint may come from anywhere)")
 def export(checkpoint: str, fmt: str, output: Path, allow_code: tuple[str, ...]) -> None:
-    """Write CHECKPOINT's acting policy (RUN_DIR/checkpoints/*.pt) as one file: obs [B, *obs_shape] ->
-    (deterministic action, distribution parameters), observation normalisation included (docs/export.md)."""
+    """Write CHECKPOINT's acting policy (RUN_DIR/checkpoints/*.pt, or RUN_DIR: its final, else newest) as one
+    file: obs [B, *obs_shape] -> (deterministic action, distribution parameters), observation normalisation included
+    (docs/export.md)."""
     from zddrl.learner.runlog import CheckpointError
     from zddrl.ops.export import ExportError, export_policy
 

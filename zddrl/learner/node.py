@@ -168,6 +168,8 @@ class LearnerNode:
         )
         if self._signer is not None:
             hello = signing.signed_hello(hello, self._signer)
+        if self.main:
+            self.log.info(f"connecting to the broker at {self.connect}")
         link = self.link = BrokerLink(self.connect, hello, context=self.ctx, credentials=self.credentials).start()
         crashed = False
         try:
@@ -232,7 +234,7 @@ class LearnerNode:
         if service:
             return self._service_feed(ledger)
         if self.algo.schedule != "sync":
-            return AsyncStream(self.poller, self.algo, ledger)
+            return AsyncStream(self.poller, self.algo, ledger, self.log)
         fleet = own.fleet if own is not None else None
         return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
 

@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import numpy as np
+from loguru import logger
 
 from zddrl import protocol as P
 from zddrl.config import AlgoConfig
@@ -53,6 +54,26 @@ ACTOR_WINDOW = 20
 """Recent in-time report times of an actor that its typical time is the median of."""
 SERVICE_POLL_S = 0.002
 """Between figures-only requests while a service batch is being collected."""
+WAITING_LINE_EVERY_S = 30.0
+"""How often the main shard says it still waits for the first trajectory of any actor."""
+
+
+class WaitingLine:
+    """``tick(ledger)`` after each poll: while no actor has sent a trajectory, one line every
+    ``WAITING_LINE_EVERY_S``, so that a standalone learner with no actors yet does not look hung."""
+
+    def __init__(self, log: Any) -> None:
+        self.log = log
+        self.started = time.monotonic()
+        self.next_s = self.started + WAITING_LINE_EVERY_S
+
+    def tick(self, ledger: Ledger | None) -> None:
+        if ledger is None or "wall_s_first_trajectory" in ledger.first_s:
+            return
+        now = time.monotonic()
+        if now >= self.next_s:
+            self.next_s = now + WAITING_LINE_EVERY_S
+            self.log.info(f"waiting for actors: none has sent a trajectory yet ({now - self.started:.0f} s)")
 
 
 class CollectedBatch(NamedTuple):
@@ -95,6 +116,7 @@ class SyncRounds:
     ) -> None:
         self.poller, self.algo, self.log = poller, algo, log
         self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
+        self.waiting = WaitingLine(log)
         self.report_times: defaultdict[str, deque[float]] = defaultdict(lambda: deque(maxlen=ACTOR_WINDOW))
         """Per actor: seconds from a round's start to its in-time reports, over recent rounds (main shard)."""
 
@@ -132,6 +154,7 @@ class SyncRounds:
                     announced = expected
             polled = self.poller.poll(stop, control, lambda m: m.policy_version == version, batch)
             _account(self.ledger, polled, version)
+            self.waiting.tick(self.ledger)
             control = polled.control
             unusable.update(r.peer_id for r in polled.invalid if r.policy_version == version)
             if "expected" in control:
@@ -177,8 +200,9 @@ class SyncRounds:
 class AsyncStream:
     """``collect(stop, version)`` takes one batch of the stream (async PPO, IMPALA)."""
 
-    def __init__(self, poller: ShardPoller, algo: AlgoConfig, ledger: Ledger | None = None) -> None:
+    def __init__(self, poller: ShardPoller, algo: AlgoConfig, ledger: Ledger | None = None, log: Any = logger) -> None:
         self.poller, self.algo, self.ledger = poller, algo, ledger
+        self.waiting = WaitingLine(log)
 
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
         started = time.monotonic()
@@ -190,6 +214,7 @@ class AsyncStream:
             control = {"stop": self.ledger.finished()} if self.ledger is not None else {}
             polled = self.poller.poll(stop, control, lambda m: 0 <= version - m.policy_version <= max_staleness, batch)
             _account(self.ledger, polled, version)
+            self.waiting.tick(self.ledger)
             for r in polled.records:
                 if r.used:
                     steps += r.env_steps

@@ -15,6 +15,7 @@ multi-host run names its env by id, as each host must allow the code it runs.
 from __future__ import annotations
 
 import shutil
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,16 +76,25 @@ def load_policy(path: str | Path, seed: int = 0, allow_code: Iterable[str] = ())
     there is none. ``seed``: of the generator ``act(..., deterministic=False)`` samples with. ``allow_code``: the
     code its run names (``module:attr`` env, algorithm or network, as its config.toml says them) that may be
     imported: a checkpoint may come from anywhere (``checkpoints.read_checkpoint``)."""
-    path = Path(path)
-    if path.is_dir():
-        found = newest_state(path)
-        if found is None:
-            raise CheckpointError(f"{path} holds no checkpoint (RUN_DIR/checkpoints/*.pt)")
-        path = found
-    state, config = read_checkpoint(path, frozenset(allow_code))
+    state, config = read_state(path, frozenset(allow_code))
     spec = probe_spec(config.env)
     version = int(state.get("policy_version", 0))
     return LoadedPolicy(checkpoint_policy(state, config, spec), config, spec, version, seed)
+
+
+def read_state(path: str | Path, allowed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], Config]:
+    """``read_checkpoint`` of a checkpoint file, or of a run directory's final (else newest) checkpoint. torch's
+    warnings while probing the file (a TorchScript export, say) are kept off the console: the CheckpointError says
+    in one line what the file is not."""
+    file = Path(path)
+    if file.is_dir():
+        found = newest_state(file)
+        if found is None:
+            raise CheckpointError(f"{file} holds no checkpoint (RUN_DIR/checkpoints/*.pt)")
+        file = found
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return read_checkpoint(file, allowed)
 
 
 def newest_state(run_dir: Path) -> Path | None:

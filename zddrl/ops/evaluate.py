@@ -18,10 +18,9 @@ from typing import Any, NamedTuple
 import gymnasium as gym
 import numpy as np
 
-from zddrl.config import EnvConfig
+from zddrl.config import Config, EnvConfig
 from zddrl.envs import env_action, env_spec, evaluation_factory
-from zddrl.learner.checkpoints import read_checkpoint
-from zddrl.ops.api import checkpoint_policy
+from zddrl.ops.api import checkpoint_policy, read_state
 from zddrl.ops.video import Mp4Writer, VideoError
 
 ATARI_FPS = 15.0
@@ -47,9 +46,28 @@ def evaluate(
     allowed: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Mean and std of the return of ``episodes`` deterministic episodes, with each episode's figures;
-    ``on_episode(k, episode)`` is called as each one ends; ``allowed``: the code (``module:attr``) the run's config
-    may name (``checkpoints.read_checkpoint``)."""
-    state, config = read_checkpoint(checkpoint, allowed)
+    ``checkpoint`` may be a run directory (its final, else newest, checkpoint); ``on_episode(k, episode)`` is
+    called as each one ends; ``allowed``: the code (``module:attr``) the run's config may name
+    (``checkpoints.read_checkpoint``). A ``video_dir`` this call makes is removed again if it fails empty."""
+    state, config = read_state(checkpoint, allowed)
+    made = video_dir is not None and not video_dir.exists()
+    try:
+        return _evaluate(state, config, episodes, seed, max_episode_steps, video_dir, on_episode)
+    except BaseException:
+        if made and video_dir is not None and video_dir.is_dir() and not any(video_dir.iterdir()):
+            video_dir.rmdir()
+        raise
+
+
+def _evaluate(
+    state: dict[str, Any],
+    config: Config,
+    episodes: int,
+    seed: int,
+    max_episode_steps: int,
+    video_dir: Path | None,
+    on_episode: Callable[[int, Episode], None] | None,
+) -> dict[str, Any]:
     if video_dir is not None:
         video_dir.mkdir(parents=True, exist_ok=True)
     env = evaluation_factory(config.env, render_mode="rgb_array" if video_dir is not None else None)()
@@ -116,7 +134,13 @@ def _episode(env: gym.Env, act: Callable, seed: int | None, video: Path | None, 
 
 
 def _frame(env: gym.Env) -> np.ndarray:
-    frame = env.render()
+    try:
+        frame = env.render()
+    except gym.error.DependencyNotInstalled as exc:  # classic control draws with pygame
+        missing = str(exc).split(",")[0]  # gymnasium's own advice after the comma names another install command
+        raise VideoError(
+            f'--video needs the video extra ({missing}): pip install -c constraints.txt -e ".[video]"'
+        ) from None
     if not isinstance(frame, np.ndarray):
         raise VideoError(f"the env renders no rgb_array frames (render() gave {type(frame).__name__})")
     return frame

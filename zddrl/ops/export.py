@@ -49,7 +49,7 @@ from zddrl.algos.model import ActorCritic
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedPolicy
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, probe_spec
-from zddrl.learner.checkpoints import read_checkpoint
+from zddrl.ops.api import read_state
 
 FORMATS = ("torchscript", "onnx")
 ONNX_HINT = 'pip install -c constraints.txt -e ".[onnx]"'
@@ -79,12 +79,13 @@ def export_policy(
 ) -> dict[str, Any]:
     """Write ``checkpoint``'s acting policy to ``output`` in ``fmt`` (one of ``FORMATS``), checked against the
     checkpoint's own network; returns the file's description with ``file``, ``format`` and ``max_error``.
-    ``allowed``: the code (``module:attr``) the run's config may name (``checkpoints.read_checkpoint``)."""
+    ``checkpoint`` may be a run directory (its final, else newest, checkpoint). ``allowed``: the code
+    (``module:attr``) the run's config may name (``checkpoints.read_checkpoint``)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}: one of {', '.join(FORMATS)}")
     if fmt == "onnx":
         require_onnx()
-    state, config = read_checkpoint(checkpoint, allowed)
+    state, config = read_state(checkpoint, allowed)
     spec, net = policy_network(state, config)
     policy = exportable(net, spec, state.get("obs_rms"))
     meta = describe(config, spec, policy, int(state.get("policy_version", -1)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,20 @@ def count_label(x: float, _pos: object = None) -> str:
 def has_return(run: Run) -> bool:
     """Whether the run has a return to plot: metrics.csv leaves it empty until RETURN_WINDOW episodes finished."""
     return any(not math.isnan(x) for x in run.series["return_mean_20"])
+
+
+LEGEND_ROW_CHARS = 170
+"""Characters of legend text that fit across the figure (13 in at 10 pt), handles and spacing counted as 10 each."""
+
+
+def legend_columns(handles: list[Any]) -> int:
+    """Columns of the figure legend such that its rows fit across the figure, whatever the length of the labels:
+    runs that share a name are labelled with their directory names, and a legend wider than the figure is cut off
+    at both edges. Labels longer than a row are wrapped."""
+    for handle in handles:
+        handle.set_label(textwrap.fill(handle.get_label(), LEGEND_ROW_CHARS - 10))
+    longest = max((len(line) for h in handles for line in h.get_label().splitlines()), default=0)
+    return max(1, min(len(handles), 5, LEGEND_ROW_CHARS // (longest + 10)))
 
 
 def _labels(runs: list[Run]) -> list[str]:
@@ -221,7 +236,7 @@ def figure(runs: list[Run]) -> Any:
 
     _label_axes(runs, ret_steps, ret_wall, sps_wall, stale, FuncFormatter(count_label))
     handles = ret_steps.get_legend_handles_labels()[0] + style  # below the panels: it hides no curve
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=10, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncols=legend_columns(handles), fontsize=10, frameon=False)
     envs = sorted({r.env_id for r in runs if r.env_id})
     if envs:
         fig.suptitle(", ".join(envs), fontsize=13, fontweight="bold")

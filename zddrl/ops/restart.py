@@ -195,6 +195,30 @@ class SupervisorError(RuntimeError):
         self.exit_code = exit_code
 
 
+SUPERVISOR_OPTIONS = ("--run-dir", "--restart", "--t0")
+"""The options of a ``zddrl learner`` command line that the supervisor sets itself in each child's."""
+
+
+def without_options(argv: Sequence[str], valued: Sequence[str], flags: Sequence[str] = ()) -> list[str]:
+    """``argv`` without the options ``valued`` (in click's forms ``--opt VALUE`` and ``--opt=VALUE``) and the
+    ``flags``; arguments after ``--`` are kept as they are."""
+    kept: list[str] = []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            kept += [arg, *args]
+            break
+        if arg in flags:
+            continue
+        if arg in valued:
+            next(args, None)
+            continue
+        if arg.split("=", 1)[0] in valued and "=" in arg:
+            continue
+        kept.append(arg)
+    return kept
+
+
 def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restarts: int, max_seconds: float) -> None:
     """Run ``python -m zddrl *argv`` (a ``zddrl learner`` command line) as a child and restart it when it dies.
 
@@ -218,8 +242,8 @@ def supervise_learner(argv: Sequence[str], run_dir: Path, t0: float, max_restart
             child[0].send_signal(signum if len(stopping) == 1 else signal.SIGKILL)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    base = [*argv, "--run-dir", str(run_dir), "--restart", "0"]  # click: the last of a repeated option wins
     resume, learner_t0 = "--resume" in argv, t0
+    base = [*without_options(argv, SUPERVISOR_OPTIONS, ("--resume",)), "--run-dir", str(run_dir), "--restart", "0"]
     try:
         while True:
             args = [*base, "--t0", repr(learner_t0), *(["--resume"] if resume else [])]

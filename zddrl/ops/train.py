@@ -39,7 +39,6 @@ from zddrl.config import Config, TrainConfig, to_toml
 from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
-from zddrl.learner.tensorboard import INSTALL_HINT as TB_INSTALL_HINT
 from zddrl.learner.tensorboard import TB_DIR
 from zddrl.ops.restart import (
     RestartBudget,
@@ -296,8 +295,23 @@ def tensorboard_hint(run_dir: Path) -> str:
     """How to watch the run in TensorBoard, or how to get it: on the console, where the user looks first (the
     learner's own line about it goes to its log)."""
     if importlib.util.find_spec("tensorboard") is None:
-        return f"no TensorBoard events for this run: {TB_INSTALL_HINT} (metrics.csv and `zddrl plot` work without)"
+        return (
+            f"no TensorBoard events for this run: {install_command('tensorboard')} "
+            "(metrics.csv and `zddrl plot` work without)"
+        )
     return f"TensorBoard: tensorboard --logdir {run_dir / TB_DIR}"
+
+
+def install_command(extra: str) -> str:
+    """The command that installs an optional extra: README's, in a checkout (its constraints keep torch the CPU
+    build), with the venv's pip and from the checkout's root; pip's plain form for an installed package."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "constraints.txt").is_file():
+        return f"pip install 'zddrl[{extra}]'"
+    in_venv = Path(sys.prefix).resolve() == (root / ".venv").resolve()
+    pip = ".venv/bin/pip" if in_venv else f"{sys.executable} -m pip"
+    command = f'{pip} install -c constraints.txt -e ".[{extra}]"'
+    return command if Path.cwd().resolve() == root else f"cd {root} && {command}"
 
 
 def _learner_args(run_dir: Path, connect: str, keys: list[str], replay_port: int) -> list[str]:
@@ -378,11 +392,16 @@ def _summary(learner: subprocess.Popen, run_dir: Path, t0: float, restarts: int)
     summary["learner_restarts"] = restarts
     target = f"at {summary['wall_s_to_target']} s" if summary.get("reached") else "not reached"
     logger.info(
-        f"whole command {summary['wall_s_command']:.2f} s: first trajectory at "
-        f"{summary.get('wall_s_first_trajectory')} s, first update at {summary.get('wall_s_first_update')} s, "
-        f"target {target}"
+        f"whole command {summary['wall_s_command']:.2f} s: {_first('trajectory', summary)}, "
+        f"{_first('update', summary)}, target {target}"
     )
     return summary
+
+
+def _first(event: str, summary: dict[str, Any]) -> str:
+    """``first update at 2.1 s``, or ``no update`` in a run that made none (the resume of a finished run)."""
+    wall_s = summary.get(f"wall_s_first_{event}")
+    return f"first {event} at {wall_s} s" if wall_s is not None else f"no {event}"
 
 
 def _check_env_id(config: Config) -> None:
