@@ -1,4 +1,5 @@
-"""Process helpers: memory every role reports, free ports, children that die with their parent."""
+"""Process helpers: memory every role reports, free ports, children that die with their parent, the command that
+installs an optional extra into this process's environment."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import resource
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 from loguru import logger
 
@@ -62,3 +65,15 @@ def stop_processes(procs: Mapping[str, subprocess.Popen], grace_s: float) -> Non
             logger.warning(f"{name} ignored SIGTERM for {grace_s:.0f} s: killing it")
             p.kill()
             p.wait()
+
+
+def install_command(extra: str) -> str:
+    """The command that installs an optional extra: README's, in a checkout (its constraints keep torch the CPU
+    build), with the venv's pip and from the checkout's root; pip's plain form for an installed package."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "constraints.txt").is_file():
+        return f"pip install 'zddrl[{extra}]'"
+    in_venv = Path(sys.prefix).resolve() == (root / ".venv").resolve()
+    pip = ".venv/bin/pip" if in_venv else f"{sys.executable} -m pip"
+    command = f'{pip} install -c constraints.txt -e ".[{extra}]"'
+    return command if Path.cwd().resolve() == root else f"cd {root} && {command}"

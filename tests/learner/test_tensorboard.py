@@ -91,7 +91,7 @@ def test_make_writer_returns_none_with_one_info_line_without_tensorboard(
         assert make_tensorboard_writer(tmp_path) is None
     finally:
         logger.remove(sink)
-    assert len(lines) == 1 and lines[0].startswith("INFO ") and "zddrl[tensorboard]" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("INFO ") and "[tensorboard]" in lines[0]
     assert not (tmp_path / "tb").exists()
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from zddrl import proc
 from zddrl.ops import train
 from zddrl.ops.restart import SUPERVISOR_OPTIONS, without_options
 
@@ -44,14 +45,14 @@ def test_the_summary_line_says_no_update_rather_than_none() -> None:
 
 def test_the_install_hint_is_readmes_command_in_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
-    command = train.install_command("tensorboard")
+    command = proc.install_command("tensorboard")
     if Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
         assert command == '.venv/bin/pip install -c constraints.txt -e ".[tensorboard]"'
         assert '`.venv/bin/pip install -c constraints.txt -e ".[NAME]"`' in (ROOT / "README.md").read_text()
     else:
         assert command == f'{sys.executable} -m pip install -c constraints.txt -e ".[tensorboard]"'
     monkeypatch.chdir(ROOT / "docs")
-    assert train.install_command("tensorboard").startswith(f"cd {ROOT} && ")
+    assert proc.install_command("tensorboard").startswith(f"cd {ROOT} && ")
 
 
 def test_a_learner_without_actors_says_every_so_often_that_it_waits_for_them(monkeypatch: pytest.MonkeyPatch) -> None:

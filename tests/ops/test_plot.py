@@ -119,7 +119,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(
 ) -> None:
     for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         monkeypatch.setitem(sys.modules, name, None)  # makes the import raise ImportError
-    with pytest.raises(PlotError, match=r"pip install 'zddrl\[plot\]'"):
+    with pytest.raises(PlotError, match=r"install.*\[plot\]"):
         plot_runs([run_dir], tmp_path / "out.png")
     assert not (tmp_path / "out.png").exists()
 

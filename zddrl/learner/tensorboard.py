@@ -1,6 +1,6 @@
 """TensorBoard event files for a run: RUN_DIR/tb, one scalar per metrics.csv figure, namespaced.
 
-Optional: needs the ``tensorboard`` package (``pip install 'zddrl[tensorboard]'``); the events are written with
+Optional: needs the ``tensorboard`` package (the ``tensorboard`` extra); the events are written with
 torch's ``SummaryWriter``. ``make_tensorboard_writer`` returns None when it is not installed, so callers write::
 
     tb = make_tensorboard_writer(run_dir)
@@ -19,6 +19,7 @@ from typing import Any
 from loguru import logger
 
 from zddrl.algos.spec import Figure
+from zddrl.proc import install_command
 from zddrl.values import finite_float
 
 TB_DIR = "tb"
@@ -62,7 +63,7 @@ def tagged(row: dict[str, Any], tags: dict[str, tuple[str, ...]] | None = None) 
     return scalars
 
 
-INSTALL_HINT = "pip install 'zddrl[tensorboard]'"
+INSTALL_HINT = install_command("tensorboard")
 
 
 class TensorBoardWriter:

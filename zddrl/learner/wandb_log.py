@@ -17,8 +17,9 @@ from typing import Any
 from loguru import logger
 
 from zddrl.learner.tensorboard import tagged
+from zddrl.proc import install_command
 
-INSTALL_HINT = "pip install 'zddrl[wandb]'"
+INSTALL_HINT = install_command("wandb")
 STEP_METRIC = "env_steps"
 """The x axis of every figure (a logged metric, not wandb's own step)."""
 

@@ -19,6 +19,7 @@ import click
 from loguru import logger
 
 from zddrl.learner.progress import RETURN_WINDOW
+from zddrl.proc import install_command
 from zddrl.values import finite_float
 
 try:
@@ -28,7 +29,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 COLUMNS = ("wall_s", "env_steps", "sps", "return_mean_20", "staleness_mean", "staleness_max")
 REQUIRED = ("wall_s", "env_steps")
-INSTALL_HINT = "pip install 'zddrl[plot]'"
+INSTALL_HINT = install_command("plot")
 
 
 class PlotError(click.ClickException):

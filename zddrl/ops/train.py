@@ -52,7 +52,7 @@ from zddrl.ops.restart import (
     resume_point,
     wait_for_group,
 )
-from zddrl.proc import die_with_parent, free_ports, stop_processes
+from zddrl.proc import die_with_parent, free_ports, install_command, stop_processes
 
 SHUTDOWN_GRACE_S = 5.0
 PROGRESS_EVERY_S = 0.5
@@ -300,18 +300,6 @@ def tensorboard_hint(run_dir: Path) -> str:
             "(metrics.csv and `zddrl plot` work without)"
         )
     return f"TensorBoard: tensorboard --logdir {run_dir / TB_DIR}"
-
-
-def install_command(extra: str) -> str:
-    """The command that installs an optional extra: README's, in a checkout (its constraints keep torch the CPU
-    build), with the venv's pip and from the checkout's root; pip's plain form for an installed package."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "constraints.txt").is_file():
-        return f"pip install 'zddrl[{extra}]'"
-    in_venv = Path(sys.prefix).resolve() == (root / ".venv").resolve()
-    pip = ".venv/bin/pip" if in_venv else f"{sys.executable} -m pip"
-    command = f'{pip} install -c constraints.txt -e ".[{extra}]"'
-    return command if Path.cwd().resolve() == root else f"cd {root} && {command}"
 
 
 def _learner_args(run_dir: Path, connect: str, keys: list[str], replay_port: int) -> list[str]:
