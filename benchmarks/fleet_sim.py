@@ -33,7 +33,8 @@ from zddrl.actor.host import TRAJECTORY_SNDHWM, ActorTimers
 from zddrl.bench import common as C
 from zddrl.config import AlgoConfig
 from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S
-from zddrl.transport.link import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, PARAMS_RCVHWM, hello_fields
+from zddrl.transport.link import PARAMS_RCVHWM, hello_fields
+from zddrl.transport.session import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
 
 T_STEPS, N_ENVS, OBS_DIM = 32, 4, 4
 """A CartPole rollout: 32 steps of 4 envs, 4 observation floats (about 5 KiB of arrays)."""
