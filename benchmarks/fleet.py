@@ -44,8 +44,8 @@ from benchmarks.fleet_report import format_report, proxy_comparison, scaling
 from benchmarks.fleet_sim import SLOTS, T_STEPS, S, worker_fds, worker_main
 from benchmarks.fleet_stub import MAX_IN_FLIGHT, broker_fds, broker_main, learner_main, proxy_learner_main, proxy_main
 from zddrl.bench import common as C
-from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
+from zddrl.transport.status import request_status
 
 DEFAULT_ACTORS = "1,4,16,64,256,1024"
 ACTORS_PER_WORKER = 256

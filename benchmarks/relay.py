@@ -26,8 +26,8 @@ from typing import Any
 import click
 
 from zddrl.bench import common as C
-from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
+from zddrl.transport.status import request_status
 
 WARMUP_S = 0.3
 DRAIN_S = 0.3

@@ -26,7 +26,7 @@ from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.config import BrokerConfig, Config, run_kind
 from zddrl.keys import new_key
-from zddrl.ops.status import request_status
+from zddrl.transport.status import request_status
 
 WAIT_S = 10.0
 """Upper bound of any single wait; a healthy broker answers in milliseconds."""

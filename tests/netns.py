@@ -215,7 +215,7 @@ def poll(out: Path, keys: Path, brokers: dict[str, str]) -> None:
     import zmq
 
     from zddrl.keys import credentials
-    from zddrl.ops.status import request_status
+    from zddrl.transport.status import request_status
 
     creds, ctx, lock, stop = credentials(keys, "monitor"), zmq.Context(), threading.Lock(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -16,7 +16,7 @@ import pytest
 from broker_clients import ProfiledBroker
 from conftest import Procs, wait_for
 from test_train import CARTPOLE, metrics
-from zddrl.ops.status import request_status
+from zddrl.transport.status import request_status
 
 pytestmark = pytest.mark.slow
 

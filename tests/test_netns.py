@@ -5,10 +5,11 @@ files (docs/security.md); the relay serves with a broker pair of its own and hol
 One IMPALA CartPole run serves every check, in order: it trains; partitions of 20 s (the host's link into the bridge
 down, then up) of an actor and a relay together, of the learner, and of the broker each heal with no process
 restarted and the accounting invariant intact in every status answer, the recovery time (link up to the role's
-traffic counted again) measured and bounded; then the primary broker gets kill -9 and every client moves to the
-standby within heartbeat interval x liveness plus two intervals. The standby starts only then: a standby that is
-up while one client alone is cut off from the primary takes that client (its fallback list moves it on), and the
-run splits between two brokers. Figures are printed and written to figures.json in the test's directory.
+traffic counted again) measured and bounded. The standby (``--peer-role backup``) is up from the start and passive:
+a client cut off from the primary alone is sent back by it, so the run stays on the primary; the primary's own
+partition is a failover (the standby takes over, every client follows, and the primary, back and empty, turns
+passive: the run stays on one broker). Last, the active broker gets kill -9 and every client moves to the other
+within the bound docs/deploying.md states. Figures are printed and written to figures.json in the test's directory.
 Root only (namespaces, veths, a bridge); CI runs as root.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from netns import Net, Samples
+from netns import POLL_INTERVAL_S, Net, Samples
 from test_train import metrics
 from zddrl.brokerconf import load_broker_config
 from zddrl.tomlconf import to_toml
@@ -92,11 +93,13 @@ def lay_out_keys(folder: Path) -> dict[str, Path]:
     (docs/security.md, "Distribution across hosts"; a relay: "Relays"). The standby is the broker's second host."""
     trusted, edge = folder / "trusted", folder / "edge"
     made = [("broker", "hub"), ("learner", "trainer"), ("actor", "fleet"), ("actor", "rack"), ("monitor", "ops")]
+    made.append(("monitor", "pair"))  # the brokers' probe of each other (docs/deploying.md, "A standby broker")
     for role, name in [*made, ("relay", "r")]:
         zddrl_keys(trusted, role, name)
     zddrl_keys(edge, "broker", "edge")  # one broker key per directory: the relay's own pair is made apart
     hub, pins = ["broker/hub.key"], ["learners/trainer.sign.pub"]
     root = [*hub, "broker/hub.key_secret", "learners/trainer.key", *pins, "actors/fleet.key", "monitors/ops.key"]
+    root += ["monitors/pair.key", "monitors/pair.key_secret"]
     files = {
         "broker": [*root, "relays/r.key"],
         "learner": [*hub, "learners/trainer.key", "learners/trainer.key_secret", "learners/trainer.sign", *pins],
@@ -159,7 +162,8 @@ def start_run(net: Net, folder: Path) -> Run:
     brokers = f"{net.endpoint('broker')},{net.endpoint('standby')}"
     samples = Samples(folder / "status.jsonl")
     run = Run(net, samples, folder, lay_out_keys(folder), write_profile(folder), folder / "run", brokers)
-    start_broker(run, "broker")
+    start_broker(run, "broker", "--peer", net.endpoint("standby"), "--peer-role", "primary")
+    start_broker(run, "standby", "--peer", net.endpoint("broker"), "--peer-role", "backup")
     assert net.reachable("monitor", "broker", 5555), (
         "the bridge forwards nothing between the test's namespaces: where br_netfilter is loaded, an iptables FORWARD "
         "policy of DROP (Docker sets one) drops bridged traffic"
@@ -223,10 +227,16 @@ def check_accounting(run: Run, broker: str) -> int:
     return len(answers)
 
 
-def check_same_processes(run: Run, sample: dict[str, Any]) -> None:
-    """Every process still runs, and the members are the processes the test started (their pids in the rows)."""
+def pair_state(sample: dict[str, Any] | None) -> str:
+    """What a broker of the standby pair says it is: active, passive or starting ("" without an answer)."""
+    return str(sample["broker"]["standby"]["state"]) if sample is not None else ""
+
+
+def check_same_processes(run: Run, sample: dict[str, Any], killed: str = "") -> None:
+    """Every process but ``killed`` still runs, and the members are the processes the test started (their pids in
+    the rows)."""
     for name, proc in run.net.procs.items():
-        assert proc.poll() is None or name == "broker", run.explain(f"{name} exited ({proc.returncode})")
+        assert proc.poll() is None or name == killed, run.explain(f"{name} exited ({proc.returncode})")
     members = rows(sample)
     relay = relay_id(sample)
     assert relay is not None, sample
@@ -261,6 +271,9 @@ def test_a_closed_bus_across_hosts_trains(run: Run) -> None:
     assert body["members"]["actor-2"]["relay"] == relay_id(later)
     run.record("start_to_training_s", round(first["t"] - started, 2))
     check_accounting(run, PRIMARY)
+    standby = run.samples.last(STANDBY, time.monotonic())
+    assert standby is not None and pair_state(standby) == "passive" and rows(standby) == {}, standby
+    assert not standby["broker"]["standby"]["both_active"] and pair_state(later) == "active", standby
 
 
 @dataclass(frozen=True)
@@ -307,7 +320,9 @@ def broker_was_cut_off(run: Run, down: float, up: float, relay: str | None) -> N
 @pytest.mark.parametrize("roles", [("actor", "relay"), ("learner",), ("broker",)], ids="+".join)
 def test_a_partition_heals_with_no_process_restarted(run: Run, roles: tuple[str, ...]) -> None:
     """The roles' links go down together for PARTITION_S (an actor and a relay are on separate paths: cutting
-    both at once measures each), then up; each role's traffic comes back within RECOVERY_BOUND_S."""
+    both at once measures each), then up; each role's traffic comes back within RECOVERY_BOUND_S. The passive
+    standby sends back whoever tries it meanwhile. The broker's own partition is a failover instead: the standby
+    takes over, the clients follow it, and the primary, back, finds it active with the run and turns passive."""
     assert run.samples.first(PRIMARY, 0.0, everyone, 60) is not None, run.explain("everyone at the broker")
     down = time.monotonic()
     for role in roles:
@@ -327,6 +342,8 @@ def test_a_partition_heals_with_no_process_restarted(run: Run, roles: tuple[str,
     assert before is not None
     if "broker" in roles:
         broker_was_cut_off(run, down, up, relay_id(before))
+        broker_partition_was_a_failover(run, down, up, before)
+        return
     for role in roles:
         back = run.samples.first(PRIMARY, up, partial(ROLES[role].resumed, before), RECOVERY_BOUND_S)
         assert back is not None, run.explain(f"the {role}'s traffic within {RECOVERY_BOUND_S} s of the link up")
@@ -335,34 +352,61 @@ def test_a_partition_heals_with_no_process_restarted(run: Run, roles: tuple[str,
     assert settled is not None, run.explain("everyone back at the broker")
     check_same_processes(run, settled)
     run.record(f"accounting_checked_after_{'+'.join(roles)}", check_accounting(run, PRIMARY))
+    standby = run.samples.last(STANDBY, time.monotonic())
+    assert standby is not None and pair_state(standby) == "passive" and rows(standby) == {}, standby
 
 
-def test_clients_move_to_the_standby_broker_when_the_primary_is_killed(run: Run) -> None:
-    """Within heartbeat interval x liveness (the silence that ends a session) plus two intervals, as the profile
-    both brokers run with says; then training goes on through the standby."""
+def broker_partition_was_a_failover(run: Run, down: float, up: float, before: dict[str, Any]) -> None:
+    """In the primary's partition the standby took over and the run went on through it; after it the primary, which
+    holds nobody, turned passive (the run stays on one broker) and the standby kept every client."""
+    moved = run.samples.first(STANDBY, down, lambda s: everyone(s) and version(s) > version(before), PARTITION_S)
+    assert moved is not None and moved["t"] < up, run.explain("the run on the standby within the partition")
+    run.record(
+        "partition_broker", {"cut_s": round(up - down, 2), "failover_to_training_s": round(moved["t"] - down, 2)}
+    )
+    yielded = run.samples.first(PRIMARY, up, lambda s: pair_state(s) == "passive", RECOVERY_BOUND_S)
+    assert yielded is not None, run.explain("the primary passive after its partition")
+    run.record("primary_passive_after_heal_s", round(yielded["t"] - up, 2))
+    later = run.samples.first(STANDBY, yielded["t"] + 5.0, lambda s: True, 30)  # what holds some time after it
+    assert later is not None and everyone(later) and pair_state(later) == "active", later
+    assert not later["broker"]["standby"]["both_active"], later
+    primary = run.samples.last(PRIMARY, time.monotonic())
+    assert primary is not None and pair_state(primary) == "passive" and rows(primary) == {}, primary
+    check_same_processes(run, later)
+    run.record("accounting_checked_after_broker", check_accounting(run, PRIMARY) + check_accounting(run, STANDBY))
+
+
+def test_clients_move_to_the_other_broker_when_the_active_one_is_killed(run: Run) -> None:
+    """Within heartbeat interval x (liveness + 2) + 0.5 s (docs/deploying.md, "A standby broker": the passive one's
+    takeover, one interval on the dead broker, a short back-off), as the profile both brokers run with says; then
+    training goes on through the other broker. The active one is the standby if the broker's partition moved the
+    run there."""
     profile = load_broker_config(run.profile)
     interval, liveness = profile.heartbeat_interval_s, profile.heartbeat_liveness
-    bound = interval * liveness + 2 * interval
-    start_broker(run, "standby")
-    assert run.samples.first(STANDBY, 0.0, lambda s: True, 30) is not None, run.explain("the standby's status")
-    settled = run.samples.first(PRIMARY, time.monotonic(), everyone, 30)
-    assert settled is not None, run.explain("everyone at the primary")
+    bound = interval * (liveness + 2) + 0.5
+    now = time.monotonic()
+    active = next((at for at in (PRIMARY, STANDBY) if pair_state(run.samples.last(at, now)) == "active"), PRIMARY)
+    other = STANDBY if active == PRIMARY else PRIMARY
+    host, other_host = ("broker", "standby") if active == PRIMARY else ("standby", "broker")
+    settled = run.samples.first(active, time.monotonic(), everyone, 30)
+    assert settled is not None, run.explain(f"everyone at the {host}")
     killed = time.monotonic()
-    run.net.procs["broker"].send_signal(signal.SIGKILL)
+    run.net.procs[host].send_signal(signal.SIGKILL)
     moved = {}
     for peer in ("learner-0", "actor-1", "relay"):
-        there = run.samples.first(STANDBY, killed, partial(joined, peer), bound + 10)
-        assert there is not None, run.explain(f"{peer} at the standby")
+        there = run.samples.first(other, killed, partial(joined, peer), bound + 10)
+        assert there is not None, run.explain(f"{peer} at the {other_host}")
         moved[peer] = round(there["t"] - killed, 2)
-    run.record("failover_s", {**moved, "bound_s": bound})
-    assert max(moved.values()) <= bound, moved
-    resumed = run.samples.first(STANDBY, killed, lambda s: everyone(s) and version(s) > version(settled), 60)
-    assert resumed is not None, run.explain("training through the standby")
+    run.record("failover_s", {**moved, "bound_s": bound, "to": other_host})
+    assert max(moved.values()) <= bound + POLL_INTERVAL_S, moved  # the poller sees a join up to a poll after it
+    resumed = run.samples.first(other, killed, lambda s: everyone(s) and version(s) > version(settled), 60)
+    assert resumed is not None, run.explain(f"training through the {other_host}")
     run.record("failover_to_training_s", round(resumed["t"] - killed, 2))
-    check_same_processes(run, resumed)
-    body = status_cli(run)  # the fallback list: the primary is dead, the standby answers
+    check_same_processes(run, resumed, killed=host)
+    body = status_cli(run)  # the fallback list: one broker is dead, the other answers
     assert body["broker"]["run_id"] == settled["broker"]["run_id"] and body["broker"]["accounted"]
-    run.record("accounting_checked_at_standby", check_accounting(run, STANDBY))
-    standby = run.net.endpoint("standby")
+    assert body["broker"]["standby"]["state"] == "active", body["broker"]["standby"]
+    run.record(f"accounting_checked_at_{other_host}", check_accounting(run, other))
+    endpoint = run.net.endpoint(other_host)
     for name in ("learner", "actor1"):
-        assert f"moving to the broker at {standby}" in run.net.log(name, 10**6), name
+        assert f"moving to the broker at {endpoint}" in run.net.log(name, 10**6), name

@@ -24,8 +24,8 @@ from conftest import Bus, Procs, wait_for
 from test_train import CARTPOLE, metrics
 from zddrl import protocol as P
 from zddrl.keys import credentials, new_key
-from zddrl.ops.status import request_status
 from zddrl.transport.signatures import signed_hello, signed_params
+from zddrl.transport.status import request_status
 
 pytestmark = pytest.mark.slow
 

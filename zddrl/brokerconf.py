@@ -57,6 +57,12 @@ class BrokerConfig:
     insecure: bool = False
     """Allow a non-loopback bind without keys (a loud warning at each start): anyone who can reach the ports
     can join, inject, read and exhaust."""
+    peer: str = ""
+    """The control endpoint of the other broker of a standby pair (``tcp://HOST:PORT``; docs/deploying.md, "A standby
+    broker"): only the active one of the two takes clients. Empty: no pair, the broker is always active."""
+    peer_role: str = "primary"
+    """With ``peer``: ``primary`` starts active unless its peer answers as active, ``backup`` starts passive and takes
+    over when its peer has been silent for heartbeat_interval_s x heartbeat_liveness."""
     upstream: str = ""
     """Run as a relay: the control endpoint of the broker above (``tcp://ROOT:PORT``, or a fallback list
     ``tcp://A:5555,tcp://B:5555``). The relay's actors' trajectories go there with credit end to end, parameters
@@ -65,6 +71,12 @@ class BrokerConfig:
     """Relay: trajectories forwarded upstream and not yet acknowledged (credit returned) at most. 0 = twice the
     sum of its actors' windows (2 x algo.max_in_flight x actors joined, at least 2 x max_in_flight), which keeps
     the pipe full: the relay is then never the narrowest window, yet a stalled learner stops its actors."""
+    memory_limit_mib: int = 0
+    """The broker's memory budget: past this resident set (read every 0.1 s) it closes and binds again its sockets,
+    which frees what libzmq holds for them (messages still arriving, replies nobody reads); clients reconnect and
+    say hello again (docs/security.md, "Bounded resources"). 0 = half the memory the broker may use (its cgroup's
+    limit, else the host's) above what its process holds at start. Size it above the honest peak: actor hosts x
+    trajectory_hwm x trajectory size queued, plus twice the model."""
 
     def __post_init__(self) -> None:
         _require(
@@ -81,9 +93,20 @@ class BrokerConfig:
         )
         _require(0.01 <= self.heartbeat_interval_s <= 3600, "broker.heartbeat_interval_s must be in 0.01..3600")
         _require(0 <= self.heartbeat_rate <= 1e6, "broker.heartbeat_rate must be in 0..1e6 (0: a fixed interval)")
+        if self.peer:
+            _require(len(split_endpoints(self.peer)) == 1, "broker.peer names one broker: tcp://HOST:PORT")
+            _require(self.peer != self.bind, "broker.peer must be the other broker's endpoint, not this one's bind")
+        _require(
+            self.peer_role in ("primary", "backup"),
+            f"broker.peer_role must be primary or backup, got {self.peer_role!r}",
+        )
         if self.upstream:
             split_endpoints(self.upstream)  # ConfigError naming the bad entry
         _require(0 <= self.upstream_window <= 1 << 20, "broker.upstream_window must be in 0..2**20 (0 = automatic)")
+        _require(
+            self.memory_limit_mib == 0 or self.memory_limit_mib >= 64,
+            "broker.memory_limit_mib must be 0 (half the memory) or at least 64 (MiB)",
+        )
 
 
 def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | None = None) -> BrokerConfig:

@@ -23,7 +23,15 @@ def test_the_product_keeps_what_sizes_a_deployment() -> None:
     shipped = CliRunner().invoke(zddrl_main, ["bench", "--help"])
     assert shipped.exit_code == 0 and commands(shipped.output) == {"actor", "bus", "codec", "learner", "sample"}
     studies = CliRunner().invoke(benchmarks_main, ["--help"])
-    assert studies.exit_code == 0 and commands(studies.output) == {"fleet", "handshakes", "relay", "replay", "scale", "train"}
+    assert studies.exit_code == 0 and commands(studies.output) == {
+        "fleet",
+        "handshakes",
+        "memory_bounds",
+        "relay",
+        "replay",
+        "scale",
+        "train",
+    }
 
 
 def test_the_package_never_imports_the_benchmarks() -> None:

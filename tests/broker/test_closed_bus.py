@@ -15,8 +15,8 @@ from broker_clients import WAIT_S, cli, learner_hello, parameters, run_spec, tra
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.keys import Credentials, credentials, new_key
-from zddrl.ops.status import request_status
 from zddrl.transport.signatures import signed_hello, signed_params
+from zddrl.transport.status import request_status
 
 SILENCE_MS = 1500
 """How long a refused client listens for an answer that must not come."""

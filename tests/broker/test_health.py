@@ -31,8 +31,8 @@ from zddrl import protocol as P
 from zddrl.actor.host import ActorTimers, first_obs_hash
 from zddrl.broker import health as H
 from zddrl.broker.health import HealthMonitor
-from zddrl.ops.status import request_status
 from zddrl.transport.link import CRASH_MESSAGE_CHARS, CRASH_TRACEBACK_CHARS, BrokerLink, crash_reason
+from zddrl.transport.status import request_status
 
 ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 10.0

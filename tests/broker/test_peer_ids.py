@@ -25,8 +25,8 @@ from zddrl.broker import limits
 from zddrl.broker.broker import Broker
 from zddrl.config import BrokerConfig
 from zddrl.keys import Credentials, credentials, new_key
-from zddrl.ops.status import request_status
 from zddrl.transport.signatures import signed_hello
+from zddrl.transport.status import request_status
 
 pytestmark = pytest.mark.slow
 

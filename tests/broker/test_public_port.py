@@ -22,7 +22,7 @@ from zddrl import protocol as P
 from zddrl.broker.limits import HELLO_BURST, MAX_MEMBERS_PER_ROLE, STATUS_BURST
 from zddrl.broker.membership import MAX_STATS_BYTES
 from zddrl.broker.report import MAX_STATUS_BYTES
-from zddrl.ops.status import request_status
+from zddrl.transport.status import request_status
 
 pytestmark = pytest.mark.slow  # every test here starts a real broker
 

@@ -27,8 +27,8 @@ from zddrl.ops.restart import (
     resume_point,
     wait_for_group,
 )
-from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
+from zddrl.transport.status import request_status
 
 CRASHING_ENV = "tests.ops.test_restart:crashes_in_the_learner"
 

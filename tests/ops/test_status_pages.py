@@ -11,7 +11,8 @@ import zmq
 from broker_clients import in_process_broker
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
-from zddrl.ops.status import format_status, request_status
+from zddrl.ops.status import format_status
+from zddrl.transport.status import request_status
 
 
 def test_the_table_shows_the_counts_the_page_and_each_rows_warnings() -> None:

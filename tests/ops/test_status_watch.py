@@ -30,8 +30,9 @@ import zmq
 from conftest import BrokerHandle, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.config import Config
-from zddrl.ops.status import PlainScreen, format_status, request_status
+from zddrl.ops.status import PlainScreen, format_status
 from zddrl.transport.link import BrokerLink
+from zddrl.transport.status import request_status
 
 WAIT_S = 10.0
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

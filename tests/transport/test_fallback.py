@@ -19,10 +19,10 @@ from zddrl.actor.host import ActorHost
 from zddrl.actor.rollout import Collected
 from zddrl.cli import main
 from zddrl.config import ConfigError, split_endpoints
-from zddrl.ops.status import request_status
 from zddrl.proc import free_ports
 from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S, Brokers
 from zddrl.transport.link import BrokerLink
+from zddrl.transport.status import request_status
 
 # ------------------------------------------------------------------------------------------------
 # Parsing: config.split_endpoints

@@ -189,12 +189,13 @@ def encode_rollout(msg: P.Trajectory, limit: int = 0) -> list:
 
 
 class ActorHost:
-    """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done."""
+    """``ActorHost(connect, actor_id).run(stop)``: serve until ``stop`` is set or ``max_steps`` are done.
+    ``actor_id`` None: the broker assigns it (``--actor-id auto``), in the welcome, before any env is made."""
 
     def __init__(
         self,
         connect: str,
-        actor_id: int,
+        actor_id: int | None,
         num_envs: int | None = None,
         *,
         peer_id: str | None = None,
@@ -210,9 +211,11 @@ class ActorHost:
         gymnasium registry need no allowing."""
         self.credentials = credentials
         """With keys: only runs and versions signed by one of ``credentials.pins`` are used."""
-        self.actor_id = actor_id
+        self.auto_id = actor_id is None
+        """The broker assigns this host's id: ``actor_id`` and ``peer_id`` are its welcome's (``_adopt_id``)."""
+        self.actor_id = actor_id or 0
         self.num_envs = num_envs
-        self.peer_id = peer_id or f"actor-{actor_id}"
+        self.peer_id = "" if actor_id is None else peer_id or f"actor-{actor_id}"
         self.make_envs = make_envs
         """Builds the envs of each run it serves (``actor_envs``; ``envs.SlowEnvs`` for slow ones)."""
         self.max_steps = max_steps
@@ -225,7 +228,9 @@ class ActorHost:
         self.seq = 0
 
     def run(self, stop: threading.Event) -> None:
-        hello = P.Hello(role="actor", peer_id=self.peer_id, num_envs=self.num_envs or 0, **hello_fields())
+        hello = P.Hello(
+            role="actor", peer_id=self.peer_id, num_envs=self.num_envs or 0, auto_id=self.auto_id, **hello_fields()
+        )
         link = BrokerLink(
             self.connect, hello, subscribe_params=True, context=self.ctx, credentials=self.credentials
         ).start()
@@ -238,6 +243,7 @@ class ActorHost:
                 generation, welcome = link.generation, link.welcome
                 if link.refused:
                     raise Refused(link.refused)
+                self._adopt_id(link)
                 if welcome is None or welcome.run is None:
                     continue
                 if generation == judged:  # the refused run is still the broker's: wait for another welcome
@@ -258,6 +264,21 @@ class ActorHost:
             raise
         finally:
             link.close(reason="actor stopping")
+
+    def _adopt_id(self, link: BrokerLink) -> None:
+        """``--actor-id auto``: take the id the broker's welcome assigned (ids place the seed streams: envs made from
+        now on follow it). Raises Refused for an id that is not ``actor-N``."""
+        peer_id = link.peer_id
+        if not self.auto_id or not peer_id or peer_id == self.peer_id:
+            return
+        digits = peer_id.removeprefix("actor-")
+        if digits == peer_id or not (digits.isascii() and digits.isdigit()):
+            raise Refused(f"the broker assigned the peer id {peer_id!r}, which is not actor-N")
+        if self.peer_id:  # a reconnection found our id taken: this run's envs keep the seeds of the old one
+            self.log.warning(f"the broker assigned {peer_id} after a reconnection (we were {self.peer_id})")
+        self.actor_id, self.peer_id = int(digits), peer_id
+        self.log = logger.bind(role="actor", peer=peer_id)
+        self.log.info(f"the broker assigned actor id {self.actor_id} ({peer_id})")
 
     def _refuse_run(self, link: BrokerLink, run_id: str, why: str) -> None:
         self.timers.refused_runs += 1
@@ -300,6 +321,7 @@ class ActorHost:
                 if link.generation != generation:  # re-welcomed: ports may have moved
                     push.close(linger=0)
                     generation, push = link.generation, self._push(link)
+                    self._adopt_id(link)
                     # A restarted broker may have lost our last rollout; in sync mode the learner would
                     # wait for it and we for the next version. Sample once more with the version held.
                     resample = params is not None

@@ -40,10 +40,10 @@ from zddrl.bench import common as C
 from zddrl.bench.broadcast import run_broadcast, run_signing
 from zddrl.bench.bus_report import RATIO_FROM_BYTES, RATIO_TARGET, format_report, size_label, targets
 from zddrl.bench.codec import CODEC_SIZES, run_codec
-from zddrl.ops.status import request_status
 from zddrl.ops.train import throwaway_keys
 from zddrl.proc import free_ports
 from zddrl.transport.channel import WINDOW_BYTES
+from zddrl.transport.status import request_status
 
 PATHS = ("direct", "proxy", "broker")
 SECURE = "secure"

@@ -38,15 +38,17 @@ from zddrl.broker.cadence import Cadence
 from zddrl.broker.guard import Claims, Guard, revoked_reject
 from zddrl.broker.health import HealthMonitor, HealthWarning
 from zddrl.broker.joining import Joining
-from zddrl.broker.limits import Limits
+from zddrl.broker.limits import Limits, UnreadReplies
 from zddrl.broker.liveness import Liveness
 from zddrl.broker.membership import Listener, Member, Membership
+from zddrl.broker.memory import MemoryBudget, check_memory, limit_bytes
 from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
 from zddrl.broker.routing import FORWARD_BURST, Outlet, Router
 from zddrl.broker.run import CurrentRun
 from zddrl.broker.shards import Shards
-from zddrl.broker.sockets import Replies, open_sockets
+from zddrl.broker.sockets import MAX_FRAMES, Replies, drained, open_sockets
+from zddrl.broker.standby import standby_of
 from zddrl.broker.subtree import Subtrees
 from zddrl.broker.uplink import Uplink
 from zddrl.broker.upstream import Upstream, UpstreamOutlet, relay_hello
@@ -58,6 +60,7 @@ from zddrl.transport.io import NOBLOCK, recv_frames
 
 POLL_TIMEOUT_S = 0.1
 _STATUS_REFUSED = P.encode(P.Reject(reason="status: rate limited, ask less often"))
+_UNKNOWN_PEER = P.encode(P.Reject(reason="unknown peer: send hello first", rehello=True))
 Handler = Callable[[bytes, Sequence[Any], str], None]
 
 
@@ -106,11 +109,16 @@ class Broker:
         self.current = CurrentRun()
         self.limits = Limits()
         """Rates per connection and member caps on the public control port (limits.py)."""
+        self.unread = UnreadReplies(drained)
+        """Status replies that connections hold unread, bounded in bytes (limits.py)."""
+        self.memory = MemoryBudget(limit_bytes(config.memory_limit_mib))
+        """The resident set, and when to reset the sockets (memory.py)."""
         self.auth: BrokerAuth | None = None
         """CURVE and ZAP on every socket (``config.keys``); None on an open bus."""
         self.handshakes: HandshakeCounter | None = None
         self.upstream: Upstream | None = None
         """A relay's side of the loop (``config.upstream``); None at a root broker."""
+        self.standby = standby_of(config, lambda: len(self.membership.members))  # broker.peer (standby.py)
         self._next_tick = 0.0
         self._poll_traj = False
 
@@ -146,7 +154,7 @@ class Broker:
         """Which key holds which peer id, on a closed bus (guard.py)."""
         self.joining = Joining(
             c, self.membership, self.current, guard, self.limits, self.cadence, self.ports, self.replies,
-            self.counters, self.ratelog, self.claims, takes_learners=relay is None,
+            self.counters, self.ratelog, self.claims, takes_learners=relay is None, standby=self.standby,
         )  # fmt: skip
         self.subtrees = Subtrees(self.membership, self.joining.relayed_refused)
         self.liveness = Liveness(self.cadence, self.membership, self.current, self.replies, self.health, self.log)
@@ -159,13 +167,18 @@ class Broker:
             self.upstream = self._upstream(relay)
             self.membership.listen(self.upstream)
             self.log.info(f"relay {relay.uplink.hello.peer_id}: upstream {c.upstream}")
-        if self.auth is not None:
-            self.handshakes = HandshakeCounter(s[:4], closes_of=self.control)
-            for monitor in self.handshakes.monitors:
-                self.poller.register(monitor, zmq.POLLIN)
+        self.watch_handshakes()
         closed = "closed (CURVE, keys from " + c.keys + ")" if self.auth is not None else "open (no keys)"
         self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
         return dict(self.ports)
+
+    def watch_handshakes(self) -> None:
+        """Closed bus: socket monitors on the four sockets (handshakes counted, control connections that close)."""
+        if self.auth is not None:
+            socks = (self.control, self.trajectories, self.learners, self.params)
+            self.handshakes = HandshakeCounter(socks, closes_of=self.control)
+            for monitor in self.handshakes.monitors:
+                self.poller.register(monitor, zmq.POLLIN)
 
     def _relay_outlet(self) -> UpstreamOutlet:
         """A relay's outlet, on a session with its upstream (opened by the loop: ``Upstream.serve``)."""
@@ -192,6 +205,8 @@ class Broker:
 
     def close(self) -> None:
         # Runs in the CLI's finally, also after a bind() that failed half-way: must not hide that error.
+        if self.standby is not None:
+            self.standby.close()
         if self.upstream is not None:
             self.upstream.close()
         if self.handshakes is not None:
@@ -234,14 +249,17 @@ class Broker:
             if now >= self._next_tick:
                 self._tick(now)
                 self._next_tick = now + self.config.heartbeat_interval_s
+            if now >= self.memory.next_at:
+                check_memory(self, now)
             self.liveness.beat(now)
 
     def _tick(self, now: float) -> None:
         """Every ``heartbeat_interval_s``, whatever the fleet's heartbeat interval: credit left pending, liveness,
-        health, logs, rates, keys."""
+        unread replies, health, logs, rates, keys."""
         for member in self.membership.members.values():
             self.router.return_credit(member)  # what a batch left pending: no actor waits longer than this for it
         self.liveness.tick(now)
+        self.unread.sweep(now)
         self.health.evaluate(now)
         log_health_events(self.ratelog, self.health.pop_events())
         self.ratelog.flush()
@@ -267,11 +285,18 @@ class Broker:
             self._poll_traj = want
 
     def _drain(self, sock: zmq.Socket, what: str, handler: Handler) -> None:
+        most = MAX_FRAMES["control" if what == "control" else "learners"]
         for _ in range(FORWARD_BURST):
             try:
                 frames = recv_frames(sock, NOBLOCK)
             except zmq.Again:
                 return
+            if len(frames) > most:  # malformed, and dropped before anything looks at it: its memory goes back at once
+                self.counters[f"{what}_malformed"] += 1
+                self.counters[f"{what}_too_many_frames"] += 1
+                why = f"dropped a {what} message of {len(frames)} frames (at most {most} on this socket)"
+                self.ratelog.warning(f"{what}_too_many_frames", why)
+                continue
             self._guarded(what, self._routed, handler, frames, user_of(frames[0]) if self.auth is not None else "")
 
     @staticmethod
@@ -325,9 +350,9 @@ class Broker:
         if isinstance(msg, P.Hello):
             self._on_hello(identity, msg, user, source_fd(frames[0]) if self.handshakes is not None else -1)
         elif isinstance(msg, P.StatusRequest):
-            self._on_status(identity, msg.page)
+            self._on_status(identity, msg.page, user, source_fd(frames[0]))
         elif member is None:
-            self.replies.send(identity, P.Reject(reason="unknown peer: send hello first", rehello=True))
+            self.reply_unjoined(identity, user, source_fd(frames[0]), _UNKNOWN_PEER, time.monotonic())
         else:
             self._on_member(member, msg)
 
@@ -363,8 +388,10 @@ class Broker:
         if self.handshakes is not None:  # closed bus: connections that closed before this hello are known first
             self._drain_monitor(self.handshakes.monitors[0])
         joining = self.joining
-        if joining.refused(identity, msg, user):
+        assigned = joining.assigned(identity, msg, user)  # an actor that asks for a peer id (auto_id) gets one here
+        if assigned is None or joining.refused(identity, assigned, user):
             return
+        msg = assigned
         if joining.starts_run(msg):
             self.start_run(msg.run_id, msg.run or {}, (msg.run_signer, msg.run_signature), run_bus(msg.bus))
         member = joining.admit(identity, msg, user, fd)  # a relay reports an actor upstream here, before its welcome
@@ -428,19 +455,31 @@ class Broker:
         self.rates = rates or self.rates
 
     def status(self, page: int = 1) -> dict[str, Any]:
-        return broker_status(self, page)
+        body = broker_status(self, page)
+        body["broker"]["standby"] = self.standby.status() if self.standby is not None else None
+        return body
 
-    def _on_status(self, identity: bytes, page: int) -> None:
-        """The status body, within the rates of limits.Limits; over them, a tiny reject: what a peer that never
-        reads its replies can make the broker hold is bounded by the rates and the control socket's HWM."""
+    def _on_status(self, identity: bytes, page: int, user: str, fd: int) -> None:
+        """The status body, within the rates of limits.Limits; over them, a tiny reject. Either goes out only if
+        the connection's unread replies leave room (``reply_unjoined``)."""
         now = time.monotonic()
         frames = P.encode(P.Status(body=self.status(page))) if self.limits.status.allow(identity, now) else None
-        if frames is not None and self.limits.status_bytes(sum(map(len, frames)), now):
+        if frames is None or not self.limits.status_bytes(sum(map(len, frames)), now):
+            frames = _STATUS_REFUSED
+        if self.reply_unjoined(identity, user, fd, frames, now) and frames is _STATUS_REFUSED:
+            self.counters["status_refused"] += 1
+            self.ratelog.warning("status_refused", "refused a status request: over the status rate")
+
+    def reply_unjoined(self, identity: bytes, user: str, fd: int, frames: Sequence[Any], now: float) -> bool:
+        """Send ``frames`` to a connection that has not joined (a status reply, a "send hello first") if what the
+        connections hold unread leaves room (limits.UnreadReplies); else drop it, counted (``replies_unread``): one
+        that did not read its last replies would not read this one either. True if it went out."""
+        if self.unread.admit(fd, identity, user, sum(map(len, frames)), now):
             self.replies.send_frames(identity, frames)
-            return
-        self.counters["status_refused"] += 1
-        self.ratelog.warning("status_refused", "refused a status request: over the status rate")
-        self.replies.send_frames(identity, _STATUS_REFUSED)
+            return True
+        self.counters["replies_unread"] += 1
+        self.ratelog.warning("replies_unread", f"dropped a reply to a connection that does not read: {self.unread}")
+        return False
 
 
 class HealthOfMembers(Listener):

@@ -216,6 +216,10 @@ class Claims(Listener):
             return None
         return held[1], held[0] + self.grace_s - now
 
+    def held_by(self, user: str, now: float) -> list[str]:
+        """The departed ids whose window runs for the key ``user`` now (an auto id prefers them: actor_ids.py)."""
+        return [peer_id for peer_id, (since, key) in self._held.items() if key == user and now - since <= self.grace_s]
+
     def window_left(self, holder: Member, now: float) -> float:
         """Seconds until the window of a member whose connection closed ends: its expiry, then the grace."""
         return max(0.0, holder.last_seen + 2 * self.grace_s - now)

@@ -1,14 +1,16 @@
-"""Who may join the broker and what they are told: hellos judged (``refused``), the member a hello makes put in
-the place of its peer id's earlier session (``admit``), a relay's actors judged as their hellos would be
-(``relayed_refused``), and welcomes (``welcome``). The broker (broker.py) runs the conversation in this order and
-starts a new run in between (``Broker.start_run``).
+"""Who may join the broker and what they are told: actors given ids (``assigned``), hellos judged (``refused``), the
+member a hello makes put in the place of its peer id's earlier session (``admit``), a relay's actors judged as their
+hellos would be (``relayed_refused``), and welcomes (``welcome``). The broker (broker.py) runs the conversation in
+this order and starts a new run in between (``Broker.start_run``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from zddrl import protocol as P
+from zddrl.broker.actor_ids import ActorIds, auto_id_refusal
 from zddrl.broker.cadence import Cadence
 from zddrl.broker.guard import Claims, Guard
 from zddrl.broker.limits import Limits
@@ -16,6 +18,7 @@ from zddrl.broker.membership import Member, Membership, id_conflict
 from zddrl.broker.run import CurrentRun
 from zddrl.broker.shards import DATA_ROLES
 from zddrl.broker.sockets import Replies
+from zddrl.broker.standby import Standby
 from zddrl.brokerconf import BrokerConfig
 from zddrl.logs import RateLimitedLog
 
@@ -39,6 +42,7 @@ class Joining:
         ratelog: RateLimitedLog,
         claims: Claims,
         takes_learners: bool = True,
+        standby: Standby | None = None,
     ) -> None:
         self.config = config
         self.membership = membership
@@ -54,6 +58,22 @@ class Joining:
         self.claims = claims
         """Which key holds which peer id (closed bus; guard.py's rules)."""
         self.takes_learners = takes_learners
+        self.actor_ids = ActorIds(membership, guard, claims)
+        """The ids of actors that ask for one (``auto_id``)."""
+        self.standby = standby
+        """The standby pair this broker is one of (``broker.peer``); None: it always takes clients."""
+
+    def assigned(self, identity: bytes, msg: P.Hello, user: str) -> P.Hello | None:
+        """``msg`` with the peer id the broker assigns if it asks for one (``auto_id``: actor_ids.py), else ``msg``;
+        None if it may not ask (answered with a final reject, counted as ``auto_id_refused``): not an actor, or this
+        broker is a relay."""
+        if not msg.auto_id:
+            return msg
+        why = auto_id_refusal(msg, self.takes_learners)
+        if why:
+            self._refuse(identity, msg, "auto_id_refused", why)
+            return None
+        return dataclasses.replace(msg, peer_id=self.actor_ids.assign(msg, user))
 
     def starts_run(self, msg: P.Hello) -> bool:
         """Whether ``msg`` (admitted) is a learner's announcement of a run other than the current one."""
@@ -63,7 +83,11 @@ class Joining:
         """Whether the hello is refused (answered with a reject that says why, counted by reason): a learner at a
         relay, over its connection's hello rate, another key's role or peer id, a conflict (``hello_conflict``:
         ProtocolError, counted as malformed), a member cap, or a new run no pinned learner key signed. Every
-        refusal is final but one: an id in another key's departure window (the client asks again later)."""
+        refusal is final but one: an id in another key's departure window (the client asks again later). A passive
+        broker of a standby pair refuses every hello but a monitor's with a ``passive:`` reject (``hello_passive``):
+        the client moves on to its peer."""
+        if self.standby is not None and not self.standby.active and msg.role != "monitor":
+            return self._passive(identity, msg, self.standby)
         if not self.takes_learners and msg.role in DATA_ROLES:
             return self._refuse(identity, msg, "learner_refused", REFUSED_LEARNER)
         if not self.limits.hello.allow(identity, time.monotonic()):  # dropped: its link asks again at its heartbeat
@@ -90,6 +114,14 @@ class Joining:
             counter, why = "runs_refused", self.guard.run_refusal(msg, user)
             why = f"run spec {why}" if why else ""
         return bool(why) and self._refuse(identity, msg, counter, why)
+
+    def _passive(self, identity: bytes, msg: P.Hello, standby: Standby) -> bool:
+        """Send the client to the peer: not a fault of the client, logged at info level (aggregated)."""
+        self.counters["hello_passive"] += 1
+        why = standby.refusal()
+        self._ratelog.info("hello_passive", f"sent {msg.role} {msg.peer_id} to the peer broker: {why}")
+        self.replies.send(identity, P.Reject(reason=why))
+        return True
 
     def _refuse(self, identity: bytes, msg: P.Hello, counter: str, why: str, final: bool = True) -> bool:
         """Answer a refused hello: a final reject stops the client; another is only logged there (its next

@@ -1,10 +1,12 @@
 """What peers of the public control port may make the broker do: status requests and hellos per connection and in
-all (token buckets), and the members of each role at most (caps). Plain records and checks, no sockets."""
+all (token buckets), the replies that connections hold unread (``UnreadReplies``), and the members of each role at
+most (caps). Plain records and checks, no sockets."""
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
@@ -40,6 +42,22 @@ MAX_MEMBERS_PER_KEY = {"actor": 1024, "relay": 1024, "learner": 64, "replay": 64
 """Closed bus: members joined with one key at most, by the key's role (a relay's key counts the relay and the
 actors it reports); past it a hello is refused (``hello_over_cap``). A stolen key takes at most this share of
 its role's cap. A fleet of more actor processes than this gives its hosts keys of their own (docs/security.md)."""
+
+
+UNREAD_BYTES = 64 << 20
+"""Bytes of replies to connections that have not joined (status bodies, their rejects, "send hello first") that
+those connections may hold unread, all together; past it such a reply is dropped unsent (``replies_unread``). The
+per-second rates above bound how fast replies go out, not what piles up at peers that never read them."""
+UNREAD_BYTES_PER_KEY = 16 << 20
+"""...and with one key (closed bus), so that one key's connections leave room for the others' status."""
+UNREAD_CONNECTIONS = 4096
+"""Connections holding unread replies, at most (a reply to one more is dropped, ``replies_unread``)."""
+REPLY_OVERHEAD_BYTES = 256
+"""What libzmq keeps per queued message besides its bytes (a message header per frame, the allocation): counted
+with each reply, so that tiny rejects add up too."""
+UNREAD_RESCAN_S = 0.5
+"""A request that finds no room looks again at every connection holding replies (which of them read theirs since,
+or closed), at most this often."""
 
 
 class TokenBucket:
@@ -125,3 +143,72 @@ class Limits:
             if on_host >= MAX_ACTORS_PER_HOST:
                 return f"the broker takes at most {MAX_ACTORS_PER_HOST} actors from one host ({msg.host or '?'!r})"
         return ""
+
+
+class UnreadReplies:
+    """What connections that have not joined hold of the replies sent to them, by connection (its descriptor and routing
+    identity) and key: ``admit`` says whether a reply may go out (UNREAD_BYTES in all, UNREAD_BYTES_PER_KEY per key,
+    UNREAD_CONNECTIONS connections) and counts it. A connection's replies are forgotten once ``drained`` says its
+    kernel send queue took them (nothing of them is left in libzmq: the peer reads, or it closed)."""
+
+    def __init__(self, drained: Callable[[int], bool]) -> None:
+        self._drained = drained
+        self._held: dict[tuple[int, bytes], tuple[str, int]] = {}
+        """(descriptor, identity) -> (key, bytes held)."""
+        self._per_key: Counter[str] = Counter()
+        self.total = 0
+        self._scanned_at = -UNREAD_RESCAN_S
+
+    def admit(self, fd: int, identity: bytes, user: str, nbytes: int, now: float) -> bool:
+        """Whether a reply of ``nbytes`` to the connection (``fd``, ``identity``) of key ``user`` may go out now;
+        if so it is counted as held. A reply with no descriptor to watch (-1: not from a socket) always may."""
+        if fd < 0:
+            return True
+        conn = (fd, identity)
+        if conn in self._held and self._drained(fd):
+            self._release(conn)
+        cost = nbytes + REPLY_OVERHEAD_BYTES
+        if not self._room(conn, user, cost) and now - self._scanned_at >= UNREAD_RESCAN_S:
+            self.sweep(now)
+        if not self._room(conn, user, cost):
+            return False
+        _, before = self._held.get(conn, (user, 0))
+        self._held[conn] = (user, before + cost)
+        self._per_key[user] += cost
+        self.total += cost
+        return True
+
+    def sweep(self, now: float) -> None:
+        """Forget the replies of every connection that took them since, or closed (the broker sweeps at each tick,
+        and a request that finds no room at most every UNREAD_RESCAN_S)."""
+        self._scanned_at = now
+        for conn in [c for c in self._held if self._drained(c[0])]:
+            self._release(conn)
+
+    def _room(self, conn: tuple[int, bytes], user: str, cost: int) -> bool:
+        if conn not in self._held and len(self._held) >= UNREAD_CONNECTIONS:
+            return False
+        per_key_ok = not user or self._per_key[user] + cost <= UNREAD_BYTES_PER_KEY
+        return per_key_ok and self.total + cost <= UNREAD_BYTES
+
+    def _release(self, conn: tuple[int, bytes]) -> None:
+        user, nbytes = self._held.pop(conn)
+        self.total -= nbytes
+        self._per_key[user] -= nbytes
+        if self._per_key[user] <= 0:
+            del self._per_key[user]
+
+    def clear(self) -> None:
+        """Every connection closed (the broker's sockets were reset): nothing is held."""
+        self._held.clear()
+        self._per_key.clear()
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __str__(self) -> str:
+        return (
+            f"connections hold {self.total >> 10} KiB of replies unread (at most {UNREAD_BYTES >> 20} MiB, "
+            f"{UNREAD_BYTES_PER_KEY >> 20} MiB per key)"
+        )

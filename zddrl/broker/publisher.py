@@ -9,6 +9,9 @@ Only a whole, verified version becomes the snapshot that actors get on the contr
 hello, when their heartbeats show them behind, and on params_request. A corrupt version leaves the last
 good one in place. With pinned learner keys (a broker with keys), a version whose params message is not signed by
 one of them is refused before any of it goes out (protocol.signing; counted as ``params_signature``).
+A member whose control connection has not taken what was sent to it before (its kernel send queue is full:
+sockets.drained) gets no snapshot on a heartbeat or a params_request (``snapshots_unread``): one that reads
+nothing holds at most the snapshot it was sent last, however often it says it is behind.
 
 Latency: each message goes out after one SHA-1 pass over its data (about 2.8 ms for a 4 MiB chunk at
 ~1.5 GB/s; 0.03 ms for the CartPole model), the completing one after two (its own and the rest of the
@@ -29,6 +32,7 @@ import zmq
 
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
+from zddrl.broker.sockets import drained
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
 from zddrl.transport.params import FrameCache, Verify
@@ -85,6 +89,9 @@ class Publisher:
         abandoned = cache.abandoned
         outcome = "unknown_run" if msg.run_id != run_id else cache.add(msg, list(frames))
         self.counters["params_incomplete"] += cache.abandoned - abandoned
+        if outcome == "repeat":  # a learner re-publishes its version after a re-welcome: nothing to do, all is well
+            self.counters["params_repeat"] += 1
+            return False
         if outcome not in ("building", "complete"):
             self.counters[f"params_{outcome}"] += 1
             why = f"{outcome}: {cache.refusal}" if outcome == "signature" else outcome
@@ -121,6 +128,8 @@ class Publisher:
         # a snapshot waits until the PUB had a heartbeat's time to land (no doubled traffic).
         if now - self.published_at < self.interval_s:
             return
+        if self._unread(actor):
+            return
         self._snapshot(actor, now)
 
     def on_request(self, actor: Member, held: int) -> None:
@@ -134,7 +143,17 @@ class Publisher:
         if actor.snapshot_version == self.cache.version and now - actor.last_snapshot < PARAMS_REQUEST_MIN_INTERVAL_S:
             self.counters["params_request_limited"] += 1
             return
+        if self._unread(actor):
+            return
         self._snapshot(actor, now)
+
+    def _unread(self, actor: Member) -> bool:
+        """Whether ``actor``'s control connection still holds what was sent to it (closed bus: its descriptor is
+        known); counted, and then no snapshot goes out."""
+        if actor.conn_fd < 0 or drained(actor.conn_fd):
+            return False
+        self.counters["snapshots_unread"] += 1
+        return True
 
     def _snapshot(self, actor: Member, now: float) -> None:
         actor.last_snapshot, actor.snapshot_version = now, self.cache.version

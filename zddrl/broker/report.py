@@ -40,6 +40,7 @@ BROKER_COUNTERS = (
     "params_request_limited",
     "params_unknown_run",
     "params_stale",
+    "params_repeat",
     "params_duplicate",
     "params_orphan_chunk",
     "params_bad_chunk",
@@ -53,8 +54,14 @@ BROKER_COUNTERS = (
     "hello_limited",
     "hello_over_cap",
     "hello_id_in_use",
+    "hello_passive",
     "stats_truncated",
     "relayed_refused",
+    "control_too_many_frames",
+    "learner_too_many_frames",
+    "replies_unread",
+    "snapshots_unread",
+    "memory_resets",
 )
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
 PAGE_MEMBERS = 500
@@ -169,6 +176,13 @@ def broker_status(b: Broker, page: int = 1) -> dict[str, Any]:
             "health_by_check": health,
             "page": page,
             "pages": pages,
+            "memory": {
+                "rss_bytes": b.memory.rss,
+                "peak_bytes": b.memory.peak,
+                "limit_bytes": b.memory.limit,
+                "unread_bytes": b.unread.total,
+                "unread_connections": len(b.unread),
+            },
             "relays": b.subtrees.status(),
             "upstream": b.upstream.status() if b.upstream is not None else None,
         },

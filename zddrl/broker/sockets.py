@@ -3,11 +3,22 @@
 
 Ports: control at the bind port, the trajectories, learners and params sockets at the next three unless the
 profile or the CLI sets them (docs/protocol.md section 1).
+
+Each socket takes frames no bigger than its messages need (``frame_caps``: libzmq drops the connection of a peer
+that sends a bigger one before it buffers it), and the broker drops a message of more frames than the protocol
+allows on that socket as soon as it reads it (``MAX_FRAMES``). What a peer's unfinished message holds before then
+is bounded by the broker's memory budget (broker/memory.py), which closes and binds these sockets again
+(``open_sockets`` with the ``ports`` they had).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import socket as _socket
+import struct
+import termios
+import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -58,27 +69,56 @@ def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
 CONTROL_SNDHWM = 1000
 """Replies queued per control connection before more are dropped (counted control_unroutable): ZeroMQ's default,
 said out loud. A parameter snapshot goes out in one burst of up to this many chunks, so it cannot be much
-smaller; a peer that never reads its status replies is held to the status rates (membership.Limits) instead."""
+smaller; what connections that never read may hold of status replies is bounded in bytes instead
+(limits.UnreadReplies)."""
 LEARNERS_RCVHWM = 10_000
 """Messages read ahead per learner connection: past it libzmq stops reading that connection (TCP pushes back,
 nothing is dropped); credit and parameter chunks are far fewer than this between two polls."""
 
 
-def open_sockets(ctx: zmq.Context, c: BrokerConfig, auth: BrokerAuth | None = None) -> BrokerSockets:
-    """Every socket made, configured and bound (CURVE servers of their ZAP domains when ``auth`` is given);
-    ConfigError for a bad bind port, BindError for a port that is taken (the sockets made so far are closed
-    first)."""
+FRAME_OVERHEAD_BYTES = 4096
+"""Room for the framing around one frame on the wire (CurveZMQ's MESSAGE command adds 33 bytes to each)."""
+SUBSCRIPTION_BYTES = 256
+"""Largest frame the params socket takes: it reads only subscriptions (actors subscribe to the 5-byte preamble)."""
+MAX_FRAMES = {"control": 3, "learners": 3 + P.MAX_ARRAYS, "trajectories": 2 + P.MAX_ARRAYS}
+"""Frames of one message at most, by socket: a control message carries no arrays (routing identity, preamble,
+header), a learner's or an actor's at most MAX_ARRAYS. A message with more is dropped as soon as it is read
+(``control_too_many_frames``, ``learner_too_many_frames``; a trajectory's by the router, as malformed)."""
+REBIND_S = 2.0
+"""How long a reset waits for a port it just closed to bind again (libzmq closes the listener in its own thread)."""
+
+
+def frame_caps(c: BrokerConfig) -> dict[str, int]:
+    """``ZMQ_MAXMSGSIZE`` of each socket: the largest frame its messages can have. Control messages are a header
+    (MAX_HEADER_BYTES) and no arrays; a trajectory's or a parameter version's frames are a header or an array of at
+    most ``max_message_bytes``; the params socket reads subscriptions only."""
+    data = max(c.max_message_bytes, P.MAX_HEADER_BYTES) + FRAME_OVERHEAD_BYTES
+    return {
+        "control": P.MAX_HEADER_BYTES + FRAME_OVERHEAD_BYTES,
+        "trajectories": data,
+        "learners": data,
+        "params": SUBSCRIPTION_BYTES + FRAME_OVERHEAD_BYTES,
+    }
+
+
+def open_sockets(
+    ctx: zmq.Context, c: BrokerConfig, auth: BrokerAuth | None = None, ports: dict[str, int] | None = None
+) -> BrokerSockets:
+    """Every socket made, configured and bound (CURVE servers of their ZAP domains when ``auth`` is given), on
+    ``ports`` if given (a reset binds the ports it just closed, waiting up to REBIND_S for each); ConfigError for a
+    bad bind port, BindError for a port that is taken (the sockets made so far are closed first)."""
     host, port = split_endpoint(c.bind)
     # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
     if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"broker.bind port must be 1..65535 or *, got {c.bind!r}")
     made: list[zmq.Socket] = []
+    caps = frame_caps(c)
 
     def socket(kind: int, domain: str) -> zmq.Socket:
         sock = ctx.socket(kind)
         made.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, c.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
+        sock.setsockopt(zmq.MAXMSGSIZE, caps[domain])
         if auth is not None:
             auth.serve(sock, domain)
         return sock
@@ -102,17 +142,32 @@ def open_sockets(ctx: zmq.Context, c: BrokerConfig, auth: BrokerAuth | None = No
         ("learners", learners, c.learner_port),
         ("params", params, c.params_port),
     ]
-    ports: dict[str, int] = {}
+    bound: dict[str, int] = {}
     for offset, (name, sock, wanted) in enumerate(plan):
+        if ports is not None:
+            wanted = ports[name]
         port_text = str(wanted) if wanted else ("*" if base is None else str(base + offset))
         try:
-            sock.bind(f"tcp://{host}:{port_text}")
+            _bind(sock, f"tcp://{host}:{port_text}", REBIND_S if ports is not None else 0.0)
         except zmq.ZMQError as exc:  # one line that says which port, whose, and how to choose others
             for made_sock in made:
                 made_sock.close(linger=0)
             raise BindError(bind_error(name, host, port_text, exc)) from None
-        ports[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-    return BrokerSockets(control, trajectories, learners, params, ports)
+        bound[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+    return BrokerSockets(control, trajectories, learners, params, bound)
+
+
+def _bind(sock: zmq.Socket, endpoint: str, wait_s: float) -> None:
+    """``sock.bind(endpoint)``, tried again for up to ``wait_s`` while the port is still in use."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.01)
 
 
 class Replies:
@@ -131,3 +186,22 @@ class Replies:
             send_frames(self.sock, frames, NOBLOCK, prefix=identity)
         except zmq.ZMQError:
             self.counters["control_unroutable"] += 1
+
+
+def drained(fd: int) -> bool:
+    """Whether the connection on ``fd`` has taken what was sent to it: its kernel send queue (Linux's TIOCOUTQ)
+    holds under a quarter of its send buffer. libzmq writes a connection's queued messages into the kernel while
+    there is room, so below that nothing waits in libzmq for it; a peer that reads nothing fills the kernel's
+    queue first. A descriptor that is closed, or no longer a socket, has nothing queued: True."""
+    try:
+        queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        sock = _socket.socket(fileno=fd)  # a view of libzmq's descriptor: detached below, never closed here
+    except OSError:
+        return True
+    try:
+        size = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_SNDBUF)
+    except OSError:
+        return True
+    finally:
+        sock.detach()
+    return queued < size // 4

@@ -11,10 +11,10 @@ with its own, and the session's state. Per session (one welcome from one broker 
 
 A session ends as a client's does (``transport.session.Session``): silent for heartbeat interval x liveness, or,
 with a list, its connection down for an interval (the control socket's monitor, ``transport.handshakes``, which also
-says why a handshake failed); the next broker of the list (or the same one, after a backoff:
-``transport.fallback.Brokers``) gets a fresh hello. Within a session one hello is in flight at a time. What was
-pushed and not acknowledged when a session ends is counted in ``lost`` (it may or may not have been read upstream;
-nobody will say).
+says why a handshake failed), or at once when a passive broker of a standby pair sends it on; the next broker of the
+list (or the same one, after a backoff: ``transport.fallback.Brokers``) gets a fresh hello. Within a session one
+hello is in flight at a time. What was pushed and not acknowledged when a session ends is counted in ``lost`` (it may
+or may not have been read upstream; nobody will say).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from zddrl import protocol as P
 from zddrl.transport.fallback import Brokers
 from zddrl.transport.handshakes import HandshakeWatch
 from zddrl.transport.link import PARAMS_RCVHWM
-from zddrl.transport.session import Session
+from zddrl.transport.session import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS, Session
 
 
 class Uplink:
@@ -59,6 +59,8 @@ class Uplink:
         self.sessions = 0
         self.session: Session | None = None
         """The deadlines and the hello of the current session (None between sessions)."""
+        self.schedule = (HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS)
+        """The heartbeat interval and liveness of the last session: the next one starts on them."""
         self.reopen_at = 0.0
         role, key = (credentials.client.role, credentials.client.name) if credentials else ("relay", "")
         self.handshakes = HandshakeWatch(role, key, logger.bind(role="relay"))
@@ -95,7 +97,9 @@ class Uplink:
         self.control.connect(self.brokers.current)
         self.control.send_multipart(P.encode(self.hello), zmq.NOBLOCK)  # a fresh pipe: never full
         self.hellos += 1
-        self.session = Session(now, fallback=len(self.brokers) > 1)
+        self.session = Session(
+            now, fallback=len(self.brokers) > 1, interval_s=self.schedule[0], liveness=self.schedule[1]
+        )
         return self.control, monitor
 
     def watch(self, now: float) -> None:
@@ -166,6 +170,9 @@ class Uplink:
         """End the session (silent upstream, or shutting down: ``linger_ms`` lets a last bye leave); returns the
         seconds to wait before the next."""
         served = self.welcome is not None
+        answered = self.session is not None and bool(self.session.sent_away)  # a passive standby sent us on
+        if self.session is not None:
+            self.schedule = (self.session.interval_s, self.session.liveness)
         self._close_data()
         if self.control is not None:
             self.handshakes.stop(self.control)
@@ -174,7 +181,7 @@ class Uplink:
         self.session = None
         self._end_credit()
         self.welcome = None
-        wait_s = self.brokers.next(served)
+        wait_s = self.brokers.next(served, answered)
         self.reopen_at = now + wait_s
         return wait_s
 

@@ -193,9 +193,11 @@ class Upstream(Listener):
         elif isinstance(msg, P.Heartbeat):
             up.heard_interval(msg.interval_s, now)
         elif isinstance(msg, P.Reject):
-            if msg.reason.startswith(P.REFUSED_PREFIX):
+            if msg.reason.startswith(P.PASSIVE_PREFIX) and up.session is not None:  # on to the next broker at once
+                up.session.passive(msg.reason)
+            elif msg.reason.startswith(P.REFUSED_PREFIX):
                 raise RelayRefused(f"the upstream broker at {up.brokers.current} refused this relay: {msg.reason}")
-            if not msg.rehello:
+            elif not msg.rehello:
                 self.log.warning(f"upstream rejected us: {msg.reason}")
             elif up.rehello(now):  # the first reject of a burst; the others answer what was sent before that hello
                 self.log.warning(

@@ -106,6 +106,19 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     default=None,
     help="Relay: trajectories pushed upstream and unacknowledged at most (0 = 2 x the actors' windows).",
 )
+@click.option(
+    "--peer",
+    envvar="ZDDRL_PEER",
+    default=None,
+    help="The other broker of a standby pair, tcp://HOST:PORT: only the active one takes clients (docs/deploying.md, "
+    '"A standby broker"; on a closed bus --keys must hold a monitor key for the probe).  [default: none]',
+)
+@click.option(
+    "--peer-role",
+    type=click.Choice(["primary", "backup"]),
+    default=None,
+    help="With --peer: a primary starts active unless its peer is; a backup takes over when the peer is silent.",
+)
 def broker(
     bind,
     profile,
@@ -118,6 +131,8 @@ def broker(
     insecure,
     upstream,
     upstream_window,
+    peer,
+    peer_role,
 ) -> None:
     """Run the broker (or, with --upstream, a relay): routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
@@ -136,6 +151,8 @@ def broker(
                 "insecure": insecure,
                 "upstream": upstream,
                 "upstream_window": upstream_window,
+                "peer": peer,
+                "peer_role": peer_role,
             },
         )
         if key_name is not None and not config.keys:

@@ -20,7 +20,14 @@ from zddrl.transport.link import Refused
 @click.command()
 @click.option("--connect", required=True, envvar="ZDDRL_CONNECT", callback=connect_list, help=CONNECT_HELP)
 @click.option("--envs", type=int, default=None, help="Envs on this host (default: the run's env.num_envs).")
-@click.option("--actor-id", type=int, default=0, show_default=True, help="Seeds env i with seed + id*1000 + i.")
+@click.option(
+    "--actor-id",
+    default="0",
+    show_default=True,
+    envvar="ZDDRL_ACTOR_ID",
+    help="Seeds env i with seed + id*1000 + i; 'auto': the broker assigns the lowest free id (a restarted process "
+    "of the same key gets its old one back).",
+)
 @click.option(
     "--slowdown",
     type=float,
@@ -41,7 +48,8 @@ from zddrl.transport.link import Refused
     default="1",
     show_default=True,
     envvar="ZDDRL_PROCS",
-    help="Actor processes: N, or 'auto' (one per core), ids --actor-id, --actor-id + 1, ...; one signal stops all.",
+    help="Actor processes: N, or 'auto' (one per core), ids --actor-id, --actor-id + 1, ... (or each its own from "
+    "the broker with --actor-id auto); one signal stops all.",
 )
 @allow_code_option("on this host")
 @keys_option
@@ -50,10 +58,14 @@ def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, procs, a
     """Run an actor host: step envs with the newest policy, push trajectories."""
     from zddrl.actor.host import ActorHost
     from zddrl.envs import SlowEnvs
-    from zddrl.ops.actor_procs import child_args, process_count, run_actor_processes
+    from zddrl.ops.actor_procs import actor_id_of, child_args, process_count, run_actor_processes
 
     if envs is not None and envs < 1:
         raise click.UsageError("--envs must be >= 1")
+    try:
+        first_id = actor_id_of(actor_id)
+    except ValueError:
+        raise click.UsageError(f"--actor-id takes an id >= 0 or 'auto', got {actor_id!r}") from None
     try:
         count = process_count(procs)
     except ValueError:
@@ -62,11 +74,11 @@ def actor(connect, envs, actor_id, slowdown, env_latency_ms, max_steps, procs, a
     creds = credentials_of(keys_dir, "actor", key_name)
     if count > 1:
         args = child_args(connect, envs, slowdown, env_latency_ms, max_steps, allow_code, keys_dir, key_name)
-        raise SystemExit(run_actor_processes(args, actor_id, count, stop_on_signals()))
+        raise SystemExit(run_actor_processes(args, first_id, count, stop_on_signals()))
     try:
         ActorHost(
             connect,
-            actor_id,
+            first_id,
             envs,
             make_envs=SlowEnvs(slowdown, env_latency_ms),
             max_steps=max_steps,

@@ -1,5 +1,6 @@
 """`zddrl actor --procs N`: N actor processes from one command, one per core by default, each with an id of its own
-(``--actor-id`` and the next N-1: ids place the seed streams), all stopped by one signal.
+(``--actor-id`` and the next N-1, or with ``--actor-id auto`` each the one the broker assigns it: ids place the
+seed streams), all stopped by one signal.
 
 One process per core, not threads: an actor host steps its envs and runs its policy on one core (numpy or torch on
 one thread), and Python runs one thread at a time. The children are plain `zddrl actor` processes with
@@ -32,18 +33,31 @@ def process_count(procs: str) -> int:
     return count
 
 
-def run_actor_processes(args: list[str], first_id: int, count: int, stop: threading.Event) -> int:
-    """Start ``zddrl actor ARGS --actor-id I --procs 1`` for I in ``first_id .. first_id + count - 1`` and wait
-    until all have ended or ``stop`` is set (then stop them); the highest exit code."""
+def actor_id_of(text: str) -> int | None:
+    """``--actor-id``: an id >= 0, or None for ``auto`` (the broker assigns it); ValueError otherwise."""
+    if text == "auto":
+        return None
+    actor_id = int(text)
+    if actor_id < 0:
+        raise ValueError("--actor-id must be >= 0 or auto")
+    return actor_id
+
+
+def run_actor_processes(args: list[str], first_id: int | None, count: int, stop: threading.Event) -> int:
+    """Start ``zddrl actor ARGS --actor-id I --procs 1`` for I in ``first_id .. first_id + count - 1`` (``first_id``
+    None: ``--actor-id auto`` for each) and wait until all have ended or ``stop`` is set (then stop them); the
+    highest exit code."""
+    ids = ["auto"] * count if first_id is None else [str(i) for i in range(first_id, first_id + count)]
     procs = {
-        f"actor-{i}": subprocess.Popen(
-            [sys.executable, "-m", "zddrl", "actor", *args, "--actor-id", str(i), "--procs", "1"],
+        f"actor-{n}": subprocess.Popen(
+            [sys.executable, "-m", "zddrl", "actor", *args, "--actor-id", actor_id, "--procs", "1"],
             stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent,
         )
-        for i in range(first_id, first_id + count)
+        for n, actor_id in enumerate(ids)
     }
-    logger.info(f"{count} actor processes started, ids {first_id}..{first_id + count - 1}")
+    named = "assigned by the broker" if first_id is None else f"{first_id}..{first_id + count - 1}"
+    logger.info(f"{count} actor processes started, ids {named}")
     while not stop.is_set() and any(p.poll() is None for p in procs.values()):
         time.sleep(0.2)
     stop_processes(procs, STOP_GRACE_S)

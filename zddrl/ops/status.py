@@ -13,16 +13,11 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple, TextIO
-
-import zmq
-from loguru import logger
-from zmq.utils.monitor import recv_monitor_message
+from typing import Any, TextIO
 
 from zddrl import protocol as P
-from zddrl.config import split_endpoints
 from zddrl.keys import Credentials
-from zddrl.transport.handshakes import HANDSHAKE_FAILED, refusal
+from zddrl.transport.status import ask_status
 from zddrl.values import finite_float
 
 MIN_INTERVAL_S = 0.1
@@ -30,100 +25,6 @@ MIN_INTERVAL_S = 0.1
 REASON_CHARS = 120
 """Departure reasons are shown up to this many characters of their first line (crash reports carry a
 traceback: `zddrl status --json` has it in full)."""
-
-
-class Answer(NamedTuple):
-    """What a status request got: the body, or why none came ("" for silence: nothing answered in time)."""
-
-    body: dict[str, Any] | None
-    why: str = ""
-
-
-def request_status(
-    connect: str,
-    timeout_s: float,
-    context: zmq.Context | None = None,
-    credentials: Credentials | None = None,
-    *,
-    page: int = 1,
-) -> dict[str, Any] | None:
-    """One status request for ``page`` of the member rows (from 1) on a fresh DEALER (a CURVE client with
-    ``credentials`` on a closed bus); None if no broker answers within the timeout, refuses (it rate-limits
-    status requests, or refuses the handshake), or answers with something that is not a valid status message: a
-    caller that asks now and then must not die of a bad answer. ``connect`` may be a fallback list
-    (``tcp://A:5555,tcp://B:5555``): each broker is asked in turn, ``timeout_s`` each, and the first answer is
-    returned. ``ask_status`` says why none came."""
-    return ask_status(connect, timeout_s, context, credentials, page=page).body
-
-
-def ask_status(
-    connect: str,
-    timeout_s: float,
-    context: zmq.Context | None = None,
-    credentials: Credentials | None = None,
-    *,
-    page: int = 1,
-) -> Answer:
-    """``request_status``, with why no body came: a refused handshake is known at once (no keys on a closed bus,
-    a key the broker does not hold), not after the timeout."""
-    ctx = context or zmq.Context.instance()
-    whys = []
-    for endpoint in split_endpoints(connect):
-        answer = _request_one(ctx, endpoint, timeout_s, credentials, page)
-        if answer.body is not None:
-            return answer
-        if answer.why:
-            whys.append(answer.why)
-    return Answer(None, "; ".join(whys))
-
-
-def _request_one(
-    ctx: zmq.Context, connect: str, timeout_s: float, credentials: Credentials | None, page: int
-) -> Answer:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if credentials is not None:
-        credentials.apply(sock)
-    monitor = sock.get_monitor_socket(HANDSHAKE_FAILED)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    poller.register(monitor, zmq.POLLIN)
-    deadline = time.monotonic() + timeout_s
-    try:
-        sock.connect(connect)
-        sock.send_multipart(P.encode(P.StatusRequest(peer_id="status", page=page)))
-        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
-            events = dict(poller.poll(left_ms))
-            if monitor in events:  # ZeroMQ gives up on a refused handshake: no answer will come
-                event = recv_monitor_message(monitor)["event"]
-                key = credentials.client.name if credentials is not None else ""
-                return Answer(None, refusal(event, connect, "monitor", key))
-            if sock in events:
-                answer = _answer(connect, sock)
-                if answer is not None:
-                    return answer
-        return Answer(None)
-    finally:
-        sock.disable_monitor()
-        monitor.close(linger=0)
-        sock.close(linger=0)
-
-
-def _answer(connect: str, sock: zmq.Socket) -> Answer | None:
-    """The status answer just received on ``sock``; None for anything else the broker might send first (skipped)."""
-    try:
-        msg = P.decode(sock.recv_multipart())
-    except P.ProtocolError as exc:
-        why = f"unusable status answer from {connect}: {exc}"
-        logger.warning(why)
-        return Answer(None, why)
-    if isinstance(msg, P.Status):
-        return Answer(msg.body)
-    if isinstance(msg, P.Reject):
-        why = f"the broker at {connect} refused the status request: {msg.reason}"
-        logger.warning(why)
-        return Answer(None, why)
-    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -157,7 +58,7 @@ def summary_lines(body: dict[str, Any]) -> list[str]:
         roles = ", ".join(f"{n} {role}" for role, n in b["members_by_role"].items() if n)
         page = f"  page {b['page']} of {b['pages']} (--page N)" if b["pages"] > 1 or b["page"] > 1 else ""
         lines.append(f"members {b['members_total']} ({roles or 'none'}) on {b['hosts_total']} hosts{page}")
-    lines += tree_lines(b)
+    lines += tree_lines(b) + standby_lines(b)
     learners = [m["stats"] for m in body["members"].values() if m["role"] == "learner" and m.get("stats")]
     learner = min(learners, key=lambda s: s.get("shard", 0), default=None)  # the main shard reports the run
     if learner:
@@ -217,6 +118,20 @@ def tree_lines(b: dict[str, Any]) -> list[str]:
     if b.get("relays"):
         lines.append(f"whole tree accounted: {'ok' if b.get('accounted_subtree') else 'MISMATCH'}")
     return lines
+
+
+def standby_lines(b: dict[str, Any]) -> list[str]:
+    """A standby pair's broker (``broker.peer``): its state, its peer and when the peer last answered."""
+    pair = b.get("standby")
+    if not isinstance(pair, dict):
+        return []
+    ago = pair.get("peer_answered_s_ago")
+    heard = "never answered" if ago is None else f"answered {_number(ago, '.1f')} s ago"
+    split = "  [BOTH ACTIVE: the run may be split, stop one]" if pair.get("both_active") else ""
+    return [
+        f"standby {pair.get('role')}: {str(pair.get('state')).upper()} for {_number(pair.get('state_s'), '.0f')} s; "
+        f"peer {pair.get('peer')} {pair.get('peer_state') or '?'}, {heard}{split}"
+    ]
 
 
 def member_rows(body: dict[str, Any]) -> list[list[str]]:

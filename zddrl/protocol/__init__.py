@@ -53,6 +53,7 @@ from zddrl.protocol.frames import (  # noqa: F401
 from zddrl.protocol.messages import (  # noqa: F401  (part of this package's interface)
     CRASH_PREFIX,
     MESSAGE_TYPES,
+    PASSIVE_PREFIX,
     REFUSED_PREFIX,
     ROLES,
     Bye,

@@ -15,6 +15,9 @@ ROLES = ("actor", "learner", "monitor", "relay", "replay")
 is a replay service (``zddrl replay``) that takes a replay run's trajectories in place of the learner shards."""
 REFUSED_PREFIX = "hello refused: "
 """Start of a reject's reason when the broker will not take this client at all (no retry)."""
+PASSIVE_PREFIX = "passive: "
+"""Start of a reject's reason when the broker is the passive one of a standby pair (``broker.peer``): the client
+moves on to the next broker of its list at once (docs/protocol.md section 5.2)."""
 CRASH_PREFIX = "crashed: "
 """A bye reason that starts with this is a crash report; the broker logs it as an error and lists it among
 the departures in the status body."""
@@ -51,6 +54,9 @@ class Hello(Message):
     bus: dict | None = None
     """Learners: what the brokers need to know of the run to carry it, ``{"sync": bool, "max_staleness": int >= 0,
     "max_in_flight": int >= 1}`` (protocol.rules.RunBus; nil: its defaults). The run spec is opaque to brokers."""
+    auto_id: bool = False
+    """Actors: the broker assigns the peer id (the lowest free ``actor-N``; its welcome's ``peer_id`` says which);
+    ``peer_id`` is then the id this process held before, which it gets back if it is free, or ""."""
 
 
 @dataclass(frozen=True)

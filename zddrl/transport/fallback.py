@@ -4,12 +4,14 @@
 interval x liveness, or, with a list, its connection down for an interval: ``transport.session``) it calls
 ``next(served)`` and waits what that returns. With one broker this is the reconnect backoff of docs/protocol.md
 section 5.2; with several, moving on within a pass over the list is immediate and the same capped backoff comes
-between full passes.
+between full passes. A pass in which a passive broker of a standby pair answered (it sent us to its peer) waits
+RECONNECT_INITIAL_S only: its peer is about to take over, or is there and unreachable from here for now.
 """
 
 from __future__ import annotations
 
 from zddrl.config import split_endpoint, split_endpoints
+from zddrl.transport.session import PASSIVE
 
 RECONNECT_INITIAL_S = 0.25
 RECONNECT_MAX_S = 8.0
@@ -47,13 +49,15 @@ class Brokers:
         """The host of ``current``: the data ports its welcome names are on it."""
         return split_endpoint(self.current)[0]
 
-    def next(self, served: bool) -> float:
-        """The session with ``current`` ended (``served``: it had welcomed us): move to the next broker and
-        return the seconds to wait before trying it. Within a pass: 0. After a full pass (with one broker:
-        every time): RECONNECT_INITIAL_S if a broker of the pass welcomed us, else twice the last wait, up to
-        RECONNECT_MAX_S."""
+    def next(self, served: bool, answered: bool = False) -> float:
+        """The session with ``current`` ended (``served``: it had welcomed us; ``answered``: it is a passive standby
+        that sent us on): move to the next broker and return the seconds to wait before trying it. Within a pass: 0.
+        After a full pass (with one broker: every time): RECONNECT_INITIAL_S if a broker of the pass welcomed us or
+        answered as passive, else twice the last wait, up to RECONNECT_MAX_S."""
         if served:
             self.pass_start, self.pass_served = self.at, True
+        elif answered:
+            self.pass_served = True
         self.at = (self.at + 1) % len(self.endpoints)
         if self.at != self.pass_start:
             return 0.0
@@ -64,8 +68,11 @@ class Brokers:
     def moving(self, silent: str, wait_s: float, why: str = "") -> str:
         """The log line for leaving the silent broker ``silent`` for ``current`` after ``wait_s``; ``why``: what more
         is known of its silence (its connection closed, its handshake refused), if anything."""
+        state = "silent"
+        if why.startswith(PASSIVE):  # it answered: not silent, only not the one to talk to
+            state, why = PASSIVE.removeprefix("it "), why.removeprefix(f"{PASSIVE}: ")
         why = f" ({why})" if why else ""
         if len(self.endpoints) == 1:
-            return f"broker at {silent} silent; reconnecting in {wait_s:.2f} s{why}"
+            return f"broker at {silent} {state}; reconnecting in {wait_s:.2f} s{why}"
         later = f" in {wait_s:.2f} s" if wait_s else ""
-        return f"broker at {silent} silent; moving to the broker at {self.current}{later}{why}"
+        return f"broker at {silent} {state}; moving to the broker at {self.current}{later}{why}"

@@ -12,6 +12,7 @@ are rebuilt whenever ``generation`` changes (a new welcome), on the host of the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import socket
@@ -32,7 +33,7 @@ from zddrl.transport.crash import crash_reason
 from zddrl.transport.fallback import Brokers
 from zddrl.transport.handshakes import HandshakeWatch
 from zddrl.transport.params import Assembler
-from zddrl.transport.session import HEARTBEAT_INTERVAL_S, SILENT, Session
+from zddrl.transport.session import HEARTBEAT_INTERVAL_S, PASSIVE, SILENT, Session
 
 BYE_LINGER_MS = 500
 """How long a closing link lets ZeroMQ deliver its last messages (the bye)."""
@@ -130,6 +131,12 @@ class BrokerLink:
         if not why and run_signer and head.signer != run_signer:
             why = f"signed by {head.signer!r}, not by the run's learner ({run_signer!r})"
         return why
+
+    @property
+    def peer_id(self) -> str:
+        """Our peer id: the hello's, or (``auto_id``) the one the last welcome assigned ("" before it)."""
+        with self._cond:
+            return self.hello.peer_id
 
     @property
     def data_identity(self) -> bytes:
@@ -253,7 +260,7 @@ class BrokerLink:
             if self._stop.is_set():
                 break
             self.reconnects += 1
-            gone, wait_s = self.connect, self.brokers.next(served)
+            gone, wait_s = self.connect, self.brokers.next(served, answered=cause.startswith(PASSIVE))
             why = self.handshakes.refused or ("" if cause == SILENT else cause)
             self.log.warning(self.brokers.moving(gone, wait_s, why))
             self._stop.wait(wait_s)
@@ -282,7 +289,7 @@ class BrokerLink:
     def _serve(self, control: zmq.Socket) -> tuple[bool, str]:
         """Talk to the broker until it is gone: (whether it welcomed us, why it counts as gone: ``Session.ended``;
         "" when the link was closed or refused)."""
-        session = Session(time.monotonic(), fallback=len(self.brokers) > 1)
+        session = Session(time.monotonic(), fallback=len(self.brokers) > 1, interval_s=self.interval_s)
         poller = zmq.Poller()
         poller.register(control, zmq.POLLIN)
         poller.register(self.handshakes.monitor, zmq.POLLIN)
@@ -355,6 +362,9 @@ class BrokerLink:
             else:
                 self.hellos_held += 1  # it answers a message sent before the hello on its way
             return True
+        if msg.reason.startswith(P.PASSIVE_PREFIX):  # a standby pair's passive broker: on to the next at once
+            session.passive(msg.reason)
+            return True
         if msg.reason.startswith(P.REFUSED_PREFIX):
             self.log.warning(f"broker refused us: {msg.reason}")
             self._refuse(msg.reason)
@@ -414,6 +424,10 @@ class BrokerLink:
                 self._fleet = None  # the fleet of another run
             self.welcome = msg
             self._welcome_host = self.brokers.host
+            if self.hello.auto_id and msg.peer_id and msg.peer_id != self.hello.peer_id:
+                # the broker assigned our id: every later message, and the hello of a reconnection, names it
+                self.hello = dataclasses.replace(self.hello, peer_id=msg.peer_id)
+                self.log = logger.bind(role=self.hello.role, peer=msg.peer_id)
             self.generation += 1
             self.sent = self.acked = 0  # a new session: what the old broker had in flight is gone
             self._cond.notify_all()

@@ -12,6 +12,9 @@ Hellos: one in flight at a time. A broker that lost us (restarted, or expired us
 queued for it with "send hello first"; only the first such reject is answered with a hello, the rest answer
 messages sent before that hello. A hello unanswered for an interval was lost (it went to a dying broker, or the
 broker's hello limit dropped it): the next reject gets another.
+
+A passive broker of a standby pair (``broker.peer``) answers the hello with a ``passive:`` reject: the session ends
+at once (``passive``) and the client moves on to the next broker of its list.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_LIVENESS = 3
 SILENT = "silent"
 """``Session.ended`` when the broker was silent for interval x liveness."""
+PASSIVE = "it is a passive standby"
+"""Start of ``Session.ended`` when the broker sent us to its peer (``Session.passive``)."""
 
 
 class Session:
@@ -37,10 +42,20 @@ class Session:
             if session.beat_due(now): send(heartbeat)
     """
 
-    def __init__(self, now: float, *, fallback: bool) -> None:
+    def __init__(
+        self,
+        now: float,
+        *,
+        fallback: bool,
+        interval_s: float = HEARTBEAT_INTERVAL_S,
+        liveness: int = HEARTBEAT_LIVENESS,
+    ) -> None:
         self.fallback = fallback
         """The client has other brokers to go to: a connection down for an interval ends the session."""
-        self.interval_s, self.liveness = HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
+        self.interval_s, self.liveness = interval_s, liveness
+        """Until a welcome says otherwise: the last session's schedule (the brokers of a list share one), else
+        the defaults. With the defaults, a client that lost a broker on 0.2 s heartbeats would wait 1 s on each dead
+        broker of its list before trying the next."""
         self.deadline = now + self.interval_s * self.liveness
         self.next_beat = now + self.interval_s
         self.welcomed_once = False
@@ -48,6 +63,8 @@ class Session:
         """When the hello in flight went out; None while none is (the last one was answered)."""
         self.down_since: float | None = None
         """Since when the connection has been down, per the socket monitor; None while it is up."""
+        self.sent_away = ""
+        """The reason of a passive broker's reject, once one came: the session is over."""
 
     def heard(self, now: float) -> None:
         """Anything from the broker on control: it is alive for another interval x liveness. (Not a sign that the
@@ -92,8 +109,15 @@ class Session:
         elif up is not None and self.down_since is None:
             self.down_since = now
 
+    def passive(self, reason: str) -> None:
+        """The broker is the passive one of a standby pair (a ``passive:`` reject): it will not take us."""
+        self.sent_away = reason
+
     def ended(self, now: float) -> str:
-        """Why the broker counts as gone ("" while it does not), for the log line that moves on."""
+        """Why the broker counts as gone ("" while it does not), for the log line that moves on: starts with
+        ``PASSIVE`` when a passive broker sent us to its peer."""
+        if self.sent_away:
+            return f"{PASSIVE}: {self.sent_away}"
         if now > self.deadline:
             return SILENT
         if self.fallback and self.down_since is not None and now - self.down_since >= self.interval_s:

@@ -1,0 +1,154 @@
+"""`zddrl actor --actor-id auto`: the broker hands out the lowest free actor id (broker/actor_ids.py), seeds follow
+it; a restarted process of the same key gets its old id back, another key cannot take it in its holder's departure
+window; a reconnecting process keeps its id; a relay refuses to assign ids."""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from broker_clients import WAIT_S, Shard, run_spec, status
+from conftest import BrokerHandle, Bus, Procs, wait_for
+from zddrl import protocol as P
+from zddrl.broker.actor_ids import actor_number
+from zddrl.broker.broker import Broker
+from zddrl.broker.relay import Relay
+from zddrl.config import BrokerConfig
+from zddrl.keys import credentials, new_key
+from zddrl.transport.link import hello_fields
+from zddrl.transport.status import request_status
+
+pytestmark = pytest.mark.slow  # real broker and actor processes
+
+JOIN_S = 60.0
+"""Actor processes import torch and gymnasium before their hello: slow on two shared cores."""
+
+
+def seeds_of(log: str) -> list[str]:
+    """The first seed of each run an actor's log says it made envs for."""
+    return re.findall(r"seeds (\d+)\.\.", log)
+
+
+def members(broker: BrokerHandle, bus: Bus, creds=None) -> dict:
+    body = request_status(broker.connect, WAIT_S, bus.ctx, credentials=creds)
+    assert body is not None, "the broker did not answer a status request"
+    return body["members"]
+
+
+def test_auto_actors_get_ids_0_to_n_and_seeds_apart(
+    procs: Procs, broker: BrokerHandle, bus: Bus, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Shard(bus, broker, "learner-0", "run-a", run_spec())  # a run: the actors make their envs, and log their seeds
+    monkeypatch.setenv("ZDDRL_ACTOR_ID", "auto")  # the environment's way, as a Kubernetes Deployment says it
+    actors = [procs.start(f"a{i}", "actor", "--connect", broker.connect, "--envs", "2") for i in range(3)]
+    wait_for(lambda: {"actor-0", "actor-1", "actor-2"} <= set(status(broker, bus)["members"]), JOIN_S, "3 ids")
+    pids = {m["pid"] for peer, m in status(broker, bus)["members"].items() if peer.startswith("actor-")}
+    assert pids == {a.pid for a in actors}, "one id each"
+    wait_for(lambda: all(seeds_of(procs.log(f"a{i}")) for i in range(3)), JOIN_S, "every actor's envs")
+    firsts = {seeds_of(procs.log(f"a{i}"))[0] for i in range(3)}
+    assert firsts == {"1", "1001", "2001"}, firsts  # env j of actor i is seeded 1 + 1000 i + j
+    assert all("the broker assigned actor id" in procs.log(f"a{i}") for i in range(3))
+
+
+def test_procs_with_auto_ids(procs: Procs, broker: BrokerHandle, bus: Bus) -> None:
+    Shard(bus, broker, "learner-0", "run-a", run_spec())
+    fleet = procs.start(
+        "fleet", "actor", "--connect", broker.connect, "--envs", "2", "--actor-id", "auto", "--procs", "3"
+    )
+    wait_for(lambda: {"actor-0", "actor-1", "actor-2"} <= set(status(broker, bus)["members"]), JOIN_S, "3 ids")
+    wait_for(lambda: len(seeds_of(procs.log("fleet"))) == 3, JOIN_S, "every child's envs")
+    log = procs.log("fleet")
+    assert "3 actor processes started, ids assigned by the broker" in log
+    assert sorted(seeds_of(log), key=int) == ["1", "1001", "2001"], log[-3000:]
+    assert fleet.poll() is None
+
+
+def test_a_reconnecting_actor_keeps_its_id(procs: Procs, broker: BrokerHandle, bus: Bus) -> None:
+    """The broker restarts (its members are gone): each actor says hello again with the id it had, and keeps it,
+    whichever hello the new broker reads first."""
+    actors = [procs.start(f"a{i}", "actor", "--connect", broker.connect, "--actor-id", "auto") for i in range(2)]
+    wait_for(lambda: {"actor-0", "actor-1"} <= set(status(broker, bus)["members"]), JOIN_S, "2 ids")
+    before = {peer: m["pid"] for peer, m in status(broker, bus)["members"].items()}
+    assert broker.proc is not None
+    broker.proc.kill()
+    broker.proc.wait(timeout=WAIT_S)
+    broker.start()  # same ports
+    wait_for(lambda: {"actor-0", "actor-1"} <= set(status(broker, bus)["members"]), JOIN_S, "the actors back")
+    after = {peer: m["pid"] for peer, m in status(broker, bus)["members"].items()}
+    assert after == before and all(a.poll() is None for a in actors)
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> Path:
+    root = tmp_path / "keys"
+    for role, name in [("broker", "b"), ("learner", "l"), ("actor", "a"), ("actor", "b"), ("monitor", "m")]:
+        new_key(root, role, name)
+    return root
+
+
+def test_a_restart_gets_its_id_back_and_another_key_waits_out_the_window(
+    procs: Procs, tmp_path: Path, bus: Bus, keys: Path
+) -> None:
+    broker = BrokerHandle(procs, tmp_path).start("--keys", str(keys))
+    monitor = credentials(keys, "monitor", "m")
+
+    def actor(name: str, key: str):
+        return procs.start(name, "actor", "--connect", broker.connect, "--actor-id", "auto", "--keys", str(keys),
+                           "--key", key)  # fmt: skip
+
+    def held(peer_id: str, pid: int) -> bool:
+        return members(broker, bus, monitor).get(peer_id, {}).get("pid") == pid
+
+    first = actor("a-first", "a")
+    wait_for(lambda: held("actor-0", first.pid), JOIN_S, "key a's actor as actor-0")
+    other = actor("b-first", "b")
+    wait_for(lambda: held("actor-1", other.pid), JOIN_S, "key b's actor as actor-1")
+
+    first.kill()  # kill -9: no bye; actor-0 stays key a's for its departure window
+    first.wait(timeout=WAIT_S)
+    squatter = actor("b-second", "b")
+    wait_for(lambda: held("actor-2", squatter.pid), JOIN_S, "key b's second actor as actor-2, not actor-0")
+    again = actor("a-again", "a")
+    wait_for(lambda: held("actor-0", again.pid), JOIN_S, "key a's restarted actor back on actor-0")
+    wait_for(lambda: "the broker assigned actor id 0 (actor-0)" in procs.log("a-again"), WAIT_S, "its log line")
+    assert set(members(broker, bus, monitor)) >= {"actor-0", "actor-1", "actor-2"}
+
+
+@contextmanager
+def running(broker: Broker) -> Iterator[str]:
+    """``broker`` bound and serving on a thread; yields its control endpoint."""
+    broker.bind()
+    stop = threading.Event()
+    thread = threading.Thread(target=broker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{broker.ports['control']}"
+    finally:
+        stop.set()
+        thread.join(timeout=WAIT_S)
+        broker.close()
+
+
+def test_a_relay_refuses_to_assign_ids(bus: Bus) -> None:
+    """A relay's ids would clash with its upstream's and its siblings': it refuses ``auto_id`` with one line."""
+    with running(Broker(BrokerConfig(bind="tcp://127.0.0.1:*"))) as root:
+        with running(Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root))) as relay:
+            sock = bus.socket(zmq.DEALER)
+            sock.connect(relay)
+            sock.send_multipart(P.encode(P.Hello(role="actor", peer_id="", auto_id=True, **hello_fields())))
+            assert sock.poll(int(WAIT_S * 1000)), "no answer from the relay"
+            answer = P.decode(sock.recv_multipart())
+    assert isinstance(answer, P.Reject) and answer.reason.startswith(P.REFUSED_PREFIX), answer
+    assert "relay" in answer.reason and "--actor-id N" in answer.reason
+
+
+def test_actor_numbers() -> None:
+    assert [actor_number(i) for i in ("actor-0", "actor-12", "actor-012", "actor--1", "actor-", "learner-0")] == [
+        0, 12, None, None, None, None,
+    ]  # fmt: skip
