@@ -276,3 +276,18 @@ def test_what_the_root_keeps_of_relays_reports_is_bounded() -> None:
         )
         with pytest.raises(P.ProtocolError):
             P.decode(P.encode(too_big))
+
+
+def test_the_status_limits_are_the_documented_ones() -> None:
+    """docs/security.md "Bounded resources" and docs/protocol.md (status_request) give these numbers: the limits the
+    broker builds must be them (the rate tests drive the buckets with values of their own)."""
+    from zddrl.broker import limits as L
+
+    status = L.Limits().status
+    assert (L.STATUS_BURST, L.STATUS_RATE_PER_S) == (10, 2.0)
+    assert (L.STATUS_TOTAL_BURST, L.STATUS_TOTAL_RATE_PER_S) == (200, 100.0)
+    assert (L.STATUS_TOTAL_BURST_BYTES, L.STATUS_TOTAL_BYTES_PER_S) == (16 << 20, 8 << 20)
+    assert status.rate_per_s == L.STATUS_RATE_PER_S and status.burst == L.STATUS_BURST
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    assert "per connection 10 at once, then 2 per second; all connections together 100 per second" in doc
+    assert "8 MiB of replies per second (16 MiB at once)" in doc
