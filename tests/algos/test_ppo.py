@@ -72,6 +72,34 @@ def test_adam_matches_torch_adam() -> None:
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_adam_keeps_per_parameter_steps_across_skips_and_a_resume(fused: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter without a gradient takes no step (torch's rule, its own bias corrections), a resumed optimizer goes
+    on with each parameter's count, and a step with no gradient at all changes nothing."""
+    import zddrl.algos.optim as optim
+
+    monkeypatch.setattr(optim, "FUSED", fused)
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(6, 3), torch.nn.Linear(6, 3)
+    b.load_state_dict(a.state_dict())
+    ours, theirs = Adam(a.parameters(), lr=3e-3), torch.optim.Adam(b.parameters(), lr=3e-3)
+    for step in range(20):
+        x = torch.randn(16, 6)
+        for model, opt in ((a, ours), (b, theirs)):
+            opt.zero_grad()
+            (model(x) ** 2).mean().backward()
+            if step % 3 == 0:
+                model.bias.grad = None
+            opt.step()
+        if step == 10:
+            ours, state = Adam(a.parameters(), lr=3e-3), ours.state_dict()
+            ours.load_state_dict(state)
+    ours.zero_grad()
+    ours.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_running_mean_std_matches_numpy() -> None:
     rng = np.random.default_rng(0)
     data = rng.normal(3.0, 2.0, size=(1000, 3))

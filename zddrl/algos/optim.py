@@ -31,7 +31,7 @@ class Adam:
         self.exp_avg = [torch.zeros_like(p) for p in self.params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in self.params]
         self._step_of = [torch.zeros((), dtype=torch.float32, device=p.device) for p in self.params]
-        """Each parameter's step count as the fused kernel takes it (bias corrections); equal to ``steps`` for a
+        """Each parameter's step count (its bias corrections), as torch's Adam keeps it: equal to ``steps`` for a
         parameter that had a gradient at every step."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -49,30 +49,32 @@ class Adam:
             if p.grad is not None:
                 params.append(p)
                 grads.append(p.grad)
+        if not params:
+            return
         index = {id(p): i for i, p in enumerate(self.params)}
         m = [self.exp_avg[index[id(p)]] for p in params]
         v = [self.exp_avg_sq[index[id(p)]] for p in params]
+        steps = [self._step_of[index[id(p)]] for p in params]
+        torch._foreach_add_(steps, 1.0)  # per parameter, as torch's Adam: one without a gradient takes no step
         if FUSED:
-            steps = [self._step_of[index[id(p)]] for p in params]
-            torch._foreach_add_(steps, 1.0)
             torch._fused_adam_(
                 params, grads, m, v, [], steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=0.0,
                 eps=group["eps"], amsgrad=False, maximize=False,
             )  # fmt: skip
             return
+        counts = [float(t) for t in steps]
         torch._foreach_lerp_(m, grads, 1 - beta1)  # m = beta1 * m + (1 - beta1) * g
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, grads, grads, 1 - beta2)
-        bias1 = 1 - beta1**self.steps
-        bias2_sqrt = (1 - beta2**self.steps) ** 0.5
         denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bias2_sqrt)
+        torch._foreach_div_(denom, [(1 - beta2**n) ** 0.5 for n in counts])
         torch._foreach_add_(denom, group["eps"])
-        torch._foreach_addcdiv_(params, m, denom, -group["lr"] / bias1)
+        torch._foreach_addcdiv_(params, m, denom, [-group["lr"] / (1 - beta1**n) for n in counts])
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "steps": self.steps,
+            "step_of": [float(t) for t in self._step_of],
             "exp_avg": [t.clone() for t in self.exp_avg],
             "exp_avg_sq": [t.clone() for t in self.exp_avg_sq],
             "lr": self.param_groups[0]["lr"],
@@ -80,8 +82,9 @@ class Adam:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
-        for step in self._step_of:
-            step.fill_(self.steps)
+        counts = state.get("step_of") or [self.steps] * len(self._step_of)  # checkpoints before per-parameter counts
+        for step, n in zip(self._step_of, counts):
+            step.fill_(float(n))
         for dst, src in zip(self.exp_avg + self.exp_avg_sq, list(state["exp_avg"]) + list(state["exp_avg_sq"])):
             dst.copy_(src)
         self.param_groups[0]["lr"] = float(state["lr"])
