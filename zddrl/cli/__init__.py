@@ -302,17 +302,7 @@ def learner(
     restarts it when it dies (ops/restart.py says why a child and what that covers)."""
     from zddrl.shards.launch import launched_as_shard, plan_devices
 
-    if resume and not run_dir:
-        raise click.UsageError("--resume needs --run-dir (the run to continue)")
-    if gpus is not None and shards is not None:
-        raise click.UsageError("give --gpus or --shards, not both")
-    if restart and launched_as_shard():
-        raise click.UsageError(
-            "--restart supervises a learner this command starts; under torchrun use its "
-            "--max-restarts (each restart then needs --resume)"
-        )
-    if restart and nnodes > 1:
-        raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
+    _check_learner_options(run_dir, resume, gpus, shards, restart, nnodes)
     if shards is not None:
         gpus = f"cpu:{shards}"
     creds = credentials_of(keys_dir, "learner", key_name)  # checked before any shard or child starts
@@ -339,6 +329,23 @@ def learner(
             return
     replay = _replay_link(config, replays, keys_dir, replay_key)
     run_shard(config, plan, connect, run_dir, t0, resume, creds, replay)
+
+
+def _check_learner_options(run_dir, resume: bool, gpus, shards, restart: int, nnodes: int) -> None:
+    """The learner's options that cannot go together: one usage error each."""
+    from zddrl.shards.launch import launched_as_shard
+
+    if resume and not run_dir:
+        raise click.UsageError("--resume needs --run-dir (the run to continue)")
+    if gpus is not None and shards is not None:
+        raise click.UsageError("give --gpus or --shards, not both")
+    if restart and launched_as_shard():
+        raise click.UsageError(
+            "--restart supervises a learner this command starts; under torchrun use its "
+            "--max-restarts (each restart then needs --resume)"
+        )
+    if restart and nnodes > 1:
+        raise click.UsageError("--restart supports one node: the nodes of a group would have to restart together")
 
 
 def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | None) -> tuple[tuple[str, ...], bytes]:
