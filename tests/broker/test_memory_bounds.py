@@ -20,10 +20,24 @@ import zmq
 from broker_clients import WAIT_S, ProfiledBroker, learner_hello, run_spec
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
-from zddrl.broker import limits
+from zddrl.broker import limits, memory
+from zddrl.broker.broker import Broker
 from zddrl.broker.limits import UNREAD_BYTES_PER_KEY, UnreadReplies
-from zddrl.broker.memory import RESET, RESET_SETTLE_S, STUCK, MemoryBudget
-from zddrl.broker.sockets import MAX_FRAMES, drained
+from zddrl.broker.membership import Member
+from zddrl.broker.memory import (
+    REBIND_RETRY_S,
+    RESET,
+    RESET_SETTLE_S,
+    RESET_SPACING_S,
+    RESET_STORM,
+    STORM,
+    STUCK,
+    MemoryBudget,
+    check_memory,
+    reset_sockets,
+)
+from zddrl.broker.sockets import MAX_FRAMES, BindError, drained
+from zddrl.config import BrokerConfig
 from zddrl.keys import Credentials, credentials, new_key
 from zddrl.transport.signatures import signed_hello, signed_params
 from zddrl.transport.status import request_status
@@ -187,6 +201,78 @@ def test_the_budget_resets_once_then_waits_until_the_resident_set_is_back_under(
     assert budget.check(RESET_SETTLE_S + 0.3) == "" and budget.reset_at is None, "back under: armed again"
     assert budget.check(RESET_SETTLE_S + 0.4) == RESET
     assert budget.peak == 160
+
+
+def test_resets_that_keep_coming_back_are_spaced_out() -> None:
+    """The fleet's honest load over the budget: each reset frees, the fleet refills. Past RESET_STORM resets the
+    budget says so once and waits longer and longer between two."""
+    rss = [150]
+    budget = MemoryBudget(limit=100, rss=lambda: rss[0])
+    t = 0.0
+    for _ in range(RESET_STORM):
+        rss[0] = 150
+        assert budget.check(t) == RESET
+        rss[0] = 90  # the reset freed it
+        assert budget.check(t + 1) == ""
+        t += 2
+    rss[0] = 150
+    assert budget.check(t) == STORM
+    last = t - 2
+    assert budget.check(t + 1) == "" and budget.check(last + RESET_SPACING_S - 1) == "", "spaced out"
+    assert budget.check(last + RESET_SPACING_S) == RESET
+    last += RESET_SPACING_S
+    rss[0] = 90
+    budget.check(last + 1)
+    rss[0] = 150
+    assert budget.check(last + 2 * RESET_SPACING_S - 1) == "", "the next wait is twice the last"
+    assert budget.check(last + 2 * RESET_SPACING_S) == RESET
+
+
+@pytest.fixture
+def bound() -> Iterator[Broker]:
+    b = Broker(BrokerConfig(bind="tcp://127.0.0.1:*"))
+    b.bind()
+    yield b
+    b.close()
+
+
+def test_a_reset_forgets_the_members_descriptors_and_gives_no_live_id_away(bound: Broker) -> None:
+    member = Member(peer_id="actor-0", role="actor", identity=b"a", host="h1", pid=1)
+    member.user, member.conn_fd = "actor:a", 9
+    bound.membership.admit(member)
+    reset_sockets(bound, 0.0)
+    assert member.conn_fd == -1, "a reused descriptor is never read as this member's"
+    assert member.conn_closed and bound.counters["memory_resets"] == 1
+    fresh = P.Hello(role="actor", peer_id="", auto_id=True, host="h2", pid=2)
+    assert bound.joining.actor_ids.assign(fresh, "actor:a") == "actor-1", "actor-0's process still runs"
+
+
+def test_a_port_that_does_not_bind_again_is_retried_with_a_back_off(
+    bound: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ports = dict(bound.ports)
+    real = memory.open_sockets
+    failures = [2]
+
+    def flaky(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise BindError("port taken")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "open_sockets", flaky)
+    reset_sockets(bound, 0.0)  # does not raise: the broker's loop runs on
+    budget = bound.memory
+    assert bound.counters["memory_rebind_failed"] == 1 and budget.rebind_at == REBIND_RETRY_S
+    bound.replies.send(b"gone", P.Reject(reason="x"))  # a stand-in socket takes what the broker sends meanwhile
+    check_memory(bound, REBIND_RETRY_S - 0.01)
+    assert bound.counters["memory_rebind_failed"] == 1, "not before its time"
+    check_memory(bound, REBIND_RETRY_S)
+    assert bound.counters["memory_rebind_failed"] == 2 and budget.rebind_at == 3 * REBIND_RETRY_S, "twice the wait"
+    check_memory(bound, 3 * REBIND_RETRY_S)
+    assert budget.rebind_at is None and bound.counters["memory_rebind_failed"] == 2
+    endpoint = bound.control.getsockopt_string(zmq.LAST_ENDPOINT)
+    assert endpoint.endswith(f":{ports['control']}"), "bound again on its port"
 
 
 # ---------------------------------------------------------------------------------------------------- real brokers

@@ -1,6 +1,7 @@
 """A standby pair of brokers (``broker.peer``, zddrl/broker/standby.py): only the active one takes clients.
 
-The state machine is checked on its own (``Standby.observe`` with made-up answers), then with real `zddrl broker`
+The state machine is checked on its own (``Standby.observe`` with made-up answers, ``tick`` and ``admits`` with a
+made-up clock), then with real `zddrl broker`
 processes on 127.0.0.1 and real client links: a backup refuses clients while the primary lives and takes them after
 the primary's kill -9 within the bound docs/deploying.md states; a client cut off from the primary alone (its route
 to it closed, the brokers still seeing each other) is sent back by the backup, never welcomed there, and returns to
@@ -56,17 +57,24 @@ def machine(role: str) -> Standby:
     return Standby(BrokerConfig(peer=PEER, peer_role=role, **HEARTBEAT))  # not started: no probe thread
 
 
+def probe(s: Standby, body: dict | None, now: float, refused: bool = False) -> None:
+    """One probe's outcome, then the broker's tick that applies it."""
+    s.observe(body, now, refused=refused)
+    s.tick(now)
+
+
 def test_a_backup_starts_passive_and_takes_over_after_its_peer_is_silent_for_interval_x_liveness() -> None:
     s = machine("backup")
     t0 = s.started
     assert s.state == PASSIVE and not s.active
-    s.observe(body_of(PASSIVE), t0 + 0.1)  # the primary answers (as a primary still starting would, or passive)
-    s.observe(None, t0 + 0.1 + INTERVAL_S * LIVENESS - 0.01)
+    probe(s, body_of(ACTIVE), t0 + 0.1)
+    s.knocked = t0 + 0.2  # a client asked it (the voter rule)
+    probe(s, None, t0 + 0.1 + INTERVAL_S * LIVENESS - 0.01)
     assert s.state == PASSIVE, "silent for less than interval x liveness"
-    s.observe(None, t0 + 0.1 + INTERVAL_S * LIVENESS + 0.001)
+    probe(s, None, t0 + 0.1 + INTERVAL_S * LIVENESS + 0.001)
     assert s.state == ACTIVE
     s.members = lambda: 1  # a client took it
-    s.observe(answer(ACTIVE, 2), t0 + 5)  # the primary is back, active, with clients: a warning and the status say it
+    probe(s, answer(ACTIVE, 2), t0 + 5)  # the primary is back, active, with clients: a warning and the status say it
     assert s.state == ACTIVE and s.both_active(t0 + 5) and s.status(t0 + 5)["both_active"]
     assert not s.both_active(t0 + 5 + INTERVAL_S * LIVENESS + 0.1), "the peer's answer is old: it is gone again"
 
@@ -91,7 +99,7 @@ def test_of_two_active_brokers_only_one_that_holds_no_members_yields(
 ) -> None:
     s = Standby(BrokerConfig(peer=PEER, peer_role=role, **HEARTBEAT), members=lambda: mine)
     s.state = ACTIVE
-    s.observe(answer(ACTIVE, theirs), s.started + 1)
+    probe(s, answer(ACTIVE, theirs), s.started + 1)
     assert s.state == state
     assert s.status(s.started + 1)["both_active"] == (state == ACTIVE)
     assert s.status(s.started + 1)["peer_members"] == theirs
@@ -99,22 +107,87 @@ def test_of_two_active_brokers_only_one_that_holds_no_members_yields(
 
 def test_a_backup_whose_peer_never_answered_counts_the_silence_from_its_own_start() -> None:
     s = machine("backup")
-    s.observe(None, s.started + INTERVAL_S * LIVENESS - 0.01)
+    assert not s.admits(s.started + INTERVAL_S * LIVENESS - 0.01), "a knock before the silence period"
     assert s.state == PASSIVE
-    s.observe(None, s.started + INTERVAL_S * LIVENESS + 0.001)
+    probe(s, None, s.started + INTERVAL_S * LIVENESS + 0.001)
     assert s.state == ACTIVE
 
 
 @pytest.mark.parametrize(
-    ("answer", "state"), [(ACTIVE, PASSIVE), (PASSIVE, ACTIVE), (None, ACTIVE), ("no peer", PASSIVE)]
+    ("answer", "state"),
+    [(ACTIVE, PASSIVE), (PASSIVE, ACTIVE), (STARTING, ACTIVE), (None, STARTING), ("no peer", PASSIVE)],
 )
-def test_a_primary_is_active_after_its_first_probe_unless_its_peer_is(answer: str | None, state: str) -> None:
+def test_a_primary_decides_on_its_first_answer_and_waits_on_silence(answer: str | None, state: str) -> None:
     s = machine("primary")
     assert s.state == STARTING and not s.active
     assert s.refusal().startswith(P.PASSIVE_PREFIX) and PEER in s.refusal()
     body = None if answer is None else body_of(None if answer == "no peer" else answer)  # None: no answer
-    s.observe(body, s.started + 0.05)
+    probe(s, body, s.started + 0.05)
     assert s.state == state
+
+
+def test_two_passive_brokers_do_not_wait_on_each_other_forever() -> None:
+    p = machine("primary")  # restarted after a failover: it found the backup active and stayed passive
+    probe(p, body_of(ACTIVE), p.started + 0.1)
+    assert p.state == PASSIVE
+    probe(p, body_of(PASSIVE), p.started + 0.3)  # the backup crashed and came back passive within the silence
+    assert p.state == ACTIVE, "a primary whose peer says passive is active at once"
+    b = machine("backup")
+    t0 = b.started
+    probe(b, body_of(PASSIVE), t0 + 0.1)
+    probe(b, body_of(STARTING), t0 + 0.1 + INTERVAL_S * LIVENESS - 0.01)
+    assert b.state == PASSIVE, "a backup gives a passive peer one silence period"
+    probe(b, body_of(PASSIVE), t0 + 0.1 + INTERVAL_S * LIVENESS)
+    assert b.state == ACTIVE, "two backups: one becomes active"
+
+
+def test_a_peer_of_the_same_role_is_a_misconfiguration_said_in_the_log_and_the_status() -> None:
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(m), level="ERROR")
+    try:
+        s = machine("backup")
+        for i in range(5):  # five probes within one interval: one error
+            probe(s, {"broker": {"standby": {"state": PASSIVE, "role": "backup"}}}, s.started + 0.01 * i)
+    finally:
+        logger.remove(sink)
+    assert len(lines) == 1 and "both brokers of the standby pair are configured backup" in lines[0], lines
+    assert s.status(s.started)["same_role"] and s.status(s.started)["peer_role"] == "backup"
+
+
+def test_a_refused_probe_is_an_answer_and_a_backup_no_client_asks_for_stays_passive() -> None:
+    s = machine("backup")
+    t0 = s.started
+    probe(s, body_of(ACTIVE), t0 + 0.1)
+    for i in range(1, 20):  # someone floods the primary's status: every probe is refused, none silent
+        s.knocked = t0 + 0.1 * i
+        probe(s, None, t0 + 0.1 + 0.1 * i, refused=True)
+    assert s.state == PASSIVE and s.peer_said == ACTIVE and s.status(t0 + 2)["refusals"] == 19
+    silent_at = t0 + 2 + INTERVAL_S * LIVENESS + 0.01
+    probe(s, None, silent_at)  # the primary is silent now, but no client asked the backup lately
+    assert s.state == PASSIVE, "no voter: no takeover"
+    assert s.admits(silent_at + 0.01), "a client asks: the backup takes over and admits it at once"
+
+
+def test_a_restarted_primary_waits_the_silence_period_before_it_goes_active() -> None:
+    s = machine("primary")
+    s.knocked = s.started + 0.01
+    probe(s, None, s.started + INTERVAL_S)  # one unanswered probe
+    assert s.state == STARTING and not s.active
+    s.knocked = s.started + INTERVAL_S * LIVENESS - 0.05
+    probe(s, None, s.started + INTERVAL_S * LIVENESS)
+    assert s.state == ACTIVE
+
+
+def test_the_probe_only_records_and_the_loop_changes_the_state() -> None:
+    s = Standby(BrokerConfig(peer=PEER, peer_role="backup", **HEARTBEAT), members=lambda: 0)
+    s.state = ACTIVE
+    s.observe(answer(ACTIVE, 3), s.started + 1)  # the probe thread, while the loop may admit a hello
+    assert s.state == ACTIVE, "no state change off the broker's loop"
+    s.members = lambda: 1  # the loop admitted a hello in between
+    s.tick(s.started + 1.01)
+    assert s.state == ACTIVE, "a broker that holds a member does not step down"
 
 
 def test_what_a_status_body_says_of_its_broker() -> None:
@@ -207,9 +280,10 @@ def welcomed_at(link: BrokerLink, connect: str) -> bool:
 
 
 def test_a_backup_refuses_clients_while_the_primary_lives_and_takes_them_after_its_kill(pair: Pair, bus: Bus) -> None:
-    pair.start("a")
-    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active")
+    pair.start("a")  # starting: alone, with no client asking, it waits for its peer (the voter rule)
     pair.start("b")
+    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active: its peer says passive")
+    wait_for(lambda: standby(pair.b.connect)["peer_state"] == ACTIVE, WAIT_S, "the backup to see the primary active")
     wait_for(lambda: state_is(pair.b.connect, PASSIVE), WAIT_S, "the backup to answer, passive")
     # The backup first in the list: a client that tries it is sent on to the primary at once.
     link = bus.link(f"{pair.b.connect},{pair.a.connect}", P.Hello(role="actor", peer_id="actor-0"))
@@ -304,9 +378,10 @@ class Route:
 def test_a_client_cut_off_from_the_primary_alone_is_sent_back_and_never_stays_on_the_backup(
     pair: Pair, bus: Bus
 ) -> None:
-    pair.start("a")
-    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active")
+    pair.start("a")  # starting: alone, with no client asking, it waits for its peer (the voter rule)
     pair.start("b")
+    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active: its peer says passive")
+    wait_for(lambda: standby(pair.b.connect)["peer_state"] == ACTIVE, WAIT_S, "the backup to see the primary active")
     wait_for(lambda: state_is(pair.b.connect, PASSIVE), WAIT_S, "the backup to answer, passive")
     route = Route(pair.a.ports[0]).heal()
     try:
@@ -334,9 +409,10 @@ def test_a_client_cut_off_from_the_primary_alone_is_sent_back_and_never_stays_on
 
 
 def test_a_restarted_primary_finds_the_backup_active_and_stays_passive(pair: Pair, bus: Bus) -> None:
-    pair.start("a")
-    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active")
+    pair.start("a")  # starting: alone, with no client asking, it waits for its peer (the voter rule)
     pair.start("b")
+    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active: its peer says passive")
+    wait_for(lambda: standby(pair.b.connect)["peer_state"] == ACTIVE, WAIT_S, "the backup to see the primary active")
     wait_for(lambda: state_is(pair.b.connect, PASSIVE), WAIT_S, "the backup to answer, passive")
     link = bus.link(f"{pair.a.connect},{pair.b.connect}", P.Hello(role="actor", peer_id="actor-0"))
     wait_for(lambda: welcomed_at(link, pair.a.connect), WAIT_S, "the client welcomed by the primary")
@@ -360,9 +436,10 @@ def test_a_restarted_primary_finds_the_backup_active_and_stays_passive(pair: Pai
 
 
 def test_a_relay_sent_on_by_the_passive_backup_joins_the_primary(pair: Pair, tmp_path: Path) -> None:
-    pair.start("a")
-    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active")
+    pair.start("a")  # starting: alone, with no client asking, it waits for its peer (the voter rule)
     pair.start("b")
+    wait_for(lambda: state_is(pair.a.connect, ACTIVE), WAIT_S, "the primary to be active: its peer says passive")
+    wait_for(lambda: standby(pair.b.connect)["peer_state"] == ACTIVE, WAIT_S, "the backup to see the primary active")
     wait_for(lambda: state_is(pair.b.connect, PASSIVE), WAIT_S, "the backup to answer, passive")
     folder = tmp_path / "relay"
     folder.mkdir()

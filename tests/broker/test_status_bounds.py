@@ -14,8 +14,9 @@ import pytest
 from broker_clients import in_process_broker
 from zddrl import protocol as P
 from zddrl.broker import health as H
-from zddrl.broker.broker import Broker, log_health_events
+from zddrl.broker.broker import Broker
 from zddrl.broker.health import HealthMonitor, HealthWarning
+from zddrl.broker.health_events import log_health_events
 from zddrl.broker.limits import (
     LIMITED_IDENTITIES,
     MAX_ACTORS_PER_HOST,

@@ -1,10 +1,13 @@
 """Actor ids the broker hands out: the peer id an actor's hello with ``auto_id`` gets (`zddrl actor --actor-id auto`).
 
 The rule (docs/protocol.md section 5.1): the id the hello names, if the process held it before and it is free for
-its key; else the lowest id this key held that is free again (its process died: a restarted process of a fleet
-keeps its id); else the lowest free ``actor-N``. An id is free for a key when no live member holds it and, on a
-closed bus, no other key's departure window runs on it (guard.py, rule 3). Ids place seed streams
-(actor/host.py ``env_seeds``): the lowest free id keeps a fleet's streams ``0..N-1`` however its processes start.
+its key; else the lowest id this key held whose holder departed, in its window (a restarted process of a fleet
+keeps its id); else the lowest free ``actor-N``. Only a hello that names an id may replace a member whose
+connection closed: that member may be a live process whose connection blipped (or every member, after a memory
+reset), and its trajectories would be credited to the newcomer. An id is free for a key when no live member
+holds it and, on a closed bus, no other key's departure window runs on it (guard.py, rule 3). Ids place seed
+streams (actor/host.py ``env_seeds``): the lowest free id keeps a fleet's streams ``0..N-1`` however its
+processes start.
 
 A relay cannot hand out ids unique across its tree (its upstream and its sibling relays assign their own), so it
 refuses ``auto_id`` (joining.py).
@@ -51,32 +54,31 @@ class ActorIds:
 
     def assign(self, hello: P.Hello, user: str) -> str:
         """The peer id ``hello`` (an actor's, with ``auto_id``), sent with the key ``user``, gets."""
-        if actor_number(hello.peer_id) is not None and self._takeable(hello.peer_id, hello, user, again=True):
+        if actor_number(hello.peer_id) is not None and self._takeable(hello.peer_id, hello, user, named=True):
             return hello.peer_id  # this process's id before a reconnection (or a restarted broker)
-        again = [i for i in self._held_by(user) if self._takeable(i, hello, user, again=True)]
+        again = [i for i in self._held_by(user) if self._takeable(i, hello, user, named=False)]
         if again:
             return min(again, key=lambda i: actor_number(i) or 0)
         n = 0
-        while not self._takeable(f"{PREFIX}{n}", hello, user, again=False):  # ends: finitely many ids are taken
+        while not self._takeable(f"{PREFIX}{n}", hello, user, named=False):  # ends: finitely many ids are taken
             n += 1
         return f"{PREFIX}{n}"
 
     def _held_by(self, user: str) -> list[str]:
-        """Actor ids ``user``'s key held whose process is gone: a member whose connection closed, or a departed
-        holder in its window. None on an open bus: there a dead process's id is free once it expired."""
+        """Actor ids ``user``'s key held whose holder departed (left or expired) within its window. Not a member's
+        whose connection closed: a connection blip, or a memory reset, sets that on live processes, and their
+        trajectories still name the id. None on an open bus: there a dead process's id is free once it expired."""
         if not user:
             return []
-        members = self.membership.members.values()
-        ids = [m.peer_id for m in members if m.user == user and m.conn_closed and not m.relay]
-        ids += self.claims.held_by(user, time.monotonic())
-        return [i for i in ids if actor_number(i) is not None]
+        return [i for i in self.claims.held_by(user, time.monotonic()) if actor_number(i) is not None]
 
-    def _takeable(self, peer_id: str, hello: P.Hello, user: str, again: bool) -> bool:
-        """Whether ``peer_id`` is free for ``user``; ``again``: also when a member of the same key holds it whose
-        connection closed (its process died) or that is this very process (same host and pid)."""
+    def _takeable(self, peer_id: str, hello: P.Hello, user: str, named: bool) -> bool:
+        """Whether ``peer_id`` is free for ``user``. A member holds it: only if ``hello`` named it (``named``: the
+        process says it held it) and the member is of the same key and is this very process (same host and pid)
+        or its connection closed (a reconnecting process). A hello that names no id never replaces a member."""
         old: Member | None = self.membership.get(peer_id)
         if old is not None:
-            if not again or old.relay or old.user != user:
+            if not named or old.relay or old.user != user:
                 return False
             return old.conn_closed or (old.host, old.pid) == (hello.host, hello.pid)
         return not self.guard.window_refusal(peer_id, user, None, self.claims)

@@ -27,13 +27,16 @@ import os
 import socket
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils import z85
 
 from zddrl.broker.zap import UNKNOWN_ADDRESS, Reason, RefusedHandshakes, ZapHandler
 from zddrl.keys import KeysError, key_files, server_keys
+
+if TYPE_CHECKING:
+    from zddrl.logs import RateLimitedLog
 
 DOMAINS = {
     "control": ("learner", "actor", "monitor", "relay", "replay"),
@@ -141,6 +144,17 @@ class BrokerAuth:
         sock.curve_secretkey = self.keys.secret
         sock.curve_publickey = self.keys.public
         sock.zap_domain = domain.encode()
+
+    def alive(self) -> bool:
+        """Whether the ZAP handler's thread runs: dead, it fails closed and the broker admits no one."""
+        return self._zap.alive()
+
+    def check_alive(self, ratelog: RateLimitedLog) -> None:
+        """Every tick: while the ZAP handler is dead, an error line once per log interval (it does not come back;
+        the broker must be restarted)."""
+        if not self.alive():
+            why = "the broker's ZAP handler is dead: no client can complete a handshake; restart the broker"
+            ratelog.log("zap_dead", why, "ERROR")
 
     def close(self) -> None:
         self._zap.stop()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -36,11 +36,12 @@ from zddrl import protocol as P
 from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, source_fd, user_of
 from zddrl.broker.cadence import Cadence
 from zddrl.broker.guard import Claims, Guard, revoked_reject
-from zddrl.broker.health import HealthMonitor, HealthWarning
+from zddrl.broker.health import HealthMonitor
+from zddrl.broker.health_events import HealthOfMembers, log_health_events
 from zddrl.broker.joining import Joining
 from zddrl.broker.limits import Limits, UnreadReplies
 from zddrl.broker.liveness import Liveness
-from zddrl.broker.membership import Listener, Member, Membership
+from zddrl.broker.membership import Member, Membership
 from zddrl.broker.memory import MemoryBudget, check_memory, limit_bytes
 from zddrl.broker.publisher import Publisher
 from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
@@ -264,8 +265,11 @@ class Broker:
         log_health_events(self.ratelog, self.health.pop_events())
         self.ratelog.flush()
         self._sample_rates(now)
+        if self.standby is not None:
+            self.standby.tick(now)  # state changes on the loop: never between a hello and its admission
         if self.auth is not None:
             self.counters["zap_denied"] = self.guard.zap_denied()
+            self.auth.check_alive(self.ratelog)  # a dead ZAP handler admits no one: said every log interval
             self._refresh_keys()
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
@@ -353,6 +357,9 @@ class Broker:
             self._on_status(identity, msg.page, user, source_fd(frames[0]))
         elif member is None:
             self.reply_unjoined(identity, user, source_fd(frames[0]), _UNKNOWN_PEER, time.monotonic())
+        elif self.standby is not None and not self.standby.active and member.role != "monitor":  # stepped down
+            self.membership.remove(member, "sent to the peer broker: this one is passive")
+            self.replies.send(identity, P.Reject(reason=self.standby.refusal()))
         else:
             self._on_member(member, msg)
 
@@ -480,25 +487,3 @@ class Broker:
         self.counters["replies_unread"] += 1
         self.ratelog.warning("replies_unread", f"dropped a reply to a connection that does not read: {self.unread}")
         return False
-
-
-class HealthOfMembers(Listener):
-    """A member that departed for good takes its health warnings with it (and the log says they ended)."""
-
-    def __init__(self, health: HealthMonitor, ratelog: RateLimitedLog) -> None:
-        self.health, self.ratelog = health, ratelog
-
-    def departed(self, member: Member, reason: str) -> None:
-        self.health.forget(member.peer_id)
-        log_health_events(self.ratelog, self.health.pop_events())
-
-
-def log_health_events(log: RateLimitedLog, events: Iterable[tuple[bool, HealthWarning]]) -> None:
-    """Onsets and ends, rate-limited per check: a thousand actors warned at once make one line and a count, not a
-    thousand (their rows are in the status body). Keyed by check, not member: the log's keys are never forgotten,
-    and peer ids come from peers."""
-    for raised, w in events:
-        if raised:
-            log.warning(f"health/{w.check}", f"health: {w.member}: {w.check}: {w.message}")
-        else:
-            log.info(f"health-end/{w.check}", f"health: {w.member}: {w.check} cleared")

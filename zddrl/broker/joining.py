@@ -73,6 +73,11 @@ class Joining:
         if why:
             self._refuse(identity, msg, "auto_id_refused", why)
             return None
+        if self.standby is not None and not self.standby.admits():  # cheap refusals first (a knock: voter rule)
+            self._passive(identity, msg, self.standby)
+            return None
+        if self._over_rate(identity):  # refused() does not count this hello again
+            return None
         return dataclasses.replace(msg, peer_id=self.actor_ids.assign(msg, user))
 
     def starts_run(self, msg: P.Hello) -> bool:
@@ -86,13 +91,11 @@ class Joining:
         refusal is final but one: an id in another key's departure window (the client asks again later). A passive
         broker of a standby pair refuses every hello but a monitor's with a ``passive:`` reject (``hello_passive``):
         the client moves on to its peer."""
-        if self.standby is not None and not self.standby.active and msg.role != "monitor":
+        if self.standby is not None and msg.role != "monitor" and not self.standby.admits():  # a knock: voter rule
             return self._passive(identity, msg, self.standby)
         if not self.takes_learners and msg.role in DATA_ROLES:
             return self._refuse(identity, msg, "learner_refused", REFUSED_LEARNER)
-        if not self.limits.hello.allow(identity, time.monotonic()):  # dropped: its link asks again at its heartbeat
-            self.counters["hello_limited"] += 1
-            self._ratelog.warning("hello_limited", "dropped a hello: over the hello rate of its connection")
+        if not msg.auto_id and self._over_rate(identity):  # an auto_id hello's rate was checked in assigned()
             return True
         old = self.membership.get(msg.peer_id)
         roster = self.membership.roster
@@ -114,6 +117,14 @@ class Joining:
             counter, why = "runs_refused", self.guard.run_refusal(msg, user)
             why = f"run spec {why}" if why else ""
         return bool(why) and self._refuse(identity, msg, counter, why)
+
+    def _over_rate(self, identity: bytes) -> bool:
+        """Whether a hello is over its connection's hello rate: dropped and counted (its link asks again)."""
+        if self.limits.hello.allow(identity, time.monotonic()):
+            return False
+        self.counters["hello_limited"] += 1
+        self._ratelog.warning("hello_limited", "dropped a hello: over the hello rate of its connection")
+        return True
 
     def _passive(self, identity: bytes, msg: P.Hello, standby: Standby) -> bool:
         """Send the client to the peer: not a fault of the client, logged at info level (aggregated)."""

@@ -12,19 +12,25 @@ again (docs/security.md, "Bounded resources").
 A reset frees only what the sockets held: if the resident set is still over the limit once the sockets were
 closed, what holds it is the broker's own state, and resetting again would only cost the fleet its connections.
 The budget then waits until the resident set is back under the limit before it may call for another reset.
+
+A fleet whose honest load is over the budget refills what each reset freed: past RESET_STORM resets in
+RESET_WINDOW_S the budget says so once (an error that names the budget and the peak) and spaces the next resets
+out, each wait twice the last. A port that does not bind again within the reset leaves the broker on unbound
+stand-in sockets (it keeps its state and serves nobody) until a retry, backed off, binds it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
 
-from zddrl.broker.sockets import BrokerSockets, open_sockets
+from zddrl.broker.sockets import BindError, BrokerSockets, open_sockets
 
 if TYPE_CHECKING:  # the broker calls check_memory from its loop
     from zddrl.broker.broker import Broker
@@ -39,8 +45,18 @@ AUTO_FRACTION = 0.5
 """``memory_limit_mib = 0``: this share of the memory the broker may use (its cgroup's limit, else the host's),
 above what its process holds when the broker is made (a broker made inside a bigger process, as in tests, is not
 charged for the rest of it)."""
+RESET_STORM = 3
+"""Resets within RESET_WINDOW_S past which the budget spaces them out: the fleet's honest load is over the budget."""
+RESET_WINDOW_S = 300.0
+RESET_SPACING_S = 30.0
+"""The first wait between two resets once they are spaced out; each next one waits twice the last."""
+REBIND_RETRY_S = 1.0
+"""The first wait before binding the ports again after a reset could not; each next one waits twice the last, up
+to REBIND_RETRY_MAX_S."""
+REBIND_RETRY_MAX_S = 30.0
 RESET = "reset"
 STUCK = "stuck"
+STORM = "storm"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -111,8 +127,19 @@ class MemoryBudget:
         """When the last reset was called for; None once the resident set went back under the limit."""
         self.stuck = False
         """Still over the limit RESET_SETTLE_S after a reset: not the sockets' memory (the broker logs it once)."""
+        self.resets: deque[float] = deque()
+        """When the resets of the last RESET_WINDOW_S were called for."""
+        self.last_reset = float("-inf")
+        self.spacing_s = 0.0
+        """The least time from one reset to the next (0: not spaced out)."""
+        self.polled: list[bool] = []
+        """Which of the broker's four sockets its poller held before the last reset."""
+        self.rebind_at: float | None = None
+        """When to bind the ports again after a reset could not; None: they are bound."""
+        self.rebind_wait_s = REBIND_RETRY_S
 
     def check(self, now: float) -> str:
+        """RESET, STUCK, STORM (once, when resets start to be spaced out: a RESET is due next) or ""."""
         self.next_at = now + MEMORY_CHECK_S
         self.rss = self._read()
         self.peak = max(self.peak, self.rss)
@@ -120,22 +147,59 @@ class MemoryBudget:
             self.reset_at, self.stuck = None, False
             return ""
         if self.reset_at is None:
-            self.reset_at = now
-            return RESET
+            return self._reset(now)
         if not self.stuck and now - self.reset_at >= RESET_SETTLE_S:
             self.stuck = True
             return STUCK
         return ""
 
+    def _reset(self, now: float) -> str:
+        while self.resets and now - self.resets[0] > RESET_WINDOW_S:
+            self.resets.popleft()
+        if self.spacing_s and now - self.last_reset > 2 * RESET_WINDOW_S:  # no reset was due for long: calm again
+            self.spacing_s = 0.0
+        if not self.spacing_s and len(self.resets) >= RESET_STORM:
+            self.spacing_s = RESET_SPACING_S
+            return STORM  # said once; the reset itself waits for the spacing
+        if self.spacing_s:
+            if now - self.last_reset < self.spacing_s:
+                return ""
+            self.spacing_s = min(self.spacing_s * 2, RESET_WINDOW_S)
+        self.resets.append(now)
+        self.last_reset = self.reset_at = now
+        return RESET
+
+    def rebind_failed(self, now: float) -> None:
+        """A reset could not bind its ports: try again after a wait twice the last one."""
+        self.rebind_at = now + self.rebind_wait_s
+        self.rebind_wait_s = min(self.rebind_wait_s * 2, REBIND_RETRY_MAX_S)
+
+    def rebound(self) -> None:
+        self.rebind_at, self.rebind_wait_s = None, REBIND_RETRY_S
+
 
 def check_memory(b: Broker, now: float) -> None:
     """Every MEMORY_CHECK_S (``b.memory.next_at``): past the budget, Broker ``b``'s sockets are reset."""
     budget = b.memory
+    if budget.rebind_at is not None:  # a reset could not bind the ports again: nothing else until they are
+        if now >= budget.rebind_at:
+            _rebind(b, now)
+        budget.next_at = now + MEMORY_CHECK_S if budget.rebind_at is None else budget.rebind_at
+        return
     if budget.reset_at is not None and now - budget.reset_at < RESET_SETTLE_S:
         trim()  # what the closed sockets' buffers freed in libzmq's threads, as libzmq frees it
     action = budget.check(now)
     if action == RESET:
-        reset_sockets(b)
+        reset_sockets(b, now)
+    elif action == STORM:
+        b.ratelog.log(
+            "memory_storm",
+            f"the broker reset its sockets {RESET_STORM} times in {RESET_WINDOW_S:.0f} s and still takes "
+            f"{budget.rss >> 20} MiB (peak {budget.peak >> 20} MiB), over its budget of {budget.limit >> 20} MiB "
+            "(broker.memory_limit_mib): the fleet refills what a reset frees; resets are spaced out from now on "
+            f"(at least {budget.spacing_s:.0f} s apart, doubling); raise the budget if this is the fleet's honest size",
+            "ERROR",
+        )
     elif action == STUCK:
         b.ratelog.warning(
             "memory_stuck",
@@ -145,11 +209,30 @@ def check_memory(b: Broker, now: float) -> None:
         )
 
 
-def reset_sockets(b: Broker) -> None:
+def reset_sockets(b: Broker, now: float) -> None:
     """Close Broker ``b``'s four sockets with linger 0 and bind their ports again: everything libzmq held for them
     goes (messages still arriving, queued trajectories and replies), and every client reconnects and says hello
     again, a learner shard re-granting its credit. Members stay until their processes' new hellos replace them (at
     once: same key, same process) or they expire."""
+    _close(b)
+    for member in b.membership.members.values():
+        if member.conn_fd >= 0:  # every control connection closed: each key may take its ids back at once
+            b.claims.connection_closed(member.conn_fd)
+        member.conn_fd = -1  # the descriptor may be reused by another connection: never read it again
+    b.unread.clear()
+    _rebind(b, now)
+    trim()
+    b.counters["memory_resets"] += 1
+    b.ratelog.warning(
+        "memory_reset",
+        f"the broker took {b.memory.rss >> 20} MiB, over its budget of {b.memory.limit >> 20} MiB "
+        "(broker.memory_limit_mib): its sockets were closed and bound again, freeing what they held; clients "
+        "reconnect and say hello again",
+    )
+
+
+def _close(b: Broker) -> None:
+    """Close ``b``'s four sockets and their monitors (out of its poller), noting which of the sockets were polled."""
     if b.handshakes is not None:
         for monitor in b.handshakes.monitors:
             b.poller.unregister(monitor)
@@ -161,19 +244,39 @@ def reset_sockets(b: Broker) -> None:
         if sock in polled:
             b.poller.unregister(sock)
         sock.close(linger=0)
-    _adopt(b, open_sockets(b.ctx, b.config, b.auth, b.ports), [sock in polled for sock in old])
-    for member in b.membership.members.values():
-        if member.conn_fd >= 0:  # every control connection closed: each key may take its ids back at once
-            b.claims.connection_closed(member.conn_fd)
-    b.unread.clear()
-    trim()
-    b.counters["memory_resets"] += 1
-    b.ratelog.warning(
-        "memory_reset",
-        f"the broker took {b.memory.rss >> 20} MiB, over its budget of {b.memory.limit >> 20} MiB "
-        "(broker.memory_limit_mib): its sockets were closed and bound again, freeing what they held; clients "
-        "reconnect and say hello again",
-    )
+    b.memory.polled = [sock in polled for sock in old]
+
+
+def _rebind(b: Broker, now: float) -> None:
+    """Bind ``b``'s ports again; if one does not bind, unbound stand-ins take the sockets' places (every send
+    finds no peer, as after a reset) and the budget retries later (``memory_rebind_failed``)."""
+    budget = b.memory
+    if budget.rebind_at is not None:  # the stand-ins of the last failure go
+        _close(b)
+    try:
+        s = open_sockets(b.ctx, b.config, b.auth, b.ports)
+    except BindError as exc:
+        b.counters["memory_rebind_failed"] += 1
+        if budget.rebind_at is None:
+            why = f"{exc}; it serves no one until a retry (backed off) binds them"
+            b.log.error(f"the broker could not bind its ports again after a memory reset: {why}")
+        budget.rebind_failed(now)
+        _adopt(b, _stand_ins(b), budget.polled)
+        return
+    if budget.rebind_at is not None:
+        b.log.info("the broker bound its ports again after a memory reset: clients reconnect")
+    budget.rebound()
+    _adopt(b, s, budget.polled)
+
+
+def _stand_ins(b: Broker) -> BrokerSockets:
+    """Unbound sockets of the four kinds: whatever the broker sends meanwhile finds no peer."""
+    control, trajectories, learners, params = (b.ctx.socket(k) for k in (zmq.ROUTER, zmq.PULL, zmq.ROUTER, zmq.PUB))
+    for sock in (control, trajectories, learners, params):
+        sock.setsockopt(zmq.LINGER, 0)
+    for router in (control, learners):
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    return BrokerSockets(control, trajectories, learners, params, dict(b.ports))
 
 
 def _adopt(b: Broker, s: BrokerSockets, polled: list[bool]) -> None:

@@ -62,6 +62,7 @@ BROKER_COUNTERS = (
     "replies_unread",
     "snapshots_unread",
     "memory_resets",
+    "memory_rebind_failed",
 )
 """Every counter of the broker; all are in the status body from the start (docs/protocol.md section 9)."""
 PAGE_MEMBERS = 500
@@ -176,6 +177,7 @@ def broker_status(b: Broker, page: int = 1) -> dict[str, Any]:
             "health_by_check": health,
             "page": page,
             "pages": pages,
+            "zap_alive": b.auth.alive() if b.auth is not None else True,
             "memory": {
                 "rss_bytes": b.memory.rss,
                 "peak_bytes": b.memory.peak,

@@ -201,6 +201,10 @@ class ZapHandler:
         self.refused.note(address.decode("ascii", "replace") or "an unnamed peer", reason)
         return [version, request_id, b"400", b"not admitted", b"", b""]
 
+    def alive(self) -> bool:
+        """Whether the handler's thread runs (dead, no handshake completes: the broker admits no one)."""
+        return self._thread.is_alive()
+
     def stop(self) -> None:
         if self._thread.is_alive():
             self._stopping = True

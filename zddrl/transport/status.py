@@ -21,10 +21,19 @@ from zddrl.transport.handshakes import HANDSHAKE_FAILED, refusal
 
 
 class Answer(NamedTuple):
-    """What a status request got: the body, or why none came ("" for silence: nothing answered in time)."""
+    """What a status request got: the body, or why none came ("" for silence: nothing answered in time).
+    ``refused``: a broker answered, with a reject (it rate-limits status requests): it lives, unlike silence."""
 
     body: dict[str, Any] | None
     why: str = ""
+
+    @property
+    def refused(self) -> bool:
+        return isinstance(self, Refused)
+
+
+class Refused(Answer):
+    """The answer of a broker that refused the request with a reject (still a two-field ``Answer``)."""
 
 
 def request_status(
@@ -53,16 +62,17 @@ def ask_status(
     page: int = 1,
 ) -> Answer:
     """``request_status``, with why no body came: a refused handshake is known at once (no keys on a closed bus,
-    a key the broker does not hold), not after the timeout."""
+    a key the broker does not hold), not after the timeout; a reject answer (``refused``) is told from silence."""
     ctx = context or zmq.Context.instance()
-    whys = []
+    whys, refused = [], False
     for endpoint in split_endpoints(connect):
         answer = _request_one(ctx, endpoint, timeout_s, credentials, page)
         if answer.body is not None:
             return answer
         if answer.why:
             whys.append(answer.why)
-    return Answer(None, "; ".join(whys))
+        refused = refused or answer.refused
+    return (Refused if refused else Answer)(None, "; ".join(whys))
 
 
 def _request_one(
@@ -110,5 +120,5 @@ def _answer(connect: str, sock: zmq.Socket) -> Answer | None:
     if isinstance(msg, P.Reject):
         why = f"the broker at {connect} refused the status request: {msg.reason}"
         logger.warning(why)
-        return Answer(None, why)
+        return Refused(None, why)
     return None
