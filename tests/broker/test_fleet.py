@@ -137,15 +137,15 @@ def welcome(run_id: str) -> P.Welcome:
 def test_the_link_keeps_the_newest_fleet_of_its_run_only() -> None:
     link = BrokerLink("tcp://127.0.0.1:1", P.Hello(role="learner", peer_id="learner-0"))  # never started
     assert link.fleet() is None
-    link._on_welcome(welcome("run-a"))
-    link._on_fleet(P.Fleet(run_id="run-b", seq=7, actors={"x": {"num_envs": 1, "host": ""}}))
+    link.accept_welcome(welcome("run-a"))
+    link.accept_fleet(P.Fleet(run_id="run-b", seq=7, actors={"x": {"num_envs": 1, "host": ""}}))
     assert link.fleet() is None and link.fleet_ignored == 1
-    link._on_fleet(FLEET)
+    link.accept_fleet(FLEET)
     assert link.fleet() == (FLEET.seq, FLEET.actors)
     assert link.fleet()[1] is link.fleet()[1], "no copy per call"
-    link._on_welcome(welcome(""))  # a restarted broker that has no run yet: same run, keep it
+    link.accept_welcome(welcome(""))  # a restarted broker that has no run yet: same run, keep it
     assert link.fleet() == (FLEET.seq, FLEET.actors)
-    link._on_welcome(welcome("run-b"))
+    link.accept_welcome(welcome("run-b"))
     assert link.fleet() is None, "the fleet of another run"
 
 

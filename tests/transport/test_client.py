@@ -65,8 +65,8 @@ def link() -> BrokerLink:
 
 
 def test_params_with_a_wrong_hash_are_rejected(link: BrokerLink) -> None:
-    link._on_welcome(welcome())
-    link._on_params(wire(params("run-a", 0, corrupt=True)))
+    link.accept_welcome(welcome())
+    link.accept_params(wire(params("run-a", 0, corrupt=True)))
     assert link.latest_params() is None and link.params_rejected == 1
     no_flat = P.Parameters(
         run_id="run-a",
@@ -76,62 +76,62 @@ def test_params_with_a_wrong_hash_are_rejected(link: BrokerLink) -> None:
         layout=[],
         arrays={"other": np.zeros(2, np.float32)},
     )
-    link._on_params(wire(no_flat))
+    link.accept_params(wire(no_flat))
     assert link.latest_params() is None and link.params_rejected == 2
-    link._on_params(wire(params("run-a", 0)))
+    link.accept_params(wire(params("run-a", 0)))
     assert link.latest_params().policy_version == 0
 
 
 def test_latest_wins_never_an_older_version(link: BrokerLink) -> None:
-    link._on_welcome(welcome())
+    link.accept_welcome(welcome())
     held = -1
     for v in (2, 5, 3, 5, 1):
-        link._on_params(wire(params("run-a", v)))
+        link.accept_params(wire(params("run-a", v)))
         held = max(held, v)
         assert link.latest_params().policy_version == held
     assert link.latest_params().policy_version == 5 and link.params_rejected == 0
 
 
 def test_params_before_a_welcome_or_of_another_run_are_ignored(link: BrokerLink) -> None:
-    link._on_params(wire(params("run-a", 0)))
+    link.accept_params(wire(params("run-a", 0)))
     assert link.latest_params() is None
-    link._on_welcome(welcome("run-a"))
-    link._on_params(wire(params("run-b", 9)))
+    link.accept_welcome(welcome("run-a"))
+    link.accept_params(wire(params("run-b", 9)))
     assert link.latest_params() is None
 
 
 def test_a_run_change_resets_the_latest_params(link: BrokerLink) -> None:
-    link._on_welcome(welcome("run-a"))
-    link._on_params(wire(params("run-a", 7)))
+    link.accept_welcome(welcome("run-a"))
+    link.accept_params(wire(params("run-a", 7)))
     generation = link.generation
-    link._on_welcome(welcome("run-b"))
+    link.accept_welcome(welcome("run-b"))
     assert link.generation == generation + 1
     assert link.latest_params() is None, "versions of different runs must never be compared"
-    link._on_params(wire(params("run-a", 8)))  # late broadcast of the old run
+    link.accept_params(wire(params("run-a", 8)))  # late broadcast of the old run
     assert link.latest_params() is None
-    link._on_params(wire(params("run-b", 0)))
+    link.accept_params(wire(params("run-b", 0)))
     assert link.latest_params().run_id == "run-b" and link.latest_params().policy_version == 0
 
 
 def test_a_welcome_without_a_run_keeps_what_is_held(link: BrokerLink) -> None:
     """A restarted broker welcomes before the learner re-announces the run; the same run coming back
     must not let an older version in."""
-    link._on_welcome(welcome("run-a"))
-    link._on_params(wire(params("run-a", 7)))
-    link._on_welcome(welcome(""))
-    link._on_params(wire(params("run-a", 8)))  # no run at the broker: nothing is taken
-    link._on_welcome(welcome("run-a"))
+    link.accept_welcome(welcome("run-a"))
+    link.accept_params(wire(params("run-a", 7)))
+    link.accept_welcome(welcome(""))
+    link.accept_params(wire(params("run-a", 8)))  # no run at the broker: nothing is taken
+    link.accept_welcome(welcome("run-a"))
     assert link.latest_params().policy_version == 7
-    link._on_params(wire(params("run-a", 3)))
+    link.accept_params(wire(params("run-a", 3)))
     assert link.latest_params().policy_version == 7
 
 
 def test_wait_params_returns_on_arrival_or_times_out(link: BrokerLink) -> None:
-    link._on_welcome(welcome())
+    link.accept_welcome(welcome())
     t0 = time.monotonic()
     assert link.wait_params(newer_than=-1, timeout_s=0.05) is None
     assert time.monotonic() - t0 < 2.0
-    feeder = threading.Timer(0.05, lambda: link._on_params(wire(params("run-a", 4))))
+    feeder = threading.Timer(0.05, lambda: link.accept_params(wire(params("run-a", 4))))
     feeder.start()
     try:
         got = link.wait_params(newer_than=3, timeout_s=WAIT_S)

@@ -216,7 +216,7 @@ def test_a_send_stuck_on_a_broker_gone_for_good_ends_at_the_next_welcome() -> No
     ctx = zmq.Context()
     try:
         link = BrokerLink("tcp://127.0.0.1:1,tcp://127.0.0.1:2", P.Hello(role="actor", peer_id="actor-0"), context=ctx)
-        link._on_welcome(welcome())  # never started: the test plays the link thread
+        link.accept_welcome(welcome())  # never started: the test plays the link thread
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.SNDHWM, 1)
         push.setsockopt(zmq.LINGER, 0)
@@ -234,7 +234,7 @@ def test_a_send_stuck_on_a_broker_gone_for_good_ends_at_the_next_welcome() -> No
         sender.start()
         sender.join(0.5)
         assert sender.is_alive(), "nothing could be sent: the send waits"
-        link._on_welcome(welcome())  # the next broker of the list welcomed the link
+        link.accept_welcome(welcome())  # the next broker of the list welcomed the link
         sender.join(WAIT_S)
         stuck = sender.is_alive()
         stop.set()

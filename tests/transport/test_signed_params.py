@@ -129,15 +129,15 @@ def test_an_actor_link_with_keys_keeps_its_version_and_counts_the_forgery() -> N
         max_message_bytes=1 << 20,
     )
     for m in version(1):
-        link._on_params(m)  # type: ignore[arg-type]
+        link.accept_params(m)  # type: ignore[arg-type]
     assert link.params is not None and link.params.policy_version == 1
     for forge in FORGERIES.values():
         for m in forge():
-            link._on_params(dataclasses.replace(m, run_id="run-a"))
+            link.accept_params(dataclasses.replace(m, run_id="run-a"))
     assert link.params.policy_version == 1
     assert link.assembler.rejected["signature"] == len(FORGERIES)
     for m in version(2, seed=2):
-        link._on_params(m)  # type: ignore[arg-type]
+        link.accept_params(m)  # type: ignore[arg-type]
     assert link.params.policy_version == 2
 
 
@@ -154,5 +154,5 @@ def test_an_actor_link_without_keys_takes_unsigned_versions() -> None:
         max_message_bytes=1 << 20,
     )
     for m in version(1, None):
-        link._on_params(m)  # type: ignore[arg-type]
+        link.accept_params(m)  # type: ignore[arg-type]
     assert link.params is not None and link.params.policy_version == 1

@@ -54,6 +54,9 @@ class BrokerLink:
 
     ``connect`` may be a fallback list, ``"tcp://a:5555,tcp://b:5555"``: the link talks to one broker at a time
     and moves to the next when that one is silent (``fallback.Brokers``).
+
+    ``accept_welcome``, ``accept_params`` and ``accept_fleet`` are what the link does with those messages from the
+    broker; its thread calls them, and a test drives them on a link it never started (no sockets).
     """
 
     def __init__(
@@ -316,7 +319,7 @@ class BrokerLink:
             if self._sub is not None and self._sub in events:
                 for msg in self._drain(self._sub):
                     if isinstance(msg, (P.Parameters, P.ParamChunk)):
-                        self._on_params(msg)
+                        self.accept_params(msg)
             now = time.monotonic()
             if session.beat_due(now):
                 version = self.params.policy_version if self.params is not None else -1
@@ -335,11 +338,11 @@ class BrokerLink:
             session.welcomed(msg, now)
             self.interval_s = session.interval_s
             self._resubscribe(msg, poller)
-            self._on_welcome(msg)
+            self.accept_welcome(msg)
         elif isinstance(msg, P.Reject):
             return self._on_reject(msg, control, session, now)
         elif isinstance(msg, (P.Parameters, P.ParamChunk)):
-            self._on_params(msg)
+            self.accept_params(msg)
         elif isinstance(msg, P.Credit):
             self._on_credit(msg)
         elif isinstance(msg, P.Heartbeat):
@@ -347,7 +350,7 @@ class BrokerLink:
             session.retimed(msg.interval_s, now)  # the fleet grew or shrank
             self.interval_s = session.interval_s
         elif isinstance(msg, P.Fleet):
-            self._on_fleet(msg)
+            self.accept_fleet(msg)
         return True
 
     def _on_reject(self, msg: P.Reject, control: zmq.Socket, session: Session, now: float) -> bool:
@@ -413,7 +416,8 @@ class BrokerLink:
             if not self._try_send(control, msg):
                 return  # the broker is not there; stats are best effort
 
-    def _on_welcome(self, msg: P.Welcome) -> None:
+    def accept_welcome(self, msg: P.Welcome) -> None:
+        """Take a welcome: a new session (its run, ports, an assigned id); what belonged to another run is dropped."""
         with self._cond:
             # Versions restart with a new run: never compare across runs. Only a different, named run resets
             # them: a welcome without a run (a restarted broker, before the learner said hello again) is no
@@ -441,7 +445,7 @@ class BrokerLink:
             self._stop.set()
             self._cond.notify_all()
 
-    def _on_fleet(self, msg: P.Fleet) -> None:
+    def accept_fleet(self, msg: P.Fleet) -> None:
         """Keep the newest fleet message of the link's run (the broker sends them in order on this socket)."""
         with self._cond:
             if self.welcome is None or msg.run_id != self.welcome.run_id:
@@ -455,7 +459,7 @@ class BrokerLink:
             self.acked = min(self.sent, self.acked + msg.credit)
             self._cond.notify_all()
 
-    def _on_params(self, msg: P.Parameters | P.ParamChunk) -> None:
+    def accept_params(self, msg: P.Parameters | P.ParamChunk) -> None:
         """Put versions together chunk by chunk (``params.Assembler``: every hash verified) and keep the
         newest whole one; never go back to an older version, never use a half-arrived one."""
         if self.welcome is None or msg.run_id != self.welcome.run_id:
