@@ -96,6 +96,8 @@ def cluster(tmp_path: Path) -> Iterator[dict[str, str]]:
     env = {**os.environ, "SLURM_CONF": str(_config(folder, socket.gethostname()))}
     started: list[int] = []
     if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode != 0:
+        # munge's init script makes its socket folder; where none ran (no systemd, policy-rc.d), make it here
+        subprocess.run(["install", "-d", "-o", "munge", "-g", "munge", "-m", "0755", "/run/munge"], check=True)
         subprocess.run(["/usr/sbin/munged", "--force"], check=True, capture_output=True, timeout=30)
         started.append(int(subprocess.run(["pgrep", "-x", "munged"], capture_output=True, text=True).stdout.split()[0]))
     try:
