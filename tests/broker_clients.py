@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -235,3 +236,18 @@ def relay_key_dirs(
         for pin in (root / "learners").glob("*.sign.pub"):
             shutil.copy(pin, host / "learners")
     return relay_dir, actor_dir
+
+
+@contextmanager
+def running(broker: Broker) -> Iterator[str]:
+    """``broker`` bound and serving on a thread; yields its control endpoint."""
+    broker.bind()
+    stop = threading.Event()
+    thread = threading.Thread(target=broker.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield f"tcp://127.0.0.1:{broker.ports['control']}"
+    finally:
+        stop.set()
+        thread.join(timeout=WAIT_S)
+        broker.close()

@@ -5,15 +5,12 @@ holder's departure window; a reconnecting process keeps its id; a relay refuses 
 from __future__ import annotations
 
 import re
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, ProfiledBroker, Shard, run_spec, status
+from broker_clients import WAIT_S, ProfiledBroker, Shard, run_spec, running, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker.actor_ids import actor_number
@@ -124,21 +121,6 @@ def test_a_restart_gets_its_id_back_and_another_key_waits_out_the_window(
     wait_for(lambda: held("actor-0", again.pid), JOIN_S, "key a's restarted actor back on actor-0")
     wait_for(lambda: "the broker assigned actor id 0 (actor-0)" in procs.log("a-again"), WAIT_S, "its log line")
     assert set(members(broker, bus, monitor)) >= {"actor-0", "actor-1", "actor-2"}
-
-
-@contextmanager
-def running(broker: Broker) -> Iterator[str]:
-    """``broker`` bound and serving on a thread; yields its control endpoint."""
-    broker.bind()
-    stop = threading.Event()
-    thread = threading.Thread(target=broker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield f"tcp://127.0.0.1:{broker.ports['control']}"
-    finally:
-        stop.set()
-        thread.join(timeout=WAIT_S)
-        broker.close()
 
 
 def test_a_relay_refuses_to_assign_ids(bus: Bus) -> None:

@@ -11,14 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import zmq
 
-from broker_clients import WAIT_S, ProfiledBroker, learner_hello, run_spec
+from broker_clients import WAIT_S, ProfiledBroker, learner_hello, run_spec, running
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker import limits
@@ -64,21 +62,6 @@ def refused(answer: P.Message | None, final: bool, *words: str) -> bool:
     if not isinstance(answer, P.Reject) or answer.reason.startswith(P.REFUSED_PREFIX) != final:
         return False
     return all(w in answer.reason for w in words)
-
-
-@contextmanager
-def running(broker: Broker) -> Iterator[str]:
-    """``broker`` bound and serving on a thread; yields its control endpoint."""
-    broker.bind()
-    stop = threading.Event()
-    thread = threading.Thread(target=broker.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield f"tcp://127.0.0.1:{broker.ports['control']}"
-    finally:
-        stop.set()
-        thread.join(timeout=WAIT_S)
-        broker.close()
 
 
 def broker_counters(broker: BrokerHandle, bus: Bus, keys: Path) -> dict:
