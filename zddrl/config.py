@@ -230,6 +230,12 @@ class TrainConfig:
     """Checkpoint at least this often (seconds); the first follows the first update, a final one always."""
     keep_checkpoints: int = 3
     """Periodic checkpoints kept (the newest ones)."""
+    video_every: int = 0
+    """`zddrl train` films one greedy episode of the policy every this many updates and the final policy's at the end
+    (0: never), into ``RUN_DIR/videos/version-NNNNNNNN/episode-000.mp4`` (ops/filming.py: at the lowest priority; the
+    learner checkpoints at each such update; needs the ``video`` extra)."""
+    video_max_steps: int = 4500
+    """Agent steps a filmed episode is cut at (4,500: five minutes of an Atari game)."""
     slowdowns: tuple[float, ...] = ()
     """Testing/benchmark knob: ``--slowdown`` of actor 0, 1, ...: its envs that many times slower per step
     (``envs.SlowEnvs``; missing ones run at full speed)."""
@@ -266,6 +272,9 @@ class TrainConfig:
             "train.checkpoint_every >= 0, train.checkpoint_every_s > 0, train.keep_checkpoints >= 1",
         )
         _require(self.max_steps >= 1 and self.max_seconds > 0, "train.max_steps and train.max_seconds must be > 0")
+        _require(
+            self.video_every >= 0 and self.video_max_steps >= 1, "train.video_every >= 0, train.video_max_steps >= 1"
+        )
         _require(self.target_kind in TARGET_KINDS, f"train.target_kind must be one of {TARGET_KINDS}")
         _require(self.eval_every >= 0 and self.eval_episodes >= 1, "train.eval_every >= 0, train.eval_episodes >= 1")
         _require(self.max_actor_envs >= 0, "train.max_actor_envs must be >= 0 (0: 16 x env.num_envs)")

@@ -2,7 +2,8 @@
 
 The first checkpoint is written right after the first update, so that a run killed in its first
 minute can still be resumed (or restarted by `zddrl train`); then every ``train.checkpoint_every``
-updates (when set) and every ``train.checkpoint_every_s`` seconds, and a final one at a clean end.
+updates (when set) and every ``train.checkpoint_every_s`` seconds, and a final one at a clean end; also every
+``train.video_every`` updates, which `zddrl train` films (ops/filming.py).
 ``check_run_dir`` is the one place that decides whether a run directory may be used: `zddrl train`,
 `zddrl learner` and the learner node itself all call it. ``read_checkpoint`` is how everything else (`zddrl eval`,
 `zddrl export`, ``zddrl.load_policy``) reads one: a checkpoint may come from anywhere, so the code its config
@@ -82,8 +83,10 @@ class Checkpoints:
     def due(self, updates: int) -> bool:
         if updates < 1 or updates == self.last_updates:
             return False
-        every = self.train.checkpoint_every
-        return self.last_updates < 0 or bool(every and updates % every == 0) or time.monotonic() >= self.next_s
+        every, film = self.train.checkpoint_every, self.train.video_every  # a video is filmed from a checkpoint
+        if self.last_updates < 0 or time.monotonic() >= self.next_s:
+            return True
+        return any(k and updates % k == 0 for k in (every, film))
 
     def write(self, state: dict[str, Any], version: int, updates: int, final: bool = False) -> Path:
         path = self.runlog.checkpoint(state, f"ckpt-{version:08d}.pt", keep=self.train.keep_checkpoints)

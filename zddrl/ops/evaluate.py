@@ -22,6 +22,7 @@ from zddrl.config import Config, EnvConfig
 from zddrl.envs import env_action, env_spec, evaluation_factory
 from zddrl.ops.api import checkpoint_policy, read_state
 from zddrl.ops.video import Mp4Writer, VideoError
+from zddrl.proc import install_command
 
 ATARI_FPS = 15.0
 """Agent steps per second of game time in Atari (60 frames a second, 4 frames a step): videos play in real time."""
@@ -138,9 +139,7 @@ def _frame(env: gym.Env) -> np.ndarray:
         frame = env.render()
     except gym.error.DependencyNotInstalled as exc:  # classic control draws with pygame
         missing = str(exc).split(",")[0]  # gymnasium's own advice after the comma names another install command
-        raise VideoError(
-            f'--video needs the video extra ({missing}): pip install -c constraints.txt -e ".[video]"'
-        ) from None
+        raise VideoError(f"--video needs the video extra ({missing}): {install_command('video')}") from None
     if not isinstance(frame, np.ndarray):
         raise VideoError(f"the env renders no rgb_array frames (render() gave {type(frame).__name__})")
     return frame

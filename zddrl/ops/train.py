@@ -40,6 +40,7 @@ from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
 from zddrl.learner.tensorboard import TB_DIR
+from zddrl.ops.filming import Filming
 from zddrl.ops.restart import (
     RestartBudget,
     describe_restart,
@@ -55,6 +56,9 @@ from zddrl.ops.restart import (
 from zddrl.proc import die_with_parent, free_ports, install_command, stop_processes
 
 SHUTDOWN_GRACE_S = 5.0
+VIDEO_WAIT_S = 120.0
+"""How long the videos at the run's end (one in progress, the final policy's) may take (``train.video_max_steps``
+bounds each)."""
 PROGRESS_EVERY_S = 0.5
 
 
@@ -243,6 +247,7 @@ def run_training(
     learner_args = _learner_args(run_dir, connect, keys, replay_port)
     restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
     refused = interrupted = False
+    filming = Filming(run_dir, config.train, allow_own_code(config)) if config.train.video_every else None
     try:
         learner = _start(
             procs,
@@ -263,10 +268,14 @@ def run_training(
         logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
                     f"(logs in {log_dir})")  # fmt: skip
         logger.info(tensorboard_hint(run_dir))
-        learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart)
+        learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart, filming)
+        if filming is not None:
+            filming.finish(VIDEO_WAIT_S)
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if filming is not None:
+            filming.stop()
         procs.stop()  # on Ctrl-C, the learner's clean stop writes its final checkpoint: what the message names
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
@@ -285,6 +294,8 @@ def _open_run_dir(config: Config, run_dir: Path) -> bool:
     _check_env_id(config)  # a misspelt env id: one line, before anything is written
     if algorithm_of(config).replay:  # a buffer that cannot fit must not cost a learner's failed starts
         _check_env(config)
+    if config.train.video_every and importlib.util.find_spec("imageio_ffmpeg") is None:
+        raise click.UsageError(f"train.video_every films the run: it needs the video extra, {install_command('video')}")
     fresh = not run_dir.exists()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(to_toml(config.to_dict()))
@@ -327,9 +338,11 @@ def _watch(
     t0: float,
     show_progress: bool,
     restart: Callable[[subprocess.Popen], tuple[subprocess.Popen, float]],
+    filming: Filming | None = None,
 ) -> subprocess.Popen:
     """Watch the run until the learner stops for good: restart it when it may be (``restart``), wind the others
-    down when the run is over, stop at ``train.max_seconds``, print progress; return the last learner."""
+    down when the run is over, stop at ``train.max_seconds``, film (``filming``), print progress; return the last
+    learner."""
     log_dir = run_dir / "logs"
     tty = show_progress and sys.stderr.isatty()
     learner_t0 = t0  # the learner's clock: t0 until a restart from a checkpoint (resume_point)
@@ -353,6 +366,8 @@ def _watch(
             logger.info(f"train.max_seconds ({config.train.max_seconds:.0f} s) reached: stopping the restarted learner")
             learner.send_signal(signal.SIGTERM)  # a clean stop: summary and final checkpoint
             stopping = True
+        if filming is not None and not stopping:
+            filming.poll()
         try:
             learner.wait(timeout=0.05)
         except subprocess.TimeoutExpired:

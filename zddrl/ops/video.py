@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from zddrl.proc import install_command
+
 
 class VideoError(RuntimeError):
     """No encoder here, or frames it cannot write."""
@@ -21,7 +23,7 @@ def _encoder() -> Any:
     try:
         import imageio_ffmpeg
     except ImportError:
-        raise VideoError('--video needs the video extra (imageio-ffmpeg): pip install -e ".[video]"') from None
+        raise VideoError(f"--video needs the video extra (imageio-ffmpeg): {install_command('video')}") from None
     return imageio_ffmpeg
 
 
