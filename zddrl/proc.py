@@ -4,6 +4,7 @@ installs an optional extra into this process's environment."""
 from __future__ import annotations
 
 import os
+import random
 import resource
 import signal
 import socket
@@ -27,11 +28,40 @@ def rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct free TCP ports (held open together while choosing, so they differ)."""
-    socks = []
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+"""Free ports are chosen from LOWEST_PORT up to the kernel's ephemeral range."""
+
+
+def _ephemeral_start() -> int:
     try:
-        for _ in range(n):
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct free TCP ports, held open together while choosing so that they differ.
+
+    A port is chosen by the caller and bound later by another process (a broker `zddrl train` starts): in between,
+    any socket that connects may be given it by the kernel as its own local port if it lies in the ephemeral range,
+    which is where bind(0) picks from; the bind then fails. So ports are drawn at random below that range (where the
+    kernel gives none away), each checked by a bind; bind(0)'s pick only where the range leaves no room below it."""
+    top = _ephemeral_start()
+    rng = random.Random(os.urandom(8))  # independent of the random module's seed: two processes draw apart
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(20 * n):
+            if len(socks) == n or top - LOWEST_PORT < 1000:
+                break
+            s = socket.socket()  # no SO_REUSEADDR: a port any socket holds, even in TIME_WAIT, is passed over
+            try:
+                s.bind((host, rng.randrange(LOWEST_PORT, top)))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket()
             s.bind((host, 0))
             socks.append(s)

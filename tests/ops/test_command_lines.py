@@ -1,8 +1,10 @@
 """Command lines and console lines of `zddrl train` and `zddrl learner`: the supervisor's child command,
-the summary line of a run without updates, the install hint in README's form, the wait for the first actor."""
+the summary line of a run without updates, the install hint in README's form, the wait for the first actor, the
+free ports it chooses."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -78,3 +80,16 @@ def test_a_learner_without_actors_says_every_so_often_that_it_waits_for_them(mon
     waiting.tick(ledger)  # type: ignore[arg-type]
     waiting.tick(None)
     assert len(lines) == 2
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below the range the kernel gives connecting sockets their local ports from, so that none is given the port
+    between the choice and the bind of the process that listens on it; bind(0)'s pick where no room is left."""
+    top = proc._ephemeral_start()
+    ports = proc.free_ports(12)
+    assert len(set(ports)) == 12 and all(proc.LOWEST_PORT <= p < top for p in ports), ports
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    monkeypatch.setattr(proc, "_ephemeral_start", lambda: proc.LOWEST_PORT + 10)
+    assert all(p > 0 for p in proc.free_ports(3))
