@@ -2,7 +2,7 @@
 a network namespace of its own on one bridge (10.77.0.N), on a closed bus where each host holds only its role's key
 files (docs/security.md); the relay serves with a broker pair of its own and holds the root's public key only.
 
-One IMPALA CartPole run serves every check, in order: it trains; partitions of 20 s (the host's link into the bridge
+One IMPALA CartPole run serves every check, in order: it trains; partitions of 10 s (the host's link into the bridge
 down, then up) of an actor and a relay together, of the learner, and of the broker each heal with no process
 restarted and the accounting invariant intact in every status answer, the recovery time (link up to the role's
 traffic counted again) measured and bounded. The standby (``--peer-role backup``) is up from the start and passive:
@@ -47,7 +47,10 @@ CONFIG = str(ROOT / "examples" / "cartpole_impala.toml")
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_liveness": 5}
 """In place of brokers/cluster.toml's 2 s x 5, so that a partition's expiry and the failover fit a CI run."""
 HOSTS = ["broker", "standby", "learner", "actor1", "relay", "actor2", "monitor"]
-PARTITION_S = 20.0
+PARTITION_S = 10.0
+"""Four times a member's expiry (0.5 s x 5): the cut-off roles leave the broker's members well inside it, and the
+broker's own partition fails over to the standby (training through it 2.6-2.8 s after the cut, measured) before
+it ends."""
 RECOVERY_BOUND_S = 30.0
 """Link up to traffic again, at most: a client tries its brokers in turn with a capped back-off (8 s) between passes,
 and a TCP connection that lost segments in the partition retransmits on its own back-off."""
@@ -367,7 +370,7 @@ def broker_partition_was_a_failover(run: Run, down: float, up: float, before: di
     yielded = run.samples.first(PRIMARY, up, lambda s: pair_state(s) == "passive", RECOVERY_BOUND_S)
     assert yielded is not None, run.explain("the primary passive after its partition")
     run.record("primary_passive_after_heal_s", round(yielded["t"] - up, 2))
-    later = run.samples.first(STANDBY, yielded["t"] + 5.0, lambda s: True, 30)  # what holds some time after it
+    later = run.samples.first(STANDBY, yielded["t"] + 2.0, lambda s: True, 30)  # what holds some time after it
     assert later is not None and everyone(later) and pair_state(later) == "active", later
     assert not later["broker"]["standby"]["both_active"], later
     primary = run.samples.last(PRIMARY, time.monotonic())

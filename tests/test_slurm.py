@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from zddrl.keys import new_key
 from zddrl.proc import free_ports
 
 pytestmark = [
@@ -69,6 +70,9 @@ def _config(folder: Path, host: str) -> Path:
                 "ReturnToService=2",
                 "JobAcctGatherType=jobacct_gather/none",
                 "AccountingStorageType=accounting_storage/none",
+                # sbatch --wait polls every 2 s, and backs off (x4, up to 32 s) only while below MinJobAge / 2: 0 keeps
+                # it at 2 s, so the job's end is seen within 2 s (0 also means job records are never purged)
+                "MinJobAge=0",
                 f"StateSaveLocation={folder / 'state'}",
                 f"SlurmdSpoolDir={folder / 'spool'}",
                 f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
@@ -128,7 +132,7 @@ def _kill(pid: int) -> None:
 def test_a_batch_job_trains_cartpole_to_the_target(cluster: dict[str, str], tmp_path: Path) -> None:
     keys = tmp_path / "keys"  # made before submission, on the "shared filesystem" (one node: the local one)
     for role, name in (("broker", "hub"), ("learner", "trainer"), ("actor", "fleet"), ("monitor", "ops")):
-        subprocess.run([ZDDRL, "keys", "new", role, name, "--keys", str(keys)], check=True, capture_output=True)
+        new_key(keys, role, name)  # what `zddrl keys new ROLE NAME --keys KEYS` does, without a process start
     run_dir = tmp_path / "run"
     env = {
         **cluster,

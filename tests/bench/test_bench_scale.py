@@ -62,7 +62,8 @@ def test_bench_scale_smoke(tmp_path: Path) -> None:
     50 env steps/s), and the second actor adds throughput."""
     png = tmp_path / "scale.png"
     cmd = [sys.executable, "-m", "benchmarks", "scale", "--json", "--modes", "impala", "--actors", "1,2"]
-    cmd += ["--env-latency-ms", "20", "--seconds", "6", "--plot", str(png), "--set", "env.rollout_len=16"]
+    # A 3 s window: ~5 updates of 32 env steps for 1 actor, ~10 for 2 (sps_steady runs from the first to the last).
+    cmd += ["--env-latency-ms", "20", "--seconds", "3", "--plot", str(png), "--set", "env.rollout_len=16"]
     cmd += ["--set", "algo.batch_size=32"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
