@@ -48,7 +48,7 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     which is where bind(0) picks from; the bind then fails. So ports are drawn at random below that range (where the
     kernel gives none away), each checked by a bind; bind(0)'s pick only where the range leaves no room below it."""
     top = _ephemeral_start()
-    rng = random.Random(os.urandom(8))  # independent of the random module's seed: two processes draw apart
+    rng = random.SystemRandom()  # not the random module's seeded stream: two processes draw apart
     socks: list[socket.socket] = []
     try:
         for _ in range(20 * n):

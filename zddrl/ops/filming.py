@@ -67,8 +67,8 @@ class Filming:
     def _film(self, checkpoint: Path) -> None:
         version = checkpoint_version(checkpoint)
         self.next_version = version + self.train.video_every
-        out = self.videos / f"version-{version:08d}"
-        link = self.videos / f"version-{version:08d}.pt"
+        out = self._out(version)
+        link = out.with_suffix(".pt")
         self.videos.mkdir(exist_ok=True)
         link.unlink(missing_ok=True)  # left by a run killed while filming (this one resumed)
         try:
@@ -99,9 +99,13 @@ class Filming:
             self.failed += 1
             logger.warning(f"video of version {version} failed (exit {code}): see {self.run_dir / 'logs' / VIDEO_LOG}")
 
+    def _out(self, version: int) -> Path:
+        """The folder of version ``version``'s video (its checkpoint's link: the same name with ``.pt``)."""
+        return self.videos / f"version-{version:08d}"
+
     def _played(self, version: int) -> str:
         """The episode file of version ``version``'s filming, if it wrote one."""
-        found = sorted((self.videos / f"version-{version:08d}").glob("episode-*.mp4"))
+        found = sorted(self._out(version).glob("episode-*.mp4"))
         return str(found[0]) if found else ""
 
     def finish(self, wait_s: float) -> None:
@@ -135,7 +139,7 @@ class Filming:
             self.child.wait()
         version, link = self.filming
         link.unlink(missing_ok=True)
-        out = self.videos / f"version-{version:08d}"
+        out = self._out(version)
         for partial in out.glob("*.mp4"):
             partial.unlink()
         if out.is_dir() and not any(out.iterdir()):
