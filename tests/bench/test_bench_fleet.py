@@ -19,7 +19,8 @@ from benchmarks.fleet_sim import raise_nofile
 
 ROOT = Path(__file__).resolve().parents[2]
 
-TINY = ["--json", "--actors", "1,8", "--seconds", "0.5"]
+TINY = ["--json", "--actors", "1,8", "--seconds", "1"]
+"""A window of one heartbeat interval: in one of 0.5 s, 8 actors beating at random phases sent no stats once."""
 
 
 @pytest.mark.slow
@@ -53,7 +54,7 @@ def test_bench_fleet_smoke() -> None:
         assert p["broker_counters"]["hello_limited"] == p["broker_counters"]["hello_over_cap"] == 0
         assert control["reconnects"] == control["rejects"] == data["reconnects"] == 0
         assert 0 <= control["broker_cpu_share"] < 2
-        assert control["heartbeats_per_s"] > 0 or n == 1  # one beat a second each way: a 0.5 s window may miss both
+        assert control["heartbeats_per_s"] > 0 or n == 1  # one beat a second each way: one window's edges may miss both
         assert control["hellos_per_s"] == 0  # joined before the window: no hello in steady state
         assert control["stats_per_s"] > 0 or n == 1  # one a second each, as zddrl actor sends them
         assert data["trajectories_per_s"] > 0 and data["broker_cpu_us_per_traj"] > 0
