@@ -271,6 +271,35 @@ def test_a_connection_closed_before_its_address_was_read_is_not_guessed(monitore
     assert noted == [(UNKNOWN_ADDRESS, ("no-curve", "control"))] and len(closed) == 1
 
 
+def test_a_closed_counter_leaves_the_contexts_io_thread_free() -> None:
+    """libzmq's I/O thread sends each monitor event with a blocking send: once a monitor socket is closed, the next
+    event of a socket still monitored waits forever, and every socket of the context with it (a memory reset found
+    its control port still taken for good: the listener's close waited behind the event). A closed counter stops
+    its monitors first: a connection is still answered and the port binds again."""
+    ctx = zmq.Context()
+    control = ctx.socket(zmq.ROUTER)
+    control.linger = 0
+    port = control.bind_to_random_port("tcp://127.0.0.1")
+    HandshakeCounter([control], closes_of=control, refused=RefusedHandshakes()).close()
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as peer:
+        greeting = peer.recv(64)  # ZMTP's signature, sent by the I/O thread after it reported ACCEPTED
+    assert greeting[:1] == b"\xff", greeting
+    control.close(linger=0)
+    again = ctx.socket(zmq.ROUTER)
+    again.linger = 0
+
+    def bound() -> bool:
+        try:
+            again.bind(f"tcp://127.0.0.1:{port}")
+        except zmq.ZMQError:
+            return False
+        return True
+
+    wait_for(bound, WAIT_S, "the port to bind again")
+    again.close()
+    ctx.term()  # only once the I/O thread is known free: a stuck one would hang here
+
+
 # ---------------------------------------------------------------------------------------------- a real broker
 
 

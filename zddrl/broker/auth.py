@@ -193,6 +193,7 @@ class HandshakeCounter:
         self, socks: Iterable[zmq.Socket], closes_of: zmq.Socket | None = None, refused: RefusedHandshakes | None = None
     ) -> None:
         socks = list(socks)
+        self._socks = socks
         self.refused = refused if refused is not None or not socks else _REFUSED.get(socks[0].context)
         self.monitors = [
             sock.get_monitor_socket(HANDSHAKE_EVENTS | (CONNECTION_EVENTS if sock is closes_of else 0))
@@ -243,6 +244,12 @@ class HandshakeCounter:
             self.refused.note(address, reason)
 
     def close(self) -> None:
+        """Stop the monitors, then close them. The order matters: libzmq's I/O thread sends each event with a
+        blocking send, which waits forever once its monitor socket is closed, and with it every socket of the
+        context (a listener that never closes keeps its port: a memory reset could not bind again)."""
+        for sock in self._socks:
+            if not sock.closed:
+                sock.disable_monitor()
         for monitor in self.monitors:
             monitor.close(linger=0)
 
