@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -298,6 +300,41 @@ def test_a_closed_counter_leaves_the_contexts_io_thread_free() -> None:
     wait_for(bound, WAIT_S, "the port to bind again")
     again.close()
     ctx.term()  # only once the I/O thread is known free: a stuck one would hang here
+
+
+FULL_MONITOR = """
+import socket, zmq
+from zddrl.broker.auth import HandshakeCounter
+from zddrl.broker.zap import RefusedHandshakes
+ctx = zmq.Context()
+control = ctx.socket(zmq.ROUTER)
+control.linger = 0
+port = control.bind_to_random_port("tcp://127.0.0.1")
+counter = HandshakeCounter([control], closes_of=control, refused=RefusedHandshakes())
+made = timeouts = 0
+while made < 1500 and timeouts < 6:  # a full queue stops libzmq's accepts: the connects then time out in a row
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        made, timeouts = made + 1, 0
+    except OSError:
+        timeouts += 1
+counter.close()
+control.close(linger=0)
+ctx.term()
+print("closed after", made, "connections")
+"""
+
+
+def test_a_counter_whose_monitors_are_full_closes() -> None:
+    """A monitor nobody read for a while (~700 connections: its queue's 2,000 events) holds libzmq's I/O thread in
+    a blocking send under the socket's monitor lock, which ``disable_monitor`` also takes (holding the GIL: the
+    whole process stops, hence a process of its own here): the counter reads what is queued first, so its close
+    returns (a broker's stop after a standby's wait, or a flood of connections, could hang there)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_MONITOR], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+    )
+    assert done.returncode == 0 and "closed after" in done.stdout, done.stderr[-2000:]
+    assert int(done.stdout.split()[2]) >= 700, f"the queue was never full: {done.stdout}"
 
 
 # ---------------------------------------------------------------------------------------------- a real broker

@@ -34,6 +34,7 @@ from zmq.utils import z85
 
 from zddrl.broker.zap import UNKNOWN_ADDRESS, Reason, RefusedHandshakes, ZapHandler
 from zddrl.keys import KeysError, key_files, server_keys
+from zddrl.transport.handshakes import stop_monitor
 
 if TYPE_CHECKING:
     from zddrl.logs import RateLimitedLog
@@ -195,10 +196,15 @@ class HandshakeCounter:
         socks = list(socks)
         self._socks = socks
         self.refused = refused if refused is not None or not socks else _REFUSED.get(socks[0].context)
-        self.monitors = [
-            sock.get_monitor_socket(HANDSHAKE_EVENTS | (CONNECTION_EVENTS if sock is closes_of else 0))
-            for sock in socks
-        ]
+        self.monitors: list[zmq.Socket] = []
+        try:
+            for sock in socks:
+                self.monitors.append(
+                    sock.get_monitor_socket(HANDSHAKE_EVENTS | (CONNECTION_EVENTS if sock is closes_of else 0))
+                )
+        except zmq.ZMQError:  # the monitors made so far are stopped, not left to the garbage collector's close
+            self.close()
+            raise
         self._closes = self.monitors[socks.index(closes_of)] if closes_of in socks else None
         self._names = {m: sock.getsockopt_string(zmq.ZAP_DOMAIN) or "?" for m, sock in zip(self.monitors, socks)}
         self._peers: dict[int, str] = {}
@@ -244,14 +250,11 @@ class HandshakeCounter:
             self.refused.note(address, reason)
 
     def close(self) -> None:
-        """Stop the monitors, then close them. The order matters: libzmq's I/O thread sends each event with a
-        blocking send, which waits forever once its monitor socket is closed, and with it every socket of the
-        context (a listener that never closes keeps its port: a memory reset could not bind again)."""
-        for sock in self._socks:
-            if not sock.closed:
-                sock.disable_monitor()
-        for monitor in self.monitors:
-            monitor.close(linger=0)
+        """Stop the monitors (before their sockets close): closed in any other order, a monitor can wedge the
+        broker's I/O thread for good (``stop_monitor``; a memory reset once found its control port still taken)."""
+        for sock, monitor in zip(self._socks, self.monitors):
+            stop_monitor(sock, monitor)
+        self.monitors = []
 
 
 def _failure(event: int, value: int, socket_name: str) -> Reason:

@@ -236,6 +236,7 @@ def _close(b: Broker) -> None:
     if b.handshakes is not None:
         for monitor in b.handshakes.monitors:
             b.poller.unregister(monitor)
+            b.handshakes.drain(monitor, b.counters)  # the last handshakes counted (every connection closes here)
         b.handshakes.close()
         b.handshakes = None
     old = (b.control, b.trajectories, b.learners, b.params)

@@ -26,6 +26,21 @@ HANDSHAKE_LOG_EVERY_S = 30.0
 """A refused handshake is retried by ZeroMQ (or by the next session): say so at once, then once per this long."""
 
 
+def stop_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop ``sock``'s monitor and close ``monitor``, its reading socket, in the one order that cannot wedge the
+    process. libzmq's I/O thread sends each event with a blocking send, holding ``sock``'s monitor lock: closed
+    first, ``monitor`` would leave the next event waiting forever, and every socket of the context with it (a
+    listener that never closes keeps its port); left full, it would make ``disable_monitor`` wait for that lock
+    forever. So: read what is queued, stop the monitor, then close it."""
+    while True:
+        try:
+            monitor.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            break
+    sock.disable_monitor()
+    monitor.close(linger=0)
+
+
 def refusal(event: int, broker: str, role: str, key: str) -> str:
     """Why the handshake with ``broker`` failed (monitor ``event``) and what to check; ``key`` is this client's key
     name, "" for a client without keys."""
@@ -87,7 +102,7 @@ class HandshakeWatch:
             self.log.error(f"{self.refused} (failed handshakes so far: {self.failures})")
 
     def stop(self, control: zmq.Socket) -> None:
+        """Stop watching ``control`` (before it is closed); nothing when not watching."""
         if self.monitor is not None:
-            control.disable_monitor()
-            self.monitor.close(linger=0)
+            stop_monitor(control, self.monitor)
             self.monitor = None

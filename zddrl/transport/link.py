@@ -259,6 +259,7 @@ class BrokerLink:
                 # Closing on purpose lingers: linger 0 discards what ZeroMQ has not written yet, and the
                 # bye that close() just queued would race the close, leaving the member (and a learner's
                 # credit) at the broker until heartbeat expiry.
+                self.handshakes.stop(control)  # done already unless _serve failed before its own finally
                 control.close(linger=BYE_LINGER_MS if self._stop.is_set() else 0)
             if self._stop.is_set():
                 break
