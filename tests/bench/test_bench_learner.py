@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -59,6 +60,9 @@ def test_bench_learner_smoke() -> None:
     assert cells[("float32", 1)]["wire_bytes"] == 2 * cells[("bfloat16", 1)]["wire_bytes"]
     assert cells[("float32", 1)]["chunks"] > 1 and all(r["latency_ms"] > 0 for r in cells.values())
     assert report["pickle"]["ms"] > 0
+    hardware = report["hardware"]  # a figure says what it was measured on: the same VM type varies 2x by host
+    assert hardware["cpu"] and hardware["logical_cores"] == os.cpu_count()
+    assert set(hardware["cpu_units"]) <= {"avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16"}
 
 
 @pytest.mark.timeout(150)

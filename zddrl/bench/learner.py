@@ -36,6 +36,7 @@ from zddrl.bench import common as C
 from zddrl.bench.broadcast import BenchPublisher
 from zddrl.bench.learner_profile import format_profile, profile_updates
 from zddrl.config import AUTOCASTS, Config, ConfigError, kind_label, load_config, run_kind
+from zddrl.learner.runlog import describe_hardware, hardware
 from zddrl.proc import free_ports
 from zddrl.shards.launch import DevicePlan, Rendezvous, plan_devices, shard_environments
 
@@ -322,6 +323,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         "Learner throughput (samples trained per second of update time; same global batch; x base: against the "
         "first row of the same model and device: 1 shard, 1 thread, autocast off)",
+        describe_hardware(report["hardware"]),
         f"{'model':>14} {'autocast':>8} {'device':>7} {'shards':>6} {'threads':>7} {'samples/s':>10} {'update ms':>9} "
         f"{'collectives':>11} {'x base':>9}",
     ]
@@ -331,11 +333,11 @@ def format_report(report: dict[str, Any]) -> str:
         key = (name, r["device"])
         if r["shards"] == 1 and r["threads_per_shard"] == 1 and r["autocast"] == "off":
             base[key] = r["samples_per_s"]
-        ratio = r["samples_per_s"] / base[key] if key in base else float("nan")
+        ratio = f"{r['samples_per_s'] / base[key]:>8.2f}x" if key in base else f"{'-':>9}"
         lines.append(
             f"{name:>14} {r['autocast']:>8} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
             f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
-            f"{ratio:>8.2f}x"
+            f"{ratio}"
         )
         lines += format_profile(r) if "profile" in r else []
     if report["broadcast"]:
@@ -474,7 +476,7 @@ def learner(
         if no_broadcast
         else run_broadcast(_ints(subscribers), dtypes.split(","), chunk_bytes, _ints(broadcast_hidden))
     )
-    report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "cpu_count": os.cpu_count()}
+    report = {"throughput": throughput, "broadcast": broadcast, "pickle": pickled, "hardware": hardware()}
     click.echo(json.dumps(report) if as_json else format_report(report))
 
 
