@@ -264,9 +264,9 @@ def run_metadata() -> dict[str, Any]:
 
 
 def hardware() -> dict[str, Any]:
-    """What the figures of a run or a benchmark were measured on: the CPU, its cores, and the units that decide
-    the learner's speed (with AMX a CPU runs bf16 convolutions ~2x faster; the same VM type has landed on hosts
-    with and without it), plus the GPUs torch sees."""
+    """What the figures of a run or a benchmark were measured on: the CPU, its cores, the units that decide how
+    fast a CPU learner runs bf16 (``avx512_bf16``, AMX), and the GPUs torch sees. The same VM type has run the same
+    learner 2.4x apart on two days; a figure without its host cannot be compared."""
     import torch
 
     caps = torch.cpu.get_capabilities()
