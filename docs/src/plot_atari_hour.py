@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The figure of docs/benchmarks.md "Breakout for an hour": the game score (mean of the last 20 games) of zddrl runs
-(their metrics.csv) and of the SB3 baseline (the JSON line of sb3_ppo_atari_budget.py) against wall time and
-against env steps, on two panels.
+(their metrics.csv, or the curves kept in a docs/bench JSON) and of the SB3 baseline (the JSON line of
+sb3_ppo_atari_budget.py) against wall time and against env steps, on two panels.
 
-Usage: plot_atari_hour.py --zddrl RUN_DIR [--zddrl RUN_DIR ...] --sb3 SB3.json --title TITLE -o OUT.png"""
+Usage: plot_atari_hour.py [--zddrl RUN_DIR ...] [--curves BENCH.json ...] [--sb3 SB3.json] --title TITLE -o OUT.png
+(BENCH.json: {run name: {"curve": [[seconds, env steps, score or null, ...], ...]}}, as docs/bench/pong_appo.json)"""
 
 import argparse
 import csv
@@ -30,22 +31,27 @@ def zddrl_curve(run_dir: Path) -> tuple[list[float], list[int], list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--zddrl", type=Path, action="append", required=True)
-    p.add_argument("--sb3", type=Path, required=True)
+    p.add_argument("--zddrl", type=Path, action="append", default=[])
+    p.add_argument("--curves", type=Path, action="append", default=[])
+    p.add_argument("--sb3", type=Path)
     p.add_argument("--title", default="")
     p.add_argument("-o", "--output", type=Path, required=True)
     a = p.parse_args()
     fig, (by_time, by_steps) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    for run_dir in a.zddrl:
-        seconds, steps, scores = zddrl_curve(run_dir)
-        label = f"zddrl {run_dir.name}"
+    runs = {f"zddrl {run_dir.name}": zddrl_curve(run_dir) for run_dir in a.zddrl}
+    for path in a.curves:
+        for name, run in json.loads(path.read_text()).items():
+            kept = [point[:3] for point in run["curve"] if point[2] is not None]
+            runs[f"zddrl {name}"] = tuple(zip(*kept))
+    for label, (seconds, steps, scores) in runs.items():
         by_time.plot([s / 60 for s in seconds], scores, label=label)
         by_steps.plot([s / 1e6 for s in steps], scores, label=label)
-    sb3 = json.loads(a.sb3.read_text().strip().splitlines()[-1])
-    seconds, steps, scores = zip(*sb3["curve"])
-    label = f"SB3 PPO ({sb3['env']})"
-    by_time.plot([s / 60 for s in seconds], scores, label=label, color="black", alpha=0.7)
-    by_steps.plot([s / 1e6 for s in steps], scores, label=label, color="black", alpha=0.7)
+    if a.sb3 is not None:
+        sb3 = json.loads(a.sb3.read_text().strip().splitlines()[-1])
+        seconds, steps, scores = zip(*sb3["curve"])
+        label = f"SB3 PPO ({sb3['env']})"
+        by_time.plot([s / 60 for s in seconds], scores, label=label, color="black", alpha=0.7)
+        by_steps.plot([s / 1e6 for s in steps], scores, label=label, color="black", alpha=0.7)
     by_time.set_xlabel("wall time from the command's start (minutes)")
     by_steps.set_xlabel("env steps (millions; frames = 4x)")
     by_time.set_ylabel("game score, mean of the last 20 games")
