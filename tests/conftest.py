@@ -46,7 +46,8 @@ class Procs:
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # PYTHONFAULTHANDLER: a process that hangs can be made to print every thread's stack (``exit_or_dump``).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.Popen(
             [sys.executable, "-m", "zddrl", *args],
             stdout=log,
@@ -61,6 +62,22 @@ class Procs:
 
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
+
+    def exit_or_dump(self, proc: subprocess.Popen, timeout_s: float, *also: str) -> int:
+        """``proc``'s exit status once it exits within ``timeout_s``; else the test fails with its log, every
+        thread's stack (SIGABRT, which the fault handler answers) and the logs named in ``also``."""
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        name = proc.name  # type: ignore[attr-defined]
+        logs = "\n".join(f"--- {n}.log (last 4,000 characters)\n{self.log(n)[-4000:]}" for n in (name, *also))
+        pytest.fail(f"{name} did not exit within {timeout_s} s; its threads and logs:\n{logs}")
 
     def stop(self, proc: subprocess.Popen, timeout_s: float = 10.0) -> int:
         if proc.poll() is None:

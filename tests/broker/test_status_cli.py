@@ -71,7 +71,7 @@ def test_a_second_live_process_with_the_same_peer_id_is_refused(procs: Procs, br
         "the first actor to join",
     )
     second = procs.start("actor-b", "actor", "--connect", broker.connect, "--actor-id", "0")
-    assert second.wait(timeout=WAIT_S) != 0
+    assert procs.exit_or_dump(second, WAIT_S, "broker") != 0
     assert "peer id 'actor-0' is in use by pid" in procs.log("actor-b")
     body = json.loads(cli("status", "--connect", broker.connect, "--json").stdout)
     assert body["members"]["actor-0"]["pid"] == first.pid and first.poll() is None
