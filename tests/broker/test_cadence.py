@@ -8,6 +8,7 @@ interval comes back down as they leave.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from broker_clients import WAIT_S, ProfiledBroker, counters, status
 from conftest import Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker.cadence import Cadence
+from zddrl.broker.membership import Member, id_conflict
 from zddrl.config import BrokerConfig
 
 
@@ -44,6 +46,24 @@ def test_fit_grows_at_once_and_comes_down_with_a_margin() -> None:
     assert c.expiry_s(4.0) == 14.0 and c.expiry_s(4.0 + 11.9) == 14.0
     assert c.expiry_s(4.0 + 12.1) == 6.0, "...for as long as a member could still be keeping 4 s"
     assert c.fit(10, 20.0) and c.interval_s == 1.0
+
+
+def test_an_id_is_taken_over_after_two_of_the_intervals_its_holder_may_keep() -> None:
+    """A live member beats once an interval, and its beat lands a poll after it: one interval of silence must not
+    hand its id to a second process (the refused-duplicate actor test once saw the second actor welcomed)."""
+    c = Cadence(1.0, 3, 256.0)
+    assert c.takeover_s(0.0) == 2.0
+    assert c.fit(1024, 1.0) and c.takeover_s(1.0) == 8.0, "the fleet's interval, not the configured base"
+    assert c.fit(300, 4.0) and c.takeover_s(4.0) == 8.0, "members may still keep 4 s..."
+    assert c.takeover_s(4.0 + 12.1) == 4.0, "...until they have heard of 2 s"
+    takeover_s = Cadence(1.0, 3, 256.0).takeover_s(0.0)
+    held = Member(peer_id="actor-0", role="actor", identity=b"a", host="h", pid=1)
+    second = P.Hello(role="actor", peer_id="actor-0", host="h", pid=2)
+    for late_s in (1.0, 1.1, 1.9):  # a beat due, or late by up to most of an interval: refused
+        held.last_seen = time.monotonic() - late_s
+        assert "is in use by pid 1 on h" in id_conflict(held, second, takeover_s), late_s
+    held.last_seen = time.monotonic() - 2.1  # a missed beat: a crashed process coming back takes it
+    assert id_conflict(held, second, takeover_s) == ""
 
 
 @pytest.mark.slow

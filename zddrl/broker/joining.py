@@ -106,7 +106,7 @@ class Joining:
             raise P.ProtocolError(why)
         counter, why = "auth_refused", self.guard.hello_refusal(msg, user, old)  # first: a stranger learns no more
         if not why:
-            counter, why = "hello_id_in_use", id_conflict(old, msg, self.config.heartbeat_interval_s)
+            counter, why = "hello_id_in_use", id_conflict(old, msg, self.cadence.takeover_s(time.monotonic()))
         if not why:
             wait = self.guard.window_refusal(msg.peer_id, user, old, self.claims)
             if wait:
@@ -180,7 +180,7 @@ class Joining:
         room = self.membership.roster.room_for(hello.peer_id, hello.num_envs, hello.host)
         why = hello_conflict(hello, room, self.current.run_id)
         why = why or self.guard.relayed_refusal(relay, hello.peer_id, direct, self.claims)
-        why = why or id_conflict(direct, hello, self.config.heartbeat_interval_s)
+        why = why or id_conflict(direct, hello, self.cadence.takeover_s(time.monotonic()))
         if not why and direct is not None and direct.user != relay.user:
             why = f"peer id {hello.peer_id!r} is held by a member that joined with another key"
         why = why or self._cap_refusal(hello, old, relay.user)

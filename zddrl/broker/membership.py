@@ -210,17 +210,17 @@ def checked_stats(stats: dict) -> tuple[dict, int, int]:
     return kept, nbytes, len(stats) - len(kept)
 
 
-def id_conflict(old: Member | None, hello: P.Hello, interval_s: float) -> str:
+def id_conflict(old: Member | None, hello: P.Hello, takeover_s: float) -> str:
     """Why ``hello`` may not take its peer id, or "". Another live process holds it: two actors started
     with the same --actor-id would otherwise take the id from each other at every re-hello, and share
-    seeds; a second learner would take over the bus from the live one. A member silent for a heartbeat
-    interval, or (closed bus) whose control connection closed, is taken over: a crashed process coming back
-    (on a closed bus only by its own key: guard.Guard). The advice fits the role: what a user does about a clash
-    of actor ids is not what they do about a second learner."""
+    seeds; a second learner would take over the bus from the live one. A member silent for ``takeover_s``
+    (``Cadence.takeover_s``: two heartbeat intervals), or (closed bus) whose control connection closed, is taken
+    over: a crashed process coming back (on a closed bus only by its own key: guard.Guard). The advice fits the
+    role: what a user does about a clash of actor ids is not what they do about a second learner."""
     if old is None or old.conn_closed or (old.host, old.pid) == (hello.host, hello.pid):
         return ""
     silent = time.monotonic() - old.last_seen
-    if silent >= interval_s:
+    if silent >= takeover_s:
         return ""
     holder = f"pid {old.pid} on {old.host or '?'} (seen {silent:.1f} s ago)"
     if hello.role == "learner" and old.role == "learner":
