@@ -48,22 +48,30 @@ def test_fit_grows_at_once_and_comes_down_with_a_margin() -> None:
     assert c.fit(10, 20.0) and c.interval_s == 1.0
 
 
-def test_an_id_is_taken_over_after_two_of_the_intervals_its_holder_may_keep() -> None:
+def test_an_id_waits_for_a_late_beat_and_is_taken_over_after_two_intervals_of_the_fleets_cadence() -> None:
     """A live member beats once an interval, and its beat lands a poll after it: one interval of silence must not
-    hand its id to a second process (the refused-duplicate actor test once saw the second actor welcomed)."""
+    hand its id to a second process (the refused-duplicate actor test once saw the second actor welcomed), nor
+    refuse for good a process restarted at once after a kill (the replay service's restart test)."""
     c = Cadence(1.0, 3, 256.0)
-    assert c.takeover_s(0.0) == 2.0
-    assert c.fit(1024, 1.0) and c.takeover_s(1.0) == 8.0, "the fleet's interval, not the configured base"
-    assert c.fit(300, 4.0) and c.takeover_s(4.0) == 8.0, "members may still keep 4 s..."
-    assert c.takeover_s(4.0 + 12.1) == 4.0, "...until they have heard of 2 s"
-    takeover_s = Cadence(1.0, 3, 256.0).takeover_s(0.0)
+    assert c.keeping_s(0.0) == 1.0
+    assert c.fit(1024, 1.0) and c.keeping_s(1.0) == 4.0, "the fleet's interval, not the configured base"
+    assert c.fit(300, 4.0) and c.keeping_s(4.0) == 4.0, "members may still keep 4 s..."
+    assert c.keeping_s(4.0 + 12.1) == 2.0, "...until they have heard of 2 s"
     held = Member(peer_id="actor-0", role="actor", identity=b"a", host="h", pid=1)
     second = P.Hello(role="actor", peer_id="actor-0", host="h", pid=2)
-    for late_s in (1.0, 1.1, 1.9):  # a beat due, or late by up to most of an interval: refused
-        held.last_seen = time.monotonic() - late_s
-        assert "is in use by pid 1 on h" in id_conflict(held, second, takeover_s), late_s
-    held.last_seen = time.monotonic() - 2.1  # a missed beat: a crashed process coming back takes it
-    assert id_conflict(held, second, takeover_s) == ""
+
+    def conflict(silent_s: float) -> tuple[str, bool]:
+        held.last_seen = time.monotonic() - silent_s
+        return id_conflict(held, second, 1.0)
+
+    why, final = conflict(0.5)
+    assert final and "is in use by pid 1 on h" in why and "late" not in why, "a live holder: refused for good"
+    for late_s in (1.0, 1.1, 1.9):  # a beat due or late, or a holder just killed: refused, asked again
+        why, final = conflict(late_s)
+        assert not final and "is in use by pid 1 on h" in why and "heartbeat is late" in why, late_s
+    assert conflict(2.1) == ("", True), "a missed beat: a crashed process coming back takes it"
+    held.last_seen, held.conn_closed = time.monotonic(), True
+    assert conflict(0.0) == ("", True), "closed bus: its connection closed"
 
 
 @pytest.mark.slow

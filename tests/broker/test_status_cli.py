@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
+import zmq
 
-from broker_clients import WAIT_S, Pusher, cli, start_run, status
+from broker_clients import WAIT_S, ProfiledBroker, Pusher, cli, counters, recv_control, start_run, status
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.proc import free_ports
+from zddrl.transport.link import hello_fields
 
 pytestmark = pytest.mark.slow  # every test here starts real zddrl processes
 
@@ -76,3 +79,26 @@ def test_a_second_live_process_with_the_same_peer_id_is_refused(procs: Procs, br
     body = json.loads(cli("status", "--connect", broker.connect, "--json").stdout)
     assert body["members"]["actor-0"]["pid"] == first.pid and first.poll() is None
     assert not any("replaced by" in d["reason"] for d in body.get("departures", []))
+
+
+def test_a_holder_whose_beat_is_late_is_asked_about_again_then_taken_over(
+    procs: Procs, tmp_path: Path, bus: Bus
+) -> None:
+    """A hello for an id whose holder has been silent for one interval (late, or killed a moment ago) is refused
+    without ending the client, which asks again at its next heartbeat and takes the id once the holder has missed a
+    beat (two intervals): neither a live holder's late beat nor a process restarted at once after a kill loses."""
+    broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=2.0).start()
+    holder = bus.socket(zmq.DEALER)
+    holder.connect(broker.connect)
+    holder.send_multipart(P.encode(P.Hello(role="actor", peer_id="actor-0", host="h1", pid=1)))
+    assert isinstance(recv_control(holder), P.Welcome)  # and it never beats again, like a killed process
+    wait_for(
+        lambda: status(broker, bus)["members"]["actor-0"]["last_seen_s"] >= 2.2, WAIT_S, "the holder's beat to be late"
+    )
+    second = bus.link(broker.connect, P.Hello(role="actor", peer_id="actor-0", **hello_fields()))
+    assert second.wait_welcome(WAIT_S) is not None and second.refused is None, "asked again, then welcomed"
+    assert counters(broker, bus)["hello_id_in_use"] >= 1, "refused, not for good: its link asked again"
+    body = status(broker, bus)
+    assert body["members"]["actor-0"]["pid"] == hello_fields()["pid"]
+    assert any(d["reason"].startswith("replaced by pid") for d in body["departures"]), body["departures"]
+    assert "its heartbeat is late: asking again at the next one" in procs.log("broker")

@@ -16,11 +16,6 @@ from __future__ import annotations
 
 from zddrl.protocol import MAX_HEARTBEAT_INTERVAL_S
 
-TAKEOVER_BEATS = 2
-"""A member's id may go to another process after this many intervals of silence: one interval is a live member's
-own period (its beat is due then, and arrives a poll later), so one would hand a live member's id away a few
-milliseconds before its beat lands; two mean a beat was missed."""
-
 SHRINK_MARGIN = 0.75
 """The interval comes down only once the fleet fits the shorter one with this margin: a fleet that hovers around
 a boundary does not make every member change its interval at every tick."""
@@ -58,11 +53,10 @@ class Cadence:
         self.interval_s = want
         return True
 
-    def takeover_s(self, now: float) -> float:
-        """Seconds of silence after which another process may take a member's id (membership.id_conflict):
-        TAKEOVER_BEATS of the longest interval it may still be keeping."""
-        keeping = self._was_s if now < self._was_until and self._was_s > self.interval_s else self.interval_s
-        return TAKEOVER_BEATS * keeping
+    def keeping_s(self, now: float) -> float:
+        """The longest interval a member may still be beating at: the old one, after the interval came down, until
+        every member has heard of the new one (membership.id_conflict judges silence against it)."""
+        return self._was_s if now < self._was_until and self._was_s > self.interval_s else self.interval_s
 
     def expiry_s(self, now: float) -> float:
         """Seconds of silence after which a member is expired: ``liveness`` intervals of the longest one it may

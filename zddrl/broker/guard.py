@@ -15,7 +15,7 @@ Peer ids belong to keys (docs/security.md, "Peer ids and keys"):
 2. **The key that held an id takes it back at once.** A live member's id is taken over by the same key only; the
    same key's new process is admitted at once when the old one's control connection has closed (a socket monitor
    sees a killed process's connection close within milliseconds: ``Claims.connection_closed``), or after two
-   heartbeat intervals of silence (a host that vanished sends no close; ``Cadence.takeover_s``). Its old session
+   heartbeat intervals of silence (a host that vanished sends no close; ``membership.id_conflict``). Its old session
    is replaced.
 3. **No other key takes an id until its holder's departure window ends**: while the holder is a member whose
    connection closed, and for ``grace_s`` (heartbeat interval x liveness, the grace in which its trajectories

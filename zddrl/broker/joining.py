@@ -88,7 +88,8 @@ class Joining:
         """Whether the hello is refused (answered with a reject that says why, counted by reason): a learner at a
         relay, over its connection's hello rate, another key's role or peer id, a conflict (``hello_conflict``:
         ProtocolError, counted as malformed), a member cap, or a new run no pinned learner key signed. Every
-        refusal is final but one: an id in another key's departure window (the client asks again later). A passive
+        refusal is final but two: an id in another key's departure window, and an id whose holder's heartbeat is late
+        (``id_conflict``); the client asks again later. A passive
         broker of a standby pair refuses every hello but a monitor's with a ``passive:`` reject (``hello_passive``):
         the client moves on to its peer."""
         if self.standby is not None and msg.role != "monitor" and not self.standby.admits():  # a knock: voter rule
@@ -106,7 +107,9 @@ class Joining:
             raise P.ProtocolError(why)
         counter, why = "auth_refused", self.guard.hello_refusal(msg, user, old)  # first: a stranger learns no more
         if not why:
-            counter, why = "hello_id_in_use", id_conflict(old, msg, self.cadence.takeover_s(time.monotonic()))
+            counter, (why, final) = "hello_id_in_use", id_conflict(old, msg, self.cadence.keeping_s(time.monotonic()))
+            if why and not final:
+                return self._refuse(identity, msg, counter, why, final=False)
         if not why:
             wait = self.guard.window_refusal(msg.peer_id, user, old, self.claims)
             if wait:
@@ -180,7 +183,7 @@ class Joining:
         room = self.membership.roster.room_for(hello.peer_id, hello.num_envs, hello.host)
         why = hello_conflict(hello, room, self.current.run_id)
         why = why or self.guard.relayed_refusal(relay, hello.peer_id, direct, self.claims)
-        why = why or id_conflict(direct, hello, self.cadence.takeover_s(time.monotonic()))
+        why = why or id_conflict(direct, hello, self.cadence.keeping_s(time.monotonic()))[0]  # asked again anyway
         if not why and direct is not None and direct.user != relay.user:
             why = f"peer id {hello.peer_id!r} is held by a member that joined with another key"
         why = why or self._cap_refusal(hello, old, relay.user)
