@@ -62,6 +62,5 @@ class Cadence:
         """Seconds of silence after which a member is expired: ``liveness`` intervals of the longest one it may
         still be keeping, and after the interval came down one new interval more (a member that beat at the old
         interval just before hearing the new one beats next a new interval later)."""
-        if now < self._was_until and self._was_s > self.interval_s:
-            return self._was_s * self.liveness + self.interval_s
-        return self.interval_s * self.liveness
+        keeping = self.keeping_s(now)
+        return keeping * self.liveness + (self.interval_s if keeping > self.interval_s else 0.0)

@@ -263,6 +263,10 @@ def run_metadata() -> dict[str, Any]:
     }
 
 
+CPU_UNITS = ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16")
+"""The CPU features ``hardware`` reports: those that decide how fast torch runs bf16 and fp16 on a CPU."""
+
+
 def hardware() -> dict[str, Any]:
     """What the figures of a run or a benchmark were measured on: the CPU, its cores, the units that decide how
     fast a CPU learner runs bf16 (``avx512_bf16``, AMX), and the GPUs torch sees. The same VM type has run the same
@@ -274,7 +278,7 @@ def hardware() -> dict[str, Any]:
         "cpu": caps.get("cpu_name") or platform.processor() or platform.machine(),
         "logical_cores": os.cpu_count(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_units": sorted(unit for unit in ("avx512_bf16", "amx_bf16", "amx_tile", "avx512_fp16") if caps.get(unit)),
+        "cpu_units": sorted(unit for unit in CPU_UNITS if caps.get(unit)),
     }
     if torch.cuda.is_available():
         found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
