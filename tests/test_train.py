@@ -123,6 +123,8 @@ def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path
     assert versions == list(range(1, len(rows) + 1))
     assert all(int(r["batch_steps"]) == 256 for r in rows)  # fixed total batch
     assert (run_dir / "config.toml").exists() and (run_dir / "checkpoints" / "final.pt").exists()
+    autocast = json.loads((run_dir / "meta.json").read_text())["autocast"]  # the default, auto, says its choice
+    assert autocast["mode"] == "off" and "no built-in CNN torso" in autocast["reason"], autocast
     assert processes_mentioning(str(run_dir)) == []
     done = zddrl("eval", str(run_dir / "checkpoints" / "final.pt"), "--episodes", "3", "--json")
     assert done.returncode == 0, done.stderr

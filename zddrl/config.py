@@ -52,7 +52,7 @@ TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner", "service")
 ACTIVATIONS = ("tanh", "relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn", "small_cnn")
-AUTOCASTS = ("off", "bf16")
+AUTOCASTS = ("auto", "off", "bf16")
 WANDB_MODES = ("online", "offline", "disabled")
 ENV_BACKENDS = ("gymnasium", "ale_vector")
 
@@ -321,11 +321,14 @@ class LearnerConfig:
     """Parameters travel to the actors in chunks of at most this many bytes, each with its own hash."""
     param_dtype: str = "float32"
     """Parameter transport precision: ``float32``, ``float16`` or ``bfloat16`` (actors compute in float32)."""
-    autocast: str = "off"
-    """``bf16``: with ppo and impala and a built-in ``model.kind``, the torso of the training forward pass (the CNN:
-    nearly all of its compute) runs under torch's autocast in bfloat16; heads, log-probs, values, losses, weights
-    and Adam stay float32. On GPU or CPU; meant for the CNNs on hardware with bf16 units (`zddrl bench learner
-    --config FILE --autocast off,bf16` measures it). ``off``: float32 throughout."""
+    autocast: str = "auto"
+    """``bf16``: with ppo and impala and a built-in CNN ``model.kind``, the torso of the training forward pass (the
+    CNN: nearly all of its compute) runs under torch's autocast in bfloat16; heads, log-probs, values, losses,
+    weights and Adam stay float32. ``off``: float32 throughout. ``auto``: bf16 on a GPU that supports it; on a CPU
+    without bf16 units (avx512_bf16, amx_bf16) float32, since torch emulates bf16 there (8x slower measured); on one
+    with them, whichever of the two a timed pass of the torso at start-up finds clearly faster (zddrl.algos.autocast).
+    The learner logs its choice and why, and meta.json records it; `zddrl bench learner --config FILE --autocast
+    off,bf16,auto` measures a host."""
 
     def __post_init__(self) -> None:
         _require(self.autocast in AUTOCASTS, f"learner.autocast must be one of {AUTOCASTS}, got {self.autocast!r}")

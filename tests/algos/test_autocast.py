@@ -50,8 +50,61 @@ def test_an_unknown_autocast_is_a_config_error() -> None:
         Config().replace({"learner.autocast": "fp8"})
 
 
-def test_the_replay_modes_refuse_autocast() -> None:
+def test_the_replay_modes_refuse_bf16_and_take_auto() -> None:
     from zddrl.algos.checks import spec_refusal
 
     config = Config().replace({"algo.name": "apex", "learner.autocast": "bf16"})
     assert "actor-critic algorithms only" in spec_refusal(config, EnvSpec((4,), True, 2))
+    assert spec_refusal(config.replace({"learner.autocast": "auto"}), EnvSpec((4,), True, 2)) == ""
+
+
+# ------------------------------------------------------------------------------------------------ learner.autocast auto
+
+
+def test_auto_is_the_default_and_runs_an_mlp_in_float32() -> None:
+    assert Config().learner.autocast == "auto"
+    core = PPOLearner(Config(), EnvSpec((4,), True, 2))
+    assert core.autocast.mode == "off" and "no built-in CNN torso" in core.autocast.reason
+
+
+def test_auto_on_a_cpu_without_bf16_units_keeps_float32_without_timing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch emulates bf16 there (the Pong learner at 0.12x of float32 on an AVX2-only EPYC): nothing to measure."""
+    from zddrl.algos import autocast
+
+    monkeypatch.setattr(autocast, "bf16_units", lambda: [])
+    monkeypatch.setattr(autocast, "time_torso", lambda *a: pytest.fail("timed although the CPU has no bf16 units"))
+    core = PPOLearner(config("sync", "auto"), PIXELS)
+    assert core.autocast.mode == "off" and "none of avx512_bf16, amx_bf16" in core.autocast.reason
+
+
+@pytest.mark.parametrize(("ms_bf16", "mode"), [(50.0, "bf16"), (89.0, "bf16"), (95.0, "off"), (400.0, "off")])
+def test_auto_with_bf16_units_keeps_bf16_only_when_its_timed_pass_is_clearly_faster(
+    ms_bf16: float, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zddrl.algos import autocast
+
+    monkeypatch.setattr(autocast, "bf16_units", lambda: ["amx_bf16"])
+    monkeypatch.setattr(autocast, "time_torso", lambda *a: (100.0, ms_bf16))
+    core = PPOLearner(config("sync", "auto"), PIXELS)
+    assert core.autocast.mode == mode and (core.autocast.ms_off, core.autocast.ms_bf16) == (100.0, ms_bf16)
+    assert "amx_bf16" in core.autocast.reason and f"{ms_bf16:.1f} ms in bf16" in core.autocast.reason
+
+
+def test_the_torso_timing_measures_both_precisions_and_leaves_the_model_as_it_was() -> None:
+    from zddrl.algos.autocast import time_torso
+
+    core = PPOLearner(config("sync", "off"), PIXELS)
+    before = [p.detach().clone() for p in core.model.parameters()]
+    ms_off, ms_bf16 = time_torso(core.model, PIXELS, torch.device("cpu"))
+    assert ms_off > 0 and ms_bf16 > 0
+    assert all(p.grad is None for p in core.model.parameters())
+    assert all(torch.equal(b, p) for b, p in zip(before, core.model.parameters()))
+
+
+def test_a_set_mode_is_taken_as_it_is_and_a_network_of_your_own_refuses_only_bf16() -> None:
+    from zddrl.algos.actor_critic import check_actor_critic
+
+    assert PPOLearner(config("sync", "bf16"), PIXELS).autocast.mode == "bf16"
+    custom = Config().replace({"model.kind": "tests.test_plugins:nothing"})
+    assert check_actor_critic(custom, PIXELS) == ""
+    assert "needs a built-in model.kind" in check_actor_critic(custom.replace({"learner.autocast": "bf16"}), PIXELS)

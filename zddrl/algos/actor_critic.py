@@ -66,6 +66,6 @@ def acting_policy(version: ActingVersion) -> Policy:
 
 def check_actor_critic(config: Config, env: EnvSpec) -> str:
     """A network of the user's own is one piece: ``learner.autocast`` has no torso of it to run in bfloat16."""
-    if config.model.is_custom and config.learner.autocast != "off":
-        return "learner.autocast needs a built-in model.kind (a network of your own runs in float32)"
+    if config.model.is_custom and config.learner.autocast == "bf16":
+        return "learner.autocast = 'bf16' needs a built-in model.kind (a network of your own runs in float32)"
     return ""

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zddrl.algos.autocast import agreed_autocast
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import flatten_params
 from zddrl.algos.optim import Adam
@@ -198,6 +199,8 @@ class LearnerCore:
         torch.manual_seed(config.env.seed)  # the network starts the same on every shard ...
         self.model = acting_model(config, spec).to(self.device)
         self.group.sync_module(self.model.parameters())  # ... and surely so, whatever the device
+        self.autocast = agreed_autocast(config, self.model, spec, self.device, self.group)
+        """``learner.autocast`` as this host runs it (``auto`` resolved), and why."""
         torch.manual_seed(config.env.seed + self.group.rank)  # minibatch order differs by shard
         self.optimizer = Adam(self.model.parameters(), lr=config.algo.lr, eps=1e-5)
         self.obs_rms = RunningMeanStd(spec.obs_shape) if config.algo.normalize_obs else None
@@ -217,7 +220,7 @@ class LearnerCore:
         matrix products), and the heads, the distribution, the losses and Adam in float32 on its output: log-probs
         and values keep float32's precision, which the importance ratios and V-trace targets need."""
         with region("forward"):
-            if self.config.learner.autocast == "off":
+            if self.autocast.mode == "off":
                 return self.model.evaluate(obs, actions)
             with torch.autocast(self.device.type, dtype=torch.bfloat16):
                 x = self.model.features(obs)

@@ -32,8 +32,8 @@ def replay_algo_refusal(config: Config, env: EnvSpec) -> str:
     name = config.algo.name
     if config.model.kind != "mlp" and not config.model.is_custom:
         return f"algo.name {name!r} runs with model.kind 'mlp' or a network of your own (no built-in CNN for it yet)"
-    if config.learner.autocast != "off":
-        return f"algo.name {name!r} does not take learner.autocast (the actor-critic algorithms only)"
+    if config.learner.autocast == "bf16":
+        return f"algo.name {name!r} does not take learner.autocast = 'bf16' (the actor-critic algorithms only)"
     if config.env.episodic_life:
         return f"algo.name {name!r} does not take env.episodic_life (its n-step returns read no life_lost)"
     if config.algo.normalize_obs or config.algo.normalize_reward:

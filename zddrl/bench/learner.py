@@ -121,6 +121,7 @@ def shard_main(spec: dict[str, Any], out: str) -> None:
     if group.is_main:
         figures: dict[str, Any] = {"wall_s": wall, "comm_s": group.comm_s - comm0, "samples_per_update": T * N * actors}
         figures |= {"profile": profiled} if profiled else {}
+        figures |= {"autocast_choice": core.autocast._asdict()}
         Path(out).write_text(
             json.dumps(
                 {**figures, "model": config.model.kind, "mode": kind_label(config.algo.name, config.algo.schedule)}
@@ -178,6 +179,8 @@ def run_throughput(devices: tuple[str, ...], threads: int, options: dict[str, An
         "mode": figures["mode"],
         "model": figures["model"],
         "autocast": options["autocast"],
+        "autocast_mode": figures["autocast_choice"]["mode"],
+        "autocast_reason": figures["autocast_choice"]["reason"],
         "shards": shards,
         "device": devices[0],
         "threads_per_shard": threads,
@@ -191,7 +194,8 @@ def run_throughput(devices: tuple[str, ...], threads: int, options: dict[str, An
         row["profile"] = figures["profile"]
     what = options.get("config") or f"hidden {options.get('hidden')}"
     logger.info(
-        f"{shards} shard(s) on {devices[0]} x {threads} thread(s), {what}, autocast {options['autocast']}: "
+        f"{shards} shard(s) on {devices[0]} x {threads} thread(s), {what}, autocast {options['autocast']} "
+        f"({row['autocast_mode']}: {row['autocast_reason']}): "
         f"{row['samples_per_s']:.0f} samples/s, collectives {100 * row['collective_share']:.0f} %"
     )
     return row
@@ -334,12 +338,18 @@ def format_report(report: dict[str, Any]) -> str:
         if r["shards"] == 1 and r["threads_per_shard"] == 1 and r["autocast"] == "off":
             base[key] = r["samples_per_s"]
         ratio = f"{r['samples_per_s'] / base[key]:>8.2f}x" if key in base else f"{'-':>9}"
+        cast = r["autocast"] if r["autocast"] != "auto" else f"auto:{r.get('autocast_mode', '?')}"
         lines.append(
-            f"{name:>14} {r['autocast']:>8} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
+            f"{name:>14} {cast:>8} {r['device']:>7} {r['shards']:>6} {r['threads_per_shard']:>7} "
             f"{r['samples_per_s']:>10.0f} {r['update_ms']:>9.1f} {100 * r['collective_share']:>10.0f}% "
             f"{ratio}"
         )
         lines += format_profile(r) if "profile" in r else []
+    lines += [
+        f"autocast auto chose {r['autocast_mode']}: {r['autocast_reason']}"
+        for r in report["throughput"]
+        if r["autocast"] == "auto"
+    ]
     if report["broadcast"]:
         lines += [
             "",
@@ -410,7 +420,8 @@ def _ints(text: str) -> list[int]:
     "autocasts",
     default="off",
     show_default=True,
-    help="learner.autocast values to measure, comma-separated (off,bf16: side by side).",
+    help="learner.autocast values to measure, comma-separated (off,bf16,auto: side by side; auto's row says what it "
+    "chose on this host and why).",
 )
 @click.option("--no-broadcast", is_flag=True, help="Skip the broadcast measurement.")
 @click.option(

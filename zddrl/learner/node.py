@@ -223,8 +223,11 @@ class LearnerNode:
                 "resumed_from_version": self.policy_version,
                 "broker": self.connect,
                 "shards": self.group.world_size,
+                "autocast": self.core.autocast._asdict(),
             }
             own.runlog.meta(meta)
+            cast = self.core.autocast
+            self.log.info(f"learner.autocast {self.config.learner.autocast}: {cast.mode} ({cast.reason})")
             self.log.info(
                 f"run {self.run_id}: {self.config.env.id}, {self.algo.name} ({self.algo.schedule}), "
                 f"batch {self.algo.batch_size} steps, {self.group.world_size} shard(s), "
