@@ -249,3 +249,15 @@ def test_signed_examples_verify_under_the_documented_demo_key() -> None:
     assert signing.run_refusal(hello.run_id, hello.run, hello.run_signer, hello.run_signature, pins) == ""
     assert (welcome.run_signer, welcome.run_signature) == (hello.run_signer, hello.run_signature)
     assert signing.run_refusal(welcome.run_id, welcome.run, welcome.run_signer, welcome.run_signature, pins) == ""
+
+
+def test_the_learner_hellos_bus_is_what_the_reference_learner_announces_for_its_run() -> None:
+    """Section 11's learner hello and welcome carry the ``bus`` a zddrl learner builds from the (abridged) run spec
+    they show: the defaults of the keys the spec leaves out, not numbers of their own."""
+    from zddrl.config import Config
+
+    hello = P.decode([data for _, data in parse_frames(FRAMES["hello-learner"])])
+    welcome = P.decode([data for _, data in parse_frames(FRAMES["welcome"])])
+    assert isinstance(hello, P.Hello) and isinstance(welcome, P.Welcome)
+    expected = Config.from_dict(hello.run or {}).algo.bus()
+    assert hello.bus == expected and welcome.bus == expected
