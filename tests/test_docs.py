@@ -150,3 +150,17 @@ def test_every_key_is_optional_but_the_config_file_is_an_argument(tmp_path: Path
     for command in ("train", "learner"):
         done = CliRunner().invoke(main, [command])
         assert done.exit_code == 2 and "Missing argument 'CONFIG'" in done.output, done.output
+
+
+def test_extending_md_names_every_trajectory_array_and_how_figures_are_declared() -> None:
+    """What an algorithm's ``update`` receives and reports is in docs/extending.md, not only in protocol.md."""
+    from zddrl.algos.core import CORE_FIGURES
+    from zddrl.algos.spec import FIGURE_GROUPS
+    from zddrl.protocol.rules import OPTIONAL_STEP_ARRAYS, TRAJECTORY_ARRAYS, TRUNCATION_ARRAYS
+
+    text = (ROOT / "docs" / "extending.md").read_text()
+    for name in (*TRAJECTORY_ARRAYS, *TRUNCATION_ARRAYS, *OPTIONAL_STEP_ARRAYS):
+        assert f"`{name}`" in text, f"docs/extending.md does not say what the {name} array of a rollout is"
+    for name in (*(f.name for f in CORE_FIGURES), *FIGURE_GROUPS):
+        assert f"`{name}`" in text, f"docs/extending.md does not name the figure or figure group {name}"
+    assert "rollout.truncations(arrays)`" in text and "rollout.terminal(arrays)`" in text
