@@ -52,10 +52,13 @@ def refusal(reference: str, allowed: frozenset[str] | None) -> str:
     """Why this process must not import ``reference`` (nothing imported yet), or ""."""
     if allowed is None or reference in allowed or reference in BUILTIN_ALGORITHMS.values():
         return ""
-    return (
-        f"{reference!r} names code to import, and this host does not allow it "
-        f"(allow it on its command line: --allow-code {reference})"
-    )
+    return f"{reference!r} names code to import, and this host does not allow it ({allow_hint(reference)})"
+
+
+def allow_hint(reference: str) -> str:
+    """How to allow ``reference``, for a refusal's message: the process may be a command or a Python caller
+    (``zddrl.load_policy``), so both spellings."""
+    return f"allow it: --allow-code {reference} on the command line, allow_code=[{reference!r}] from Python"
 
 
 def load(reference: str, what: str, allowed: frozenset[str] | None = None) -> Any:

@@ -41,8 +41,9 @@ def test_a_checkpoint_names_code_that_runs_only_if_allowed(tmp_path: Path) -> No
     marker = tmp_path / "pwned"
     path = _checkpoint(tmp_path, {"env.id": "os:system", "env.kwargs": {"command": f"touch {marker}"}})
     for load in (lambda: read_checkpoint(path), lambda: zddrl.load_policy(path)):
-        with pytest.raises(CheckpointError, match="--allow-code os:system"):
+        with pytest.raises(CheckpointError, match="--allow-code os:system") as refused:
             load()
+        assert "allow_code=['os:system'] from Python" in str(refused.value)  # load_policy's caller has no command line
     for command in (["eval", str(path)], ["export", str(path), "--format", "torchscript", "-o", str(tmp_path / "x")]):
         done = CliRunner().invoke(main, command)
         assert done.exit_code == 1 and "--allow-code os:system" in done.output, done.output
