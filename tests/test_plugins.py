@@ -18,6 +18,7 @@ from zddrl import protocol as P
 from zddrl.algos.spec import algorithm
 from zddrl.config import Config, ConfigError, load_config
 from zddrl.envs import EnvSpec
+from zddrl.plugin import recorded
 from zddrl.shards.group import ShardGroup
 from zddrl.transport.trust import joinable
 
@@ -51,6 +52,7 @@ def test_a_plugin_algorithm_and_a_plugin_network_train_cartpole(example: str, ta
     learner_log = (tmp_path / "run" / "logs" / "learner.log").read_text()
     assert "requires_grad" not in learner_log, learner_log[-3000:]  # a2c.py warned so in every learner log once
     saved = (tmp_path / "run" / "config.toml").read_text()
+    assert str(PLUGINS) in recorded(saved)  # where the run's code came from: eval and export look there
     assert ('name = "a2c:ALGORITHM"' in saved) or ('kind = "nets:make"' in saved)
     names = [p.read_text() for p in (ROOT / "zddrl").rglob("*.py")]
     assert not any("a2c:ALGORITHM" in text or '"nets:make"' in text for text in names)  # nothing in zddrl/ names them
