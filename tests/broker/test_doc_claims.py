@@ -61,3 +61,27 @@ def test_a_re_hello_of_the_same_process_keeps_its_id_with_no_departure(broker: B
     other.send(P.Bye(peer_id="actor-4", reason="done"))
     left = wait_for(lambda: status(broker, bus)["departures"], WAIT_S, "the bye to be heard")  # another connection
     assert [d["member"] for d in left] == ["actor-4"]  # a departure is recorded, and listed so
+
+
+def test_the_non_final_rejects_protocol_md_quotes_are_the_brokers() -> None:
+    """10.1 step 5 quotes the reasons of the rejects without the "hello refused: " prefix that do not end a client's
+    session: the late holder's (hello_id_in_use) and the departure window's (auth_refused)."""
+    import inspect
+    import re
+    import time
+    from pathlib import Path
+
+    from zddrl.broker import guard
+    from zddrl.broker.membership import Member, id_conflict
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text()
+    step = doc[doc.index("5. On **reject** with `rehello: true`") :]
+    step = step[: step.index("\n6. ")]
+    holder = Member(peer_id="actor-1", role="actor", identity=b"x", host="a", pid=1)
+    holder.last_seen = time.monotonic() - 1.5  # one to two intervals of 1 s: late, perhaps alive
+    why, final = id_conflict(holder, P.Hello(role="actor", peer_id="actor-1", host="b", pid=2), 1.0)
+    assert not final and not why.startswith(P.REFUSED_PREFIX)
+    late = re.search(r"the reason ends `([^`]+)`", step)
+    assert late and why.endswith(" ".join(late.group(1).split()))
+    window = re.search(r"the reason says `peer id \.\.\. ([^`]+?) \(in about S s\); asking again`", step)
+    assert window and " ".join(window.group(1).split()) in inspect.getsource(guard.Guard.window_refusal)
