@@ -261,3 +261,17 @@ def test_the_learner_hellos_bus_is_what_the_reference_learner_announces_for_its_
     assert isinstance(hello, P.Hello) and isinstance(welcome, P.Welcome)
     expected = Config.from_dict(hello.run or {}).algo.bus()
     assert hello.bus == expected and welcome.bus == expected
+
+
+def test_the_documented_welcome_bounds_are_the_decoders() -> None:
+    """Section 3's welcome table and 2.4 item 9 give the same heartbeat bounds, the decoder's; a monitor's welcome
+    without data ports (closed bus) decodes."""
+    bounds = f"{P.MIN_HEARTBEAT_INTERVAL_S:g}..{P.MAX_HEARTBEAT_INTERVAL_S:g}"
+    assert f"| `heartbeat_interval_s` | float | required | seconds between heartbeats, in {bounds} " in DOC
+    assert f"`heartbeat_interval_s` in {bounds}," in DOC
+    for interval in (P.MIN_HEARTBEAT_INTERVAL_S / 2, P.MAX_HEARTBEAT_INTERVAL_S * 2):
+        bad = P.Welcome("m", "", None, {}, interval, 3, 0)
+        with pytest.raises(P.ProtocolError, match="heartbeat_interval_s"):
+            P.decode(wire(P.encode(bad)))
+    monitor = P.Welcome("monitor-0", "", None, {}, 1.0, 3, 0)
+    assert P.decode(wire(P.encode(monitor))).ports == {}
