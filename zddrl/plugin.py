@@ -151,6 +151,13 @@ def recorded(config_text: str) -> list[str]:
     return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
 
 
+def import_recorded(config_text: str) -> None:
+    """Make importable the directories a run directory's config.toml records (``record``) that still exist."""
+    for directory in recorded(config_text):
+        if Path(directory).is_dir():
+            importable(directory)
+
+
 def importable_from_environment() -> None:
     """The directories a parent process made importable (``IMPORT_PATH_VAR``), made importable here too."""
     for directory in filter(None, os.environ.get(IMPORT_PATH_VAR, "").split(os.pathsep)):

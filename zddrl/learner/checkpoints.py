@@ -19,7 +19,7 @@ from typing import Any
 from zddrl.config import Config, ConfigError, TrainConfig, load_config
 from zddrl.envs import env_refusal
 from zddrl.learner.runlog import CheckpointError, RunLog, latest_checkpoint, load_checkpoint
-from zddrl.plugin import PluginError, importable, recorded
+from zddrl.plugin import PluginError, import_recorded
 
 
 def check_run_dir(config: Config, run_dir: Path | None, resume: bool) -> Path | None:
@@ -78,12 +78,9 @@ def search_recorded(path: Path) -> None:
     if path.parent.name != "checkpoints":
         return
     try:
-        text = (path.parent.parent / "config.toml").read_text()
+        import_recorded((path.parent.parent / "config.toml").read_text())
     except (OSError, UnicodeDecodeError):
         return
-    for directory in recorded(text):
-        if Path(directory).is_dir():
-            importable(directory)
 
 
 class Checkpoints:
