@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
@@ -111,3 +112,24 @@ def test_every_habit_points_to_a_real_key() -> None:
     for name, meant in HABITS.items():
         section, key = meant.split(" ")[0].split(".")
         assert key in defaults[section], f"{name} -> {meant}: no such key"
+
+
+def test_a_run_directorys_config_makes_the_directories_its_code_came_from_importable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`zddrl train RUN_DIR/config.toml --resume RUN_DIR` finds the run's own modules where the run first imported
+    them from (the config's record, docs/extending.md), and records them again; a directory gone since is skipped."""
+    import sys
+
+    from zddrl import plugin
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv(plugin.IMPORT_PATH_VAR, raising=False)
+    code, gone = tmp_path / "code", tmp_path / "gone"
+    code.mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(f"{plugin.RECORD}{json.dumps([str(code), str(gone)])}\n[env]\nnum_envs = 2\n")
+    assert load_config(run / "config.toml").env.num_envs == 2
+    assert str(code) in sys.path and str(gone) not in sys.path
+    assert plugin.recorded(plugin.record()) == [str(run), str(code)]

@@ -134,3 +134,31 @@ def test_unknown_ids_and_modules_are_clear_errors() -> None:
         env_factory("NoSuchEnv-v0")
     with pytest.raises(EnvError, match="cannot be imported"):
         env_factory("zddrl_no_such_module:NoSuchEnv-v0")
+
+
+class _Spaces(gym.Env):
+    def __init__(self, obs: gym.Space, act: gym.Space) -> None:
+        self.observation_space, self.action_space = obs, act
+
+
+@pytest.mark.parametrize(
+    ("obs", "act", "refused"),
+    [
+        (gym.spaces.Box(0, 255, (3, 4, 2), "uint8"), gym.spaces.Discrete(3), ""),
+        (gym.spaces.Box(-1, 1, (), "float64"), gym.spaces.Box(-2, 2, (2,)), ""),
+        (gym.spaces.Discrete(16), gym.spaces.Discrete(4), "observation space"),  # FrozenLake's
+        (gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1, 1, (2, 2)), "action space"),
+        (gym.spaces.Box(-1, 1, (2,)), gym.spaces.MultiDiscrete([2, 2]), "action space"),
+    ],
+)
+def test_the_spaces_zddrl_takes_are_the_ones_extending_md_names(obs: gym.Space, act: gym.Space, refused: str) -> None:
+    """docs/extending.md: observations a Box of any shape (uint8 pixels stay uint8), actions Discrete or a 1-D Box;
+    anything else is one line at start-up naming the space."""
+    from zddrl.envs import env_spec
+
+    if not refused:
+        spec = env_spec(_Spaces(obs, act))
+        assert spec.obs_shape == obs.shape and spec.obs_dtype == ("uint8" if obs.dtype == "uint8" else "float32")
+        return
+    with pytest.raises(EnvError, match=f"^{refused} .* is not supported"):
+        env_spec(_Spaces(obs, act))

@@ -7,16 +7,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from samples import cartpole_trajectory
 from zddrl import protocol as P
+from zddrl.algos.spec import algorithm
 from zddrl.config import Config, ConfigError, load_config
+from zddrl.envs import EnvSpec
+from zddrl.plugin import recorded
+from zddrl.shards.group import ShardGroup
 from zddrl.transport.trust import joinable
 
-pytestmark = pytest.mark.slow  # real zddrl processes learning
+slow = pytest.mark.slow  # real zddrl processes learning
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = ROOT / "examples" / "plugins"
@@ -38,16 +44,33 @@ def train(config: Path, run_dir: Path, *extra: str, cwd: Path) -> dict:
 # Below the examples' 475 (which they reach, docs/extending.md): far above a random policy's ~22. The plugin algorithm
 # must learn (195: CartPole-v0's "solved"); the plugin network runs plain PPO, proven at 475 elsewhere, and a network
 # whose gradients did not flow could not reach 100.
+@slow
 @pytest.mark.parametrize(("example", "target"), [("a2c_cartpole.toml", 195), ("ppo_custom_model.toml", 100)])
 def test_a_plugin_algorithm_and_a_plugin_network_train_cartpole(example: str, target: int, tmp_path: Path) -> None:
     summary = train(PLUGINS / example, tmp_path / "run", "--set", f"train.until_return={target}", cwd=tmp_path)
     assert summary["reached"] and summary["return_at_target"] >= target, summary
+    learner_log = (tmp_path / "run" / "logs" / "learner.log").read_text()
+    assert "requires_grad" not in learner_log, learner_log[-3000:]  # a2c.py warned so in every learner log once
     saved = (tmp_path / "run" / "config.toml").read_text()
+    assert str(PLUGINS) in recorded(saved)  # where the run's code came from: eval and export look there
     assert ('name = "a2c:ALGORITHM"' in saved) or ('kind = "nets:make"' in saved)
     names = [p.read_text() for p in (ROOT / "zddrl").rglob("*.py")]
     assert not any("a2c:ALGORITHM" in text or '"nets:make"' in text for text in names)  # nothing in zddrl/ names them
 
 
+def test_the_a2c_example_updates_without_a_warning() -> None:
+    """examples/plugins/a2c.py's update returns plain numbers: float() of a loss that requires grad made torch warn
+    in every learner log."""
+    config = load_config(PLUGINS / "a2c_cartpole.toml").replace({"model.hidden": [8]})
+    core = algorithm(config.algo.name).learner(config, EnvSpec((4,), True, 2), ShardGroup())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figures = core.update([cartpole_trajectory(8, 2, seq=s) for s in (1, 2)])
+    assert {"policy_loss", "value_loss", "entropy"} <= figures.keys()
+    assert all(type(v) in (int, float) for v in figures.values()), figures
+
+
+@slow
 def test_an_env_class_defined_in_a_script_trains_through_zddrl_train(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(PLUGINS / "custom_env.py"), str(tmp_path / "run")],
@@ -78,6 +101,7 @@ def test_a_host_imports_code_a_run_names_only_when_its_command_line_allows_it(tm
         Config.from_dict(spec, allowed=frozenset({"nets:make"}))
 
 
+@slow
 def test_the_python_api_trains_and_loads_a_policy(tmp_path: Path) -> None:
     import zddrl
 

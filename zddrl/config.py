@@ -420,8 +420,10 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         p = Path(path)
         _require(p.is_file(), f"config file {str(p)!r} does not exist")
         plugin.importable(p.parent)  # code the config names may sit next to it (docs/extending.md)
+        text = p.read_text()
+        plugin.import_recorded(text)  # a run directory's config.toml: where its run's code came from (--resume)
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from None
     return Config.from_dict(with_overrides(data, overrides), stored=stored)

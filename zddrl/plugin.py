@@ -15,6 +15,7 @@ Where the module is looked up: installed packages, ``PYTHONPATH``, and the direc
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import sys
@@ -52,10 +53,13 @@ def refusal(reference: str, allowed: frozenset[str] | None) -> str:
     """Why this process must not import ``reference`` (nothing imported yet), or ""."""
     if allowed is None or reference in allowed or reference in BUILTIN_ALGORITHMS.values():
         return ""
-    return (
-        f"{reference!r} names code to import, and this host does not allow it "
-        f"(allow it on its command line: --allow-code {reference})"
-    )
+    return f"{reference!r} names code to import, and this host does not allow it ({allow_hint(reference)})"
+
+
+def allow_hint(reference: str) -> str:
+    """How to allow ``reference``, for a refusal's message: the process may be a command or a Python caller
+    (``zddrl.load_policy``), so both spellings."""
+    return f"allow it: --allow-code {reference} on the command line, allow_code=[{reference!r}] from Python"
 
 
 def load(reference: str, what: str, allowed: frozenset[str] | None = None) -> Any:
@@ -70,10 +74,7 @@ def load(reference: str, what: str, allowed: frozenset[str] | None = None) -> An
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise PluginError(
-            f"{what} {reference!r} cannot be imported: {exc} (the module must be installed, on PYTHONPATH or next "
-            "to the config file)"
-        ) from None
+        raise PluginError(f"{what} {reference!r} cannot be imported: {exc} ({searched()})") from None
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -107,6 +108,54 @@ def importable(directory: str | Path) -> None:
     known = os.environ.get(IMPORT_PATH_VAR, "").split(os.pathsep)
     if path not in known:
         os.environ[IMPORT_PATH_VAR] = os.pathsep.join([*filter(None, known), path])
+
+
+def made_importable() -> list[str]:
+    """The directories made importable in this process and handed to the ones it starts (``IMPORT_PATH_VAR``)."""
+    return [d for d in os.environ.get(IMPORT_PATH_VAR, "").split(os.pathsep) if d]
+
+
+def searched() -> str:
+    """Where a module was looked for, and how to add a directory: for an import error's message."""
+    dirs = made_importable()
+    where = f", and {', '.join(dirs)}" if dirs else ""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        where += ", not the current directory"
+    return (
+        f"looked in installed packages, PYTHONPATH{where}; put the module's directory on the path: "
+        "PYTHONPATH=DIR zddrl ..."
+    )
+
+
+RECORD = "# zddrl imported this run's code from: "
+"""How RUN_DIR/config.toml starts (``record``): the directories its run made importable, a JSON list. A command
+that reads a checkpoint of the run looks there too (``recorded``): `zddrl export` need not be told where the
+network's module was."""
+
+
+def record() -> str:
+    """The line RUN_DIR/config.toml starts with: the directories made importable for this run, or "" if none."""
+    dirs = made_importable()
+    return f"{RECORD}{json.dumps(dirs)}\n" if dirs else ""
+
+
+def recorded(config_text: str) -> list[str]:
+    """The directories a run directory's config.toml says its code came from (``record``); [] if it says none."""
+    first = config_text.split("\n", 1)[0]
+    if not first.startswith(RECORD):
+        return []
+    try:
+        dirs = json.loads(first[len(RECORD) :])
+    except ValueError:
+        return []
+    return [d for d in dirs if isinstance(d, str)] if isinstance(dirs, list) else []
+
+
+def import_recorded(config_text: str) -> None:
+    """Make importable the directories a run directory's config.toml records (``record``) that still exist."""
+    for directory in recorded(config_text):
+        if Path(directory).is_dir():
+            importable(directory)
 
 
 def importable_from_environment() -> None:

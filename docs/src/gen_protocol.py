@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from zddrl import protocol as P
+from zddrl.config import Config
 from zddrl.transport import signatures as signing
 from zddrl.transport.params import split
 
@@ -134,7 +135,7 @@ LEARNER_HELLO = signing.signed_hello(
         pid=4100,
         run_id=RUN_ID,
         run=RUN,
-        bus={"sync": True, "max_staleness": 0, "max_in_flight": 2},
+        bus=Config.from_dict(RUN).algo.bus(),  # what the reference learner announces for this run
     ),
     DEMO_SIGNER,
 )

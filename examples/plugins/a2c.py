@@ -52,9 +52,9 @@ class A2CLearner(LearnerCore):
         total = int(self.group.sum(len(obs))[0])
         self.steps_trained += total
         return {
-            "policy_loss": float(policy_loss),
-            "value_loss": float(value_loss),
-            "entropy": float(entropy.mean()),
+            "policy_loss": policy_loss.item(),  # .item(): float() of a tensor that requires grad warns
+            "value_loss": value_loss.item(),
+            "entropy": entropy.mean().item(),
             "grad_norm": grad_norm or 0.0,
             "lr": lr,
             "batch_steps": total,

@@ -249,3 +249,29 @@ def test_signed_examples_verify_under_the_documented_demo_key() -> None:
     assert signing.run_refusal(hello.run_id, hello.run, hello.run_signer, hello.run_signature, pins) == ""
     assert (welcome.run_signer, welcome.run_signature) == (hello.run_signer, hello.run_signature)
     assert signing.run_refusal(welcome.run_id, welcome.run, welcome.run_signer, welcome.run_signature, pins) == ""
+
+
+def test_the_learner_hellos_bus_is_what_the_reference_learner_announces_for_its_run() -> None:
+    """Section 11's learner hello and welcome carry the ``bus`` a zddrl learner builds from the (abridged) run spec
+    they show: the defaults of the keys the spec leaves out, not numbers of their own."""
+    from zddrl.config import Config
+
+    hello = P.decode([data for _, data in parse_frames(FRAMES["hello-learner"])])
+    welcome = P.decode([data for _, data in parse_frames(FRAMES["welcome"])])
+    assert isinstance(hello, P.Hello) and isinstance(welcome, P.Welcome)
+    expected = Config.from_dict(hello.run or {}).algo.bus()
+    assert hello.bus == expected and welcome.bus == expected
+
+
+def test_the_documented_welcome_bounds_are_the_decoders() -> None:
+    """Section 3's welcome table and 2.4 item 9 give the same heartbeat bounds, the decoder's; a monitor's welcome
+    without data ports (closed bus) decodes."""
+    bounds = f"{P.MIN_HEARTBEAT_INTERVAL_S:g}..{P.MAX_HEARTBEAT_INTERVAL_S:g}"
+    assert f"| `heartbeat_interval_s` | float | required | seconds between heartbeats, in {bounds} " in DOC
+    assert f"`heartbeat_interval_s` in {bounds}," in DOC
+    for interval in (P.MIN_HEARTBEAT_INTERVAL_S / 2, P.MAX_HEARTBEAT_INTERVAL_S * 2):
+        bad = P.Welcome("m", "", None, {}, interval, 3, 0)
+        with pytest.raises(P.ProtocolError, match="heartbeat_interval_s"):
+            P.decode(wire(P.encode(bad)))
+    monitor = P.Welcome("monitor-0", "", None, {}, 1.0, 3, 0)
+    assert P.decode(wire(P.encode(monitor))).ports == {}

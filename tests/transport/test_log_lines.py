@@ -39,3 +39,27 @@ def test_a_failed_handshake_says_what_to_check(event: int, key: str, says: list[
     assert "tcp://b:5555" in line and "docs/security.md" in line
     for words in says:
         assert words in line, line
+
+
+def test_the_broker_counts_params_repeat_per_message() -> None:
+    """docs/protocol.md section 9: a version re-published as N messages adds N to ``params_repeat``, and none of it
+    goes out again."""
+    from collections import defaultdict
+
+    from zddrl.broker.publisher import Publisher
+    from zddrl.logs import RateLimitedLog
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        counters: dict[str, int] = defaultdict(int)
+        publisher = Publisher(pub, lambda identity, frames: None, counters, RateLimitedLog(), 1.0)
+        v3 = version(3)
+        assert len(v3) > 2
+        assert [publisher.add(m, m.encode(), "r") for m in v3][-1]  # the last message completes the version
+        sent = counters["params_bytes"]
+        assert not any(publisher.add(m, m.encode(), "r") for m in v3)
+        assert counters["params_repeat"] == len(v3) and counters["params_bytes"] == sent
+    finally:
+        pub.close(linger=0)
+        ctx.term()

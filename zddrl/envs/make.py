@@ -36,17 +36,14 @@ from gymnasium.envs.registration import find_highest_version, get_env_id, parse_
 from zddrl.config import EnvConfig
 from zddrl.envs.atari import ALE_VECTOR_KWARGS, atari_wrappers, register_ale
 from zddrl.envs.spaces import EnvError, EnvSpec, spec_of
-from zddrl.plugin import PICKLED
+from zddrl.plugin import PICKLED, allow_hint
 
 
 def env_refusal(env_id: str, allowed: frozenset[str]) -> str:
     """Why a host that allows the ``module:...`` ids ``allowed`` must not build ``env_id`` (nothing imported
     yet), or "": an id that names a module (a factory or gymnasium's ``module:Env-v0``) must be one of them."""
     if ":" in env_id and env_id not in allowed:
-        return (
-            f"env {env_id!r} names code to import, and this host does not allow it "
-            f"(allow it on its command line: --allow-code {env_id})"
-        )
+        return f"env {env_id!r} names code to import, and this host does not allow it ({allow_hint(env_id)})"
     return ""
 
 

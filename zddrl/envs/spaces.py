@@ -1,5 +1,5 @@
 """What a policy needs to know of an env (``EnvSpec``), read from its spaces, and a policy's action as the env
-takes it (``env_action``). Only Box and Discrete observation/action spaces are supported; anything else is a clear
+takes it (``env_action``). Observations must be a Box, actions Discrete or a 1-D Box; anything else is a clear
 error at start-up (``EnvError``). The base of zddrl.envs: it imports nothing else of the package."""
 
 from __future__ import annotations

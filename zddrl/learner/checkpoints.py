@@ -19,7 +19,7 @@ from typing import Any
 from zddrl.config import Config, ConfigError, TrainConfig, load_config
 from zddrl.envs import env_refusal
 from zddrl.learner.runlog import CheckpointError, RunLog, latest_checkpoint, load_checkpoint
-from zddrl.plugin import PluginError
+from zddrl.plugin import PluginError, import_recorded
 
 
 def check_run_dir(config: Config, run_dir: Path | None, resume: bool) -> Path | None:
@@ -56,6 +56,7 @@ def read_checkpoint(path: str | Path, allowed: frozenset[str] = frozenset()) -> 
     """A checkpoint's state and its run's config; CheckpointError (one line) for a file that is not one, or whose
     config names code (``module:attr``) that ``allowed`` does not list exactly (nothing is imported then)."""
     state = load_checkpoint(path)
+    search_recorded(Path(path))
     if not {"config", "model"} <= state.keys():
         raise CheckpointError(f"{path} is not a zddrl checkpoint: it holds no config and model")
     try:
@@ -68,6 +69,18 @@ def read_checkpoint(path: str | Path, allowed: frozenset[str] = frozenset()) -> 
     if why:
         raise CheckpointError(f"{path}: its run's {why}")
     return state, config
+
+
+def search_recorded(path: Path) -> None:
+    """Make importable the directories the run of the checkpoint ``path`` (RUN_DIR/checkpoints/*.pt) imported its
+    code from, as its config.toml records them (``plugin.record``) and where they still exist: a module next to the
+    config the run was started with is found again. Only what ``allowed`` names is ever imported."""
+    if path.parent.name != "checkpoints":
+        return
+    try:
+        import_recorded((path.parent.parent / "config.toml").read_text())
+    except (OSError, UnicodeDecodeError):
+        return
 
 
 class Checkpoints:

@@ -28,6 +28,7 @@ from typing import Any
 
 from loguru import logger
 
+from zddrl import plugin
 from zddrl.algos.spec import Figure
 from zddrl.config import to_toml
 from zddrl.learner.tensorboard import make_tensorboard_writer, with_figures
@@ -141,7 +142,7 @@ class RunLog:
         tags = with_figures(figures)
         self.dir.mkdir(parents=True, exist_ok=True)
         self._meta: dict[str, Any] | None = None
-        (self.dir / "config.toml").write_text(to_toml(config))
+        (self.dir / "config.toml").write_text(plugin.record() + to_toml(config))  # where its code came from
         kept = self._rows_up_to(resume_version) if resume_version is not None else []
         self._csv_file = open(self.dir / "metrics.csv", "w", newline="")
         self._csv = csv.DictWriter(self._csv_file, fieldnames=self.columns, extrasaction="ignore")

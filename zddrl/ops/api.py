@@ -50,25 +50,67 @@ def checkpoint_policy(state: Mapping[str, Any], config: Config, spec: EnvSpec) -
 
 
 class LoadedPolicy:
-    """A trained policy: ``act(obs)`` -> actions, one observation or a batch of them."""
+    """A trained policy: ``act(obs)`` -> actions and ``dist_params(obs)`` -> its distribution's parameters, for one
+    observation or a batch of them: the two outputs of the file `zddrl export` writes of the same checkpoint."""
 
-    def __init__(self, policy: Policy, config: Config, spec: EnvSpec, policy_version: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        config: Config,
+        spec: EnvSpec,
+        policy_version: int,
+        seed: int = 0,
+        weights: Mapping[str, Any] | None = None,
+    ) -> None:
         self.policy, self.config, self.spec, self.policy_version = policy, config, spec, policy_version
         self.rng = np.random.default_rng(seed)
+        self.weights = weights
+        """The checkpoint's ``model`` and ``obs_rms``, what ``dist_params`` builds the network from (None: none)."""
+        self._exported: Any = None
+        if not spec.discrete:
+            self.low = np.asarray(spec.action_low, np.float32)
+            self.high = np.asarray(spec.action_high, np.float32)
 
     def act(self, obs: Any, deterministic: bool = True) -> np.ndarray:
         """The actions for ``obs`` (shape ``obs_shape``, or ``[B, *obs_shape]``): the mode of the policy's
-        distribution (greedy for Q-learning), or a sample of it with ``deterministic=False``. Box actions are the
-        network's, as the env would be given them clipped to its bounds."""
+        distribution (greedy for Q-learning), or a sample of it with ``deterministic=False``. Box actions are
+        clipped to the env's bounds: what the env executes, and what an exported file's ``action`` gives (the
+        unclipped mean is in ``dist_params``)."""
+        batch, single = self._batch(obs)
+        actions = self.policy.act(batch, self.rng, deterministic=deterministic).actions
+        if not self.spec.discrete:
+            actions = np.clip(actions, self.low, self.high)
+        return actions[0] if single else actions
+
+    __call__ = act
+
+    def dist_params(self, obs: Any) -> np.ndarray:
+        """The parameters of the policy's distribution for ``obs``, as an exported file's ``dist_params`` output
+        (docs/export.md): logits ``[B, n]`` (actor-critic, Discrete), Q values ``[B, n]`` (apex), or the mean and
+        log-std side by side ``[B, 2A]`` (actor-critic on a Box: the mean before clipping; sac: before the tanh).
+        One observation gives one row."""
+        import torch
+
+        from zddrl.ops.export import policy_module  # export reads checkpoints through this module
+
+        if self.weights is None:
+            raise ValueError("this policy was built without its checkpoint's weights: load it with zddrl.load_policy")
+        if self._exported is None:
+            self._exported = policy_module(dict(self.weights), self.config)
+        batch, single = self._batch(obs)
+        with torch.no_grad():
+            _, params = self._exported(torch.as_tensor(batch))
+        out = params.numpy()
+        return out[0] if single else out
+
+    def _batch(self, obs: Any) -> tuple[np.ndarray, bool]:
+        """``obs`` as a batch of the env's observation dtype, and whether it was one observation."""
         x = np.asarray(obs, dtype=np.dtype(self.spec.obs_dtype))
         single = x.shape == tuple(self.spec.obs_shape)
         batch = x[None] if single else x
         if batch.shape[1:] != tuple(self.spec.obs_shape):
             raise ValueError(f"observations of shape {list(x.shape)}, the policy takes {list(self.spec.obs_shape)}")
-        actions = self.policy.act(batch, self.rng, deterministic=deterministic).actions
-        return actions[0] if single else actions
-
-    __call__ = act
+        return batch, single
 
 
 def load_policy(path: str | Path, seed: int = 0, allow_code: Iterable[str] = ()) -> LoadedPolicy:
@@ -79,7 +121,8 @@ def load_policy(path: str | Path, seed: int = 0, allow_code: Iterable[str] = ())
     state, config = read_state(path, frozenset(allow_code))
     spec = probe_spec(config.env)
     version = int(state.get("policy_version", 0))
-    return LoadedPolicy(checkpoint_policy(state, config, spec), config, spec, version, seed)
+    weights = {"model": state["model"], "obs_rms": state.get("obs_rms")}
+    return LoadedPolicy(checkpoint_policy(state, config, spec), config, spec, version, seed, weights)
 
 
 def read_state(path: str | Path, allowed: frozenset[str] = frozenset()) -> tuple[dict[str, Any], Config]:

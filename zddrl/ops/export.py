@@ -195,6 +195,13 @@ FAMILIES: dict[type[nn.Module], type[ExportedPolicy]] = {
 """The exported module of each acting network."""
 
 
+def policy_module(state: dict[str, Any], config: Config) -> ExportedPolicy:
+    """The module an exported file holds, of a checkpoint's ``state`` (its ``model`` and ``obs_rms``): what
+    ``zddrl.load_policy(...).dist_params`` runs."""
+    spec, net = policy_network(state, config)
+    return exportable(net, spec, state.get("obs_rms"))
+
+
 def exportable(net: nn.Module, spec: EnvSpec, obs_rms: dict[str, Any] | None) -> ExportedPolicy:
     """``net`` wrapped as the exported module of its family (ExportError for a network of no known family)."""
     family = next((wrapper for cls, wrapper in FAMILIES.items() if isinstance(net, cls)), None)

@@ -298,7 +298,7 @@ def _open_run_dir(config: Config, run_dir: Path) -> bool:
         raise click.UsageError(f"train.video_every films the run: it needs the video extra, {install_command('video')}")
     fresh = not run_dir.exists()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(config.to_dict()))
+    (run_dir / "config.toml").write_text(plugin.record() + to_toml(config.to_dict()))
     return fresh
 
 
