@@ -30,6 +30,7 @@ from zddrl.config import Config
 from zddrl.envs import ActorEnvs, ActorEnvsFactory, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
+from zddrl.protocol.rules import run_bus
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.trust import joinable
 
@@ -40,9 +41,9 @@ STATS_EVERY_S = 1.0
 the fleet: broker/cadence.py)."""
 SEND_POLL_MS = 100
 TRAJECTORY_SNDHWM = 4
-"""ZMQ_SNDHWM of the trajectories PUSH: what may wait in ZeroMQ's queue (``algo.max_in_flight`` bounds what the
-broker has not credited yet). Not max_in_flight itself: libzmq's lagged view of what its I/O thread has taken would
-refuse sends that the credit allows."""
+"""ZMQ_SNDHWM of the trajectories PUSH: what may wait in ZeroMQ's queue (the run's ``bus.max_in_flight``, from the
+welcome, bounds what the broker has not credited yet). Not max_in_flight itself: libzmq's lagged view of what its
+I/O thread has taken would refuse sends that the credit allows."""
 REFUSED_RUN_WAIT_S = 1.0
 """After refusing a run, how often the actor looks for another welcome (it waits, never spins)."""
 
@@ -339,7 +340,8 @@ class ActorHost:
                 params, policy = acting
                 T = rollout_len(params, config)
                 rollout = self._collect(vec, policy, rng, T, config.env.id)
-                self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
+                window = run_bus(welcome.bus).max_in_flight  # the broker returns credit by this one, not the spec's
+                self._send(link, push, run_id, params, rollout, T * num_envs, stop, window)
                 if time.monotonic() >= next_stats:
                     self._report(link, run_id, params, num_envs, first_obs)
                     next_stats = time.monotonic() + max(STATS_EVERY_S, link.interval_s)
