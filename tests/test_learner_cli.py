@@ -28,3 +28,15 @@ def test_restart_under_torchrun_says_what_to_use(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("WORLD_SIZE", "2")
     result = CliRunner().invoke(main, ["learner", CONFIG, "--connect", "tcp://127.0.0.1:1", "--restart", "2"])
     assert result.exit_code == 2 and "under torchrun use its --max-restarts" in result.output
+
+
+@pytest.mark.parametrize(
+    ("key", "says"),
+    [("algo.max_in_flight=0", "algo.max_in_flight must be >= 1"), ("algo.max_staleness=-1", "algo.max_staleness")],
+)
+def test_a_run_that_cannot_work_is_refused_in_one_line_before_anything_starts(key: str, says: str) -> None:
+    """The broker routes runs it does not read (docs/protocol.md 5.1): the learner is where an actor window of 0
+    is refused, before it announces the run."""
+    result = CliRunner().invoke(main, ["learner", CONFIG, "--connect", "tcp://127.0.0.1:1", "--set", key])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert result.exit_code == 2 and len(errors) == 1 and says in errors[0], result.output

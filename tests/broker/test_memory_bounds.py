@@ -20,7 +20,7 @@ import zmq
 from broker_clients import WAIT_S, ProfiledBroker, learner_hello, run_spec
 from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
-from zddrl.broker import limits, memory
+from zddrl.broker import limits, sockets
 from zddrl.broker.broker import Broker
 from zddrl.broker.limits import UNREAD_BYTES_PER_KEY, UnreadReplies
 from zddrl.broker.membership import Member
@@ -33,8 +33,6 @@ from zddrl.broker.memory import (
     STORM,
     STUCK,
     MemoryBudget,
-    check_memory,
-    reset_sockets,
 )
 from zddrl.broker.sockets import MAX_FRAMES, BindError, drained
 from zddrl.config import BrokerConfig
@@ -240,7 +238,7 @@ def test_a_reset_forgets_the_members_descriptors_and_gives_no_live_id_away(bound
     member = Member(peer_id="actor-0", role="actor", identity=b"a", host="h1", pid=1)
     member.user, member.conn_fd = "actor:a", 9
     bound.membership.admit(member)
-    reset_sockets(bound, 0.0)
+    bound.resets.reset(0.0)
     assert member.conn_fd == -1, "a reused descriptor is never read as this member's"
     assert member.conn_closed and bound.counters["memory_resets"] == 1
     fresh = P.Hello(role="actor", peer_id="", auto_id=True, host="h2", pid=2)
@@ -251,7 +249,7 @@ def test_a_port_that_does_not_bind_again_is_retried_with_a_back_off(
     bound: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ports = dict(bound.ports)
-    real = memory.open_sockets
+    real = sockets.open_sockets
     failures = [2]
 
     def flaky(*args, **kwargs):
@@ -260,18 +258,18 @@ def test_a_port_that_does_not_bind_again_is_retried_with_a_back_off(
             raise BindError("port taken")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(memory, "open_sockets", flaky)
-    reset_sockets(bound, 0.0)  # does not raise: the broker's loop runs on
+    monkeypatch.setattr(sockets, "open_sockets", flaky)
+    bound.resets.reset(0.0)  # does not raise: the broker's loop runs on
     budget = bound.memory
     assert bound.counters["memory_rebind_failed"] == 1 and budget.rebind_at == REBIND_RETRY_S
     bound.replies.send(b"gone", P.Reject(reason="x"))  # a stand-in socket takes what the broker sends meanwhile
-    check_memory(bound, REBIND_RETRY_S - 0.01)
+    bound.resets.check(REBIND_RETRY_S - 0.01)
     assert bound.counters["memory_rebind_failed"] == 1, "not before its time"
-    check_memory(bound, REBIND_RETRY_S)
+    bound.resets.check(REBIND_RETRY_S)
     assert bound.counters["memory_rebind_failed"] == 2 and budget.rebind_at == 3 * REBIND_RETRY_S, "twice the wait"
-    check_memory(bound, 3 * REBIND_RETRY_S)
+    bound.resets.check(3 * REBIND_RETRY_S)
     assert budget.rebind_at is None and bound.counters["memory_rebind_failed"] == 2
-    endpoint = bound.control.getsockopt_string(zmq.LAST_ENDPOINT)
+    endpoint = bound.sockets.control.getsockopt_string(zmq.LAST_ENDPOINT)
     assert endpoint.endswith(f":{ports['control']}"), "bound again on its port"
 
 

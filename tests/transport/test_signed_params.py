@@ -98,7 +98,7 @@ def test_the_broker_cache_drops_forged_versions_before_any_goes_out(forge: Any) 
 
     pub = Pub()
     counters: dict[str, int] = dict.fromkeys(BROKER_COUNTERS, 0)  # as the broker's are
-    publisher = Publisher(pub, lambda *a: None, counters, RateLimitedLog(), 1.0, pins=PINS)  # type: ignore[arg-type]
+    publisher = Publisher(pub.send_multipart, lambda *a: None, counters, RateLimitedLog(), 1.0, pins=PINS)  # type: ignore[arg-type]
     counters.update({k: 0 for k in ("params_incomplete", "params_bytes", "params_published", "params_orphan_chunk")})
     for m in version(1):
         publisher.add(m, P.encode(m), "run-a")  # type: ignore[arg-type]

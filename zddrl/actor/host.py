@@ -23,12 +23,14 @@ from loguru import logger
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.actor.rollout import Collected, collect
+from zddrl.actor.versions import Verdict, VersionState
 from zddrl.algos.policy import Policy
 from zddrl.algos.spec import ActingVersion, algorithm_of
 from zddrl.config import Config
 from zddrl.envs import ActorEnvs, ActorEnvsFactory, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
 from zddrl.proc import rss_mb
+from zddrl.protocol.rules import run_bus
 from zddrl.transport.link import BrokerLink, Refused, hello_fields
 from zddrl.transport.trust import joinable
 
@@ -39,9 +41,9 @@ STATS_EVERY_S = 1.0
 the fleet: broker/cadence.py)."""
 SEND_POLL_MS = 100
 TRAJECTORY_SNDHWM = 4
-"""ZMQ_SNDHWM of the trajectories PUSH: what may wait in ZeroMQ's queue (``algo.max_in_flight`` bounds what the
-broker has not credited yet). Not max_in_flight itself: libzmq's lagged view of what its I/O thread has taken would
-refuse sends that the credit allows."""
+"""ZMQ_SNDHWM of the trajectories PUSH: what may wait in ZeroMQ's queue (the run's ``bus.max_in_flight``, from the
+welcome, bounds what the broker has not credited yet). Not max_in_flight itself: libzmq's lagged view of what its
+I/O thread has taken would refuse sends that the credit allows."""
 REFUSED_RUN_WAIT_S = 1.0
 """After refusing a run, how often the actor looks for another welcome (it waits, never spins)."""
 
@@ -234,7 +236,7 @@ class ActorHost:
         link = BrokerLink(
             self.connect, hello, subscribe_params=True, context=self.ctx, credentials=self.credentials
         ).start()
-        judged = -1  # the link generation whose run this host refused: judged once, then waited out
+        refused_generation = -1  # the link generation whose run this host refused: judged once, then waited out
         try:
             while not stop.is_set() and not self._done():
                 link.wait_welcome(timeout_s=1.0, need_run=True)
@@ -246,12 +248,12 @@ class ActorHost:
                 self._adopt_id(link)
                 if welcome is None or welcome.run is None:
                     continue
-                if generation == judged:  # the refused run is still the broker's: wait for another welcome
+                if generation == refused_generation:  # the refused run is still the broker's: wait for another welcome
                     stop.wait(REFUSED_RUN_WAIT_S)
                     continue
                 config, why = joinable(welcome, self.credentials, self.allowed_code)
                 if config is None:
-                    judged = generation
+                    refused_generation = generation
                     self._refuse_run(link, welcome.run_id, why)
                     continue
                 self._serve_run(link, config, welcome.run_id, stop)
@@ -305,10 +307,12 @@ class ActorHost:
             f"({config.algo.schedule})"
         )
         generation, push = link.generation, self._push(link)
-        params: P.Parameters | None = None
-        policy: Policy | None = None
-        refused = -1  # the newest version judged unusable (policy_of): never judged again
+        versions = VersionState(sync=config.algo.schedule == "sync")
         limit = link.welcome.max_message_bytes if link.welcome is not None else P.DEFAULT_MAX_MESSAGE_BYTES
+
+        def judge(version: P.Parameters) -> tuple[Policy | None, str]:
+            return policy_of(version, config, vec, limit, self.actor_id)  # the id a re-welcome assigned, if any
+
         next_stats = 0.0
         try:
             while not stop.is_set() and not self._done():
@@ -317,32 +321,27 @@ class ActorHost:
                 welcome = link.welcome
                 if welcome is None or (welcome.run_id and welcome.run_id != run_id):
                     return  # another run (a "" run id is a restarted broker: same run, keep going)
-                resample = False
                 if link.generation != generation:  # re-welcomed: ports may have moved
                     push.close(linger=0)
                     generation, push = link.generation, self._push(link)
                     self._adopt_id(link)
-                    # A restarted broker may have lost our last rollout; in sync mode the learner would
-                    # wait for it and we for the next version. Sample once more with the version held.
-                    resample = params is not None
-                judged = max(refused, params.policy_version if params is not None else -1)
-                newest = params if resample else self._next_params(link, params, judged, config.algo.schedule)
+                    versions.relinked()
+                held = versions.wanted()
+                newest = held if held is not None else self._next_params(link, versions)
                 if newest is None or newest.run_id != run_id:
                     continue
-                if newest.policy_version > judged or policy is None:  # a version not judged yet
-                    candidate, why = policy_of(newest, config, vec, limit, self.actor_id)
-                    if candidate is None:  # act with the version held, or keep waiting for a usable one
-                        refused = max(refused, newest.policy_version)
-                        self.timers.refused_versions += 1
-                        self._ratelog.warning("refused_params", f"refused version {newest.policy_version}: {why}")
-                    else:
-                        params, policy = newest, candidate
-                waiting = config.algo.schedule == "sync" and refused > params.policy_version if params else False
-                if params is None or policy is None or waiting:
+                if versions.offer(newest, judge) is Verdict.REFUSED:
+                    self.timers.refused_versions += 1
+                    why = f"refused version {newest.policy_version}: {versions.why}"
+                    self._ratelog.warning("refused_params", why)
+                acting = versions.acting
+                if acting is None:
                     continue  # nothing usable yet; a sync run samples only with the newest version (wait for one)
+                params, policy = acting
                 T = rollout_len(params, config)
                 rollout = self._collect(vec, policy, rng, T, config.env.id)
-                self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
+                window = run_bus(welcome.bus).max_in_flight  # the broker returns credit by this one, not the spec's
+                self._send(link, push, run_id, params, rollout, T * num_envs, stop, window)
                 if time.monotonic() >= next_stats:
                     self._report(link, run_id, params, num_envs, first_obs)
                     next_stats = time.monotonic() + max(STATS_EVERY_S, link.interval_s)
@@ -380,15 +379,13 @@ class ActorHost:
         link.send(P.Stats(peer_id=self.peer_id, role="actor", stats=stats))
         self._ratelog.flush()
 
-    def _next_params(
-        self, link: BrokerLink, current: P.Parameters | None, judged: int, schedule: str
-    ) -> P.Parameters | None:
-        """Sync: wait for a version newer than every one judged (used or refused). Async: the newest held, no
-        waiting."""
-        if schedule != "sync" and current is not None:
+    def _next_params(self, link: BrokerLink, versions: VersionState) -> P.Parameters | None:
+        """Sync, or none usable yet: wait for a version newer than every one judged (used or refused). Async: the
+        newest the link holds, no waiting."""
+        if not versions.sync and versions.params is not None:
             return link.latest_params()
         t0 = time.monotonic()
-        newest = link.wait_params(newer_than=judged, timeout_s=0.5)
+        newest = link.wait_params(newer_than=versions.judged, timeout_s=0.5)
         self.timers.wait_params_s += time.monotonic() - t0
         return newest
 

@@ -33,7 +33,7 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
-from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, HandshakeCounter, source_fd, user_of
+from zddrl.broker.auth import AUTH_COUNTERS, BrokerAuth, source_fd, user_of
 from zddrl.broker.cadence import Cadence
 from zddrl.broker.guard import Claims, Guard, revoked_reject
 from zddrl.broker.health import HealthMonitor
@@ -42,13 +42,13 @@ from zddrl.broker.joining import Joining
 from zddrl.broker.limits import Limits, UnreadReplies
 from zddrl.broker.liveness import Liveness
 from zddrl.broker.membership import Member, Membership
-from zddrl.broker.memory import MemoryBudget, check_memory, limit_bytes
+from zddrl.broker.memory import MemoryBudget, SocketResets, limit_bytes
 from zddrl.broker.publisher import Publisher
-from zddrl.broker.report import BROKER_COUNTERS, RATES, broker_status, throughput
+from zddrl.broker.report import BROKER_COUNTERS, StatusReport
 from zddrl.broker.routing import FORWARD_BURST, Outlet, Router
 from zddrl.broker.run import CurrentRun
 from zddrl.broker.shards import Shards
-from zddrl.broker.sockets import MAX_FRAMES, Replies, drained, open_sockets
+from zddrl.broker.sockets import MAX_FRAMES, BrokerSockets, Replies, drained
 from zddrl.broker.standby import standby_of
 from zddrl.broker.subtree import Subtrees
 from zddrl.broker.uplink import Uplink
@@ -98,9 +98,6 @@ class Broker:
         self.credentials = credentials
         self.log = logger.bind(role="relay" if config.upstream else "broker")
         self.counters: dict[str, int] = defaultdict(int, dict.fromkeys((*BROKER_COUNTERS, *AUTH_COUNTERS), 0))
-        self.rates: dict[str, float] = dict.fromkeys(RATES, 0.0)
-        self._rate_mark: tuple[float, int, int, int, int] | None = None
-        self.started = time.monotonic()
         self.ports: dict[str, int] = {}
         self.ratelog = RateLimitedLog()
         self.health = HealthMonitor()
@@ -116,12 +113,11 @@ class Broker:
         """The resident set, and when to reset the sockets (memory.py)."""
         self.auth: BrokerAuth | None = None
         """CURVE and ZAP on every socket (``config.keys``); None on an open bus."""
-        self.handshakes: HandshakeCounter | None = None
+        self.poller = zmq.Poller()
         self.upstream: Upstream | None = None
         """A relay's side of the loop (``config.upstream``); None at a root broker."""
-        self.standby = standby_of(config, lambda: len(self.membership.members))  # broker.peer (standby.py)
+        self.standby = standby_of(config, self.membership.members.__len__)  # broker.peer (standby.py)
         self._next_tick = 0.0
-        self._poll_traj = False
 
     @property
     def members(self) -> dict[str, Member]:
@@ -130,26 +126,26 @@ class Broker:
 
     # ---------------------------------------------------------------- setup
     def bind(self) -> dict[str, int]:
-        """Create and bind every socket (``sockets.open_sockets``) and the parts that use them; returns the ports."""
+        """Create and bind every socket (``sockets.BrokerSockets``, their one owner, which every part that uses a
+        socket holds) and the parts that use them; returns the ports."""
         c = self.config
         guard = self.guard = Guard(c, self.ctx, self.log, self.key)
         self.auth = guard.auth
-        s = open_sockets(self.ctx, c, self.auth)
-        self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
-        self.ports = s.ports
-        self.replies = Replies(self.control, self.counters)
+        sockets = self.sockets = BrokerSockets(self.ctx, c, self.auth, self.poller, self.counters)
+        self.ports = sockets.ports
+        self.replies = Replies(sockets, "control", self.counters)
         roster = self.membership.roster
         self.shards = Shards(
-            self.learners, self.replies, self.current, roster, guard, self.publish, self.counters, self.ratelog
+            sockets, self.replies, self.current, roster, guard, self.publish, self.counters, self.ratelog
         )
         relay = self._relay_outlet() if c.upstream else None
         outlet: Outlet = self.shards if relay is None else relay
         self.router = Router(
-            self.trajectories, outlet, self.membership, self.current, guard, self.replies, self.counters,
+            sockets, outlet, self.membership, self.current, guard, self.replies, self.counters,
             c.max_message_bytes, self.ratelog,
         )  # fmt: skip
         self.publisher = Publisher(
-            self.params, self.replies.send_frames, self.counters, self.ratelog, c.heartbeat_interval_s, guard.pins
+            sockets.publish, self.replies.send_frames, self.counters, self.ratelog, c.heartbeat_interval_s, guard.pins
         )
         self.claims = Claims(self.membership)
         """Which key holds which peer id, on a closed bus (guard.py)."""
@@ -159,27 +155,32 @@ class Broker:
         )  # fmt: skip
         self.subtrees = Subtrees(self.membership, self.joining.relayed_refused)
         self.liveness = Liveness(self.cadence, self.membership, self.current, self.replies, self.health, self.log)
-        self.poller = zmq.Poller()
-        self.poller.register(self.control, zmq.POLLIN)
-        self.poller.register(self.learners, zmq.POLLIN)
+        self.resets = SocketResets(
+            self.memory, sockets, self._connections_closed, self.counters, self.ratelog, self.log
+        )
         for listener in (self.shards, self.subtrees, self.claims, HealthOfMembers(self.health, self.ratelog)):
             self.membership.listen(listener)
         if relay is not None:
             self.upstream = self._upstream(relay)
             self.membership.listen(self.upstream)
             self.log.info(f"relay {relay.uplink.hello.peer_id}: upstream {c.upstream}")
-        self.watch_handshakes()
+        self.report = StatusReport(
+            counters=self.counters, current=self.current, membership=self.membership, router=self.router,
+            subtrees=self.subtrees, health=self.health, cadence=self.cadence, memory=self.memory, unread=self.unread,
+            ports=self.ports, auth=self.auth, upstream=self.upstream, standby=self.standby,
+        )  # fmt: skip
         closed = "closed (CURVE, keys from " + c.keys + ")" if self.auth is not None else "open (no keys)"
         self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
         return dict(self.ports)
 
-    def watch_handshakes(self) -> None:
-        """Closed bus: socket monitors on the four sockets (handshakes counted, control connections that close)."""
-        if self.auth is not None:
-            socks = (self.control, self.trajectories, self.learners, self.params)
-            self.handshakes = HandshakeCounter(socks, closes_of=self.control)
-            for monitor in self.handshakes.monitors:
-                self.poller.register(monitor, zmq.POLLIN)
+    def _connections_closed(self) -> None:
+        """A memory reset closed every control connection: each key may take its ids back at once, and the
+        connections' unread replies went with them."""
+        for member in self.membership.members.values():
+            if member.conn_fd >= 0:
+                self.claims.connection_closed(member.conn_fd)
+            member.conn_fd = -1  # the descriptor may be reused by another connection: never read it again
+        self.unread.clear()
 
     def _relay_outlet(self) -> UpstreamOutlet:
         """A relay's outlet, on a session with its upstream (opened by the loop: ``Upstream.serve``)."""
@@ -210,12 +211,9 @@ class Broker:
             self.standby.close()
         if self.upstream is not None:
             self.upstream.close()
-        if self.handshakes is not None:
-            self.handshakes.close()
-        for name in ("control", "trajectories", "learners", "params"):
-            sock = getattr(self, name, None)
-            if sock is not None:
-                sock.close(linger=0)
+        sockets = getattr(self, "sockets", None)
+        if sockets is not None:
+            sockets.close()
         guard = getattr(self, "guard", None)
         if guard is not None:
             guard.close()
@@ -225,23 +223,25 @@ class Broker:
     # ---------------------------------------------------------------- main loop
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set. Never raises on bad input: drops, counts and logs it."""
-        roster = self.membership.roster
+        roster, sockets = self.membership.roster, self.sockets
         while not stop.is_set():
-            self._update_trajectory_polling()
+            sockets.poll("trajectories", self.router.outlet.credit > 0)
             timeout_s = POLL_TIMEOUT_S
             if roster.changed:  # wake up when the fleet announcement is due
                 timeout_s = min(timeout_s, max(0.0, roster.next_at - time.monotonic()))
             events = dict(self.poller.poll(int(timeout_s * 1000)))
-            if self.control in events:
-                self._drain(self.control, "control", self._on_control)
-            if self.learners in events:
-                self._drain(self.learners, "learner", self._on_learner)
+            if sockets.control in events:
+                self._drain(sockets.control, "control", self._on_control)
+            if sockets.learners in events:
+                self._drain(sockets.learners, "learner", self._on_learner)
             if self.upstream is not None:
                 self.upstream.serve(events, time.monotonic())
-            if self.trajectories in events or (self.router.outlet.credit > 0 and not self._poll_traj):
+            if sockets.trajectories in events or (
+                self.router.outlet.credit > 0 and "trajectories" not in sockets.polled
+            ):
                 self.router.forward()  # credit that just came: forward now, not after one more poll
-            if self.handshakes is not None:
-                for monitor in self.handshakes.monitors:
+            if sockets.handshakes is not None:
+                for monitor in sockets.handshakes.monitors:
                     if monitor in events:
                         self._drain_monitor(monitor)
             now = time.monotonic()
@@ -251,7 +251,7 @@ class Broker:
                 self._tick(now)
                 self._next_tick = now + self.config.heartbeat_interval_s
             if now >= self.memory.next_at:
-                check_memory(self, now)
+                self.resets.check(now)
             self.liveness.beat(now)
 
     def _tick(self, now: float) -> None:
@@ -264,7 +264,7 @@ class Broker:
         self.health.evaluate(now)
         log_health_events(self.ratelog, self.health.pop_events())
         self.ratelog.flush()
-        self._sample_rates(now)
+        self.report.sample(now)
         if self.standby is not None:
             self.standby.tick(now)  # state changes on the loop: never between a hello and its admission
         if self.auth is not None:
@@ -274,19 +274,10 @@ class Broker:
 
     def _drain_monitor(self, monitor: zmq.Socket) -> None:
         """Handshakes counted; control connections that closed told to the claims (their members' ids)."""
-        if self.handshakes is None:
+        if self.sockets.handshakes is None:
             return
-        for fd in self.handshakes.drain(monitor, self.counters):
+        for fd in self.sockets.handshakes.drain(monitor, self.counters):
             self.claims.connection_closed(fd)
-
-    def _update_trajectory_polling(self) -> None:
-        want = self.router.outlet.credit > 0
-        if want != self._poll_traj:
-            if want:
-                self.poller.register(self.trajectories, zmq.POLLIN)
-            else:
-                self.poller.unregister(self.trajectories)
-            self._poll_traj = want
 
     def _drain(self, sock: zmq.Socket, what: str, handler: Handler) -> None:
         most = MAX_FRAMES["control" if what == "control" else "learners"]
@@ -352,7 +343,7 @@ class Broker:
         if member is not None:
             member.last_seen = time.monotonic()
         if isinstance(msg, P.Hello):
-            self._on_hello(identity, msg, user, source_fd(frames[0]) if self.handshakes is not None else -1)
+            self._on_hello(identity, msg, user, source_fd(frames[0]) if self.sockets.handshakes is not None else -1)
         elif isinstance(msg, P.StatusRequest):
             self._on_status(identity, msg.page, user, source_fd(frames[0]))
         elif member is None:
@@ -392,8 +383,8 @@ class Broker:
             raise P.ProtocolError(f"{msg.KIND} is not a control message")
 
     def _on_hello(self, identity: bytes, msg: P.Hello, user: str, fd: int = -1) -> None:
-        if self.handshakes is not None:  # closed bus: connections that closed before this hello are known first
-            self._drain_monitor(self.handshakes.monitors[0])
+        if self.sockets.handshakes is not None:  # closed bus: connections that closed before this hello come first
+            self._drain_monitor(self.sockets.handshakes.monitors[0])
         joining = self.joining
         assigned = joining.assigned(identity, msg, user)  # an actor that asks for a peer id (auto_id) gets one here
         if assigned is None or joining.refused(identity, assigned, user):
@@ -456,15 +447,9 @@ class Broker:
             self.replies.send(member.identity, revoked_reject())
 
     # ---------------------------------------------------------------- status
-    def _sample_rates(self, now: float) -> None:
-        """Throughput over the last heartbeat interval, for `zddrl status`."""
-        self._rate_mark, rates = throughput(self._rate_mark, self.counters, now)
-        self.rates = rates or self.rates
-
     def status(self, page: int = 1) -> dict[str, Any]:
-        body = broker_status(self, page)
-        body["broker"]["standby"] = self.standby.status() if self.standby is not None else None
-        return body
+        """The status body (docs/protocol.md section 9), ``page`` of its member rows."""
+        return self.report.body(page)
 
     def _on_status(self, identity: bytes, page: int, user: str, fd: int) -> None:
         """The status body, within the rates of limits.Limits; over them, a tiny reject. Either goes out only if

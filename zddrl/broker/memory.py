@@ -5,9 +5,9 @@ delivered only once its last frame arrived, ``ZMQ_MAXMSGSIZE`` bounds each frame
 high-water marks count whole messages. So a key holder's message of many frames grows the broker until it ends,
 and so do replies that peers never read. The one bound left is the process's own: ``MemoryBudget`` reads the
 resident set (``/proc/self/statm``, one system call) and says when it passed the limit; the broker then closes
-and binds again its four sockets with linger 0, which frees everything libzmq held for them (partial messages
-included), and hands freed heap pages back to the system (``trim``). Clients reconnect on their own and say hello
-again (docs/security.md, "Bounded resources").
+and binds again its four sockets with linger 0 (``sockets.BrokerSockets.reopen``), which frees everything libzmq
+held for them (partial messages included), and hands freed heap pages back to the system (``trim``). Clients
+reconnect on their own and say hello again (docs/security.md, "Bounded resources").
 
 A reset frees only what the sockets held: if the resident set is still over the limit once the sockets were
 closed, what holds it is the broker's own state, and resetting again would only cost the fleet its connections.
@@ -26,14 +26,10 @@ import os
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-import zmq
-
-from zddrl.broker.sockets import BindError, BrokerSockets, open_sockets
-
-if TYPE_CHECKING:  # the broker calls check_memory from its loop
-    from zddrl.broker.broker import Broker
+from zddrl.broker.sockets import BindError, BrokerSockets
+from zddrl.logs import RateLimitedLog
 
 MEMORY_CHECK_S = 0.1
 """Seconds between two reads of the resident set: the broker passes its limit by at most what arrives in that time
@@ -132,8 +128,6 @@ class MemoryBudget:
         self.last_reset = float("-inf")
         self.spacing_s = 0.0
         """The least time from one reset to the next (0: not spaced out)."""
-        self.polled: list[bool] = []
-        """Which of the broker's four sockets its poller held before the last reset."""
         self.rebind_at: float | None = None
         """When to bind the ports again after a reset could not; None: they are bound."""
         self.rebind_wait_s = REBIND_RETRY_S
@@ -178,117 +172,86 @@ class MemoryBudget:
         self.rebind_at, self.rebind_wait_s = None, REBIND_RETRY_S
 
 
-def check_memory(b: Broker, now: float) -> None:
-    """Every MEMORY_CHECK_S (``b.memory.next_at``): past the budget, Broker ``b``'s sockets are reset."""
-    budget = b.memory
-    if budget.rebind_at is not None:  # a reset could not bind the ports again: nothing else until they are
-        if now >= budget.rebind_at:
-            _rebind(b, now)
-        budget.next_at = now + MEMORY_CHECK_S if budget.rebind_at is None else budget.rebind_at
-        return
-    if budget.reset_at is not None and now - budget.reset_at < RESET_SETTLE_S:
-        trim()  # what the closed sockets' buffers freed in libzmq's threads, as libzmq frees it
-    action = budget.check(now)
-    if action == RESET:
-        reset_sockets(b, now)
-    elif action == STORM:
-        b.ratelog.log(
-            "memory_storm",
-            f"the broker reset its sockets {RESET_STORM} times in {RESET_WINDOW_S:.0f} s and still takes "
-            f"{budget.rss >> 20} MiB (peak {budget.peak >> 20} MiB), over its budget of {budget.limit >> 20} MiB "
-            "(broker.memory_limit_mib): the fleet refills what a reset frees; resets are spaced out from now on "
-            f"(at least {budget.spacing_s:.0f} s apart, doubling); raise the budget if this is the fleet's honest size",
-            "ERROR",
+class SocketResets:
+    """The budget acted on: ``check(now)`` every MEMORY_CHECK_S (``budget.next_at``) resets ``sockets`` past the
+    budget (``reset``), says so, and binds the ports again until they bind. ``connections_closed`` is called at each
+    reset: every control connection closed with the sockets."""
+
+    def __init__(
+        self,
+        budget: MemoryBudget,
+        sockets: BrokerSockets,
+        connections_closed: Callable[[], None],
+        counters: dict[str, int],
+        ratelog: RateLimitedLog,
+        log: Any,
+    ) -> None:
+        self.budget = budget
+        self.sockets = sockets
+        self.connections_closed = connections_closed
+        self.counters = counters
+        self.ratelog = ratelog
+        self.log = log
+
+    def check(self, now: float) -> None:
+        budget = self.budget
+        if budget.rebind_at is not None:  # a reset could not bind the ports again: nothing else until they are
+            if now >= budget.rebind_at:
+                self._reopen(now)
+            budget.next_at = now + MEMORY_CHECK_S if budget.rebind_at is None else budget.rebind_at
+            return
+        if budget.reset_at is not None and now - budget.reset_at < RESET_SETTLE_S:
+            trim()  # what the closed sockets' buffers freed in libzmq's threads, as libzmq frees it
+        action = budget.check(now)
+        if action == RESET:
+            self.reset(now)
+        elif action == STORM:
+            self.ratelog.log(
+                "memory_storm",
+                f"the broker reset its sockets {RESET_STORM} times in {RESET_WINDOW_S:.0f} s and still takes "
+                f"{budget.rss >> 20} MiB (peak {budget.peak >> 20} MiB), over its budget of {budget.limit >> 20} MiB "
+                "(broker.memory_limit_mib): the fleet refills what a reset frees; resets are spaced out from now on "
+                f"(at least {budget.spacing_s:.0f} s apart, doubling); raise the budget if this is the fleet's honest "
+                "size",
+                "ERROR",
+            )
+        elif action == STUCK:
+            self.ratelog.warning(
+                "memory_stuck",
+                f"the broker takes {budget.rss >> 20} MiB, over its budget of {budget.limit >> 20} MiB, after a reset "
+                "of its sockets: what holds it is the broker's own state, not its queues; raise "
+                "broker.memory_limit_mib if this is the fleet's honest size",
+            )
+
+    def reset(self, now: float) -> None:
+        """Close the four sockets with linger 0 and bind their ports again: everything libzmq held for them goes
+        (messages still arriving, queued trajectories and replies), and every client reconnects and says hello
+        again, a learner shard re-granting its credit. Members stay until their processes' new hellos replace them
+        (at once: same key, same process) or they expire."""
+        self._reopen(now)
+        self.connections_closed()
+        trim()
+        self.counters["memory_resets"] += 1
+        self.ratelog.warning(
+            "memory_reset",
+            f"the broker took {self.budget.rss >> 20} MiB, over its budget of {self.budget.limit >> 20} MiB "
+            "(broker.memory_limit_mib): its sockets were closed and bound again, freeing what they held; clients "
+            "reconnect and say hello again",
         )
-    elif action == STUCK:
-        b.ratelog.warning(
-            "memory_stuck",
-            f"the broker takes {budget.rss >> 20} MiB, over its budget of {budget.limit >> 20} MiB, after a reset of "
-            "its sockets: what holds it is the broker's own state, not its queues; raise broker.memory_limit_mib if "
-            "this is the fleet's honest size",
-        )
 
-
-def reset_sockets(b: Broker, now: float) -> None:
-    """Close Broker ``b``'s four sockets with linger 0 and bind their ports again: everything libzmq held for them
-    goes (messages still arriving, queued trajectories and replies), and every client reconnects and says hello
-    again, a learner shard re-granting its credit. Members stay until their processes' new hellos replace them (at
-    once: same key, same process) or they expire."""
-    _close(b)
-    for member in b.membership.members.values():
-        if member.conn_fd >= 0:  # every control connection closed: each key may take its ids back at once
-            b.claims.connection_closed(member.conn_fd)
-        member.conn_fd = -1  # the descriptor may be reused by another connection: never read it again
-    b.unread.clear()
-    _rebind(b, now)
-    trim()
-    b.counters["memory_resets"] += 1
-    b.ratelog.warning(
-        "memory_reset",
-        f"the broker took {b.memory.rss >> 20} MiB, over its budget of {b.memory.limit >> 20} MiB "
-        "(broker.memory_limit_mib): its sockets were closed and bound again, freeing what they held; clients "
-        "reconnect and say hello again",
-    )
-
-
-def _close(b: Broker) -> None:
-    """Close ``b``'s four sockets and their monitors (out of its poller), noting which of the sockets were polled."""
-    if b.handshakes is not None:
-        for monitor in b.handshakes.monitors:
-            b.poller.unregister(monitor)
-            b.handshakes.drain(monitor, b.counters)  # the last handshakes counted (every connection closes here)
-        b.handshakes.close()
-        b.handshakes = None
-    old = (b.control, b.trajectories, b.learners, b.params)
-    polled = {sock for sock, _ in b.poller.sockets}
-    for sock in old:
-        if sock in polled:
-            b.poller.unregister(sock)
-        sock.close(linger=0)
-    b.memory.polled = [sock in polled for sock in old]
-
-
-def _rebind(b: Broker, now: float) -> None:
-    """Bind ``b``'s ports again; if one does not bind, unbound stand-ins take the sockets' places (every send
-    finds no peer, as after a reset) and the budget retries later (``memory_rebind_failed``)."""
-    budget = b.memory
-    if budget.rebind_at is not None:  # the stand-ins of the last failure go
-        _close(b)
-    try:
-        s = open_sockets(b.ctx, b.config, b.auth, b.ports)
-    except BindError as exc:
-        b.counters["memory_rebind_failed"] += 1
-        if budget.rebind_at is None:
-            why = f"{exc}; it serves no one until a retry (backed off) binds them"
-            b.log.error(f"the broker could not bind its ports again after a memory reset: {why}")
-        budget.rebind_failed(now)
-        _adopt(b, _stand_ins(b), budget.polled)
-        return
-    if budget.rebind_at is not None:
-        b.log.info("the broker bound its ports again after a memory reset: clients reconnect")
-    budget.rebound()
-    _adopt(b, s, budget.polled)
-
-
-def _stand_ins(b: Broker) -> BrokerSockets:
-    """Unbound sockets of the four kinds: whatever the broker sends meanwhile finds no peer."""
-    control, trajectories, learners, params = (b.ctx.socket(k) for k in (zmq.ROUTER, zmq.PULL, zmq.ROUTER, zmq.PUB))
-    for sock in (control, trajectories, learners, params):
-        sock.setsockopt(zmq.LINGER, 0)
-    for router in (control, learners):
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    return BrokerSockets(control, trajectories, learners, params, dict(b.ports))
-
-
-def _adopt(b: Broker, s: BrokerSockets, polled: list[bool]) -> None:
-    """Sockets bound anew take the old ones' places in every part of ``b`` that uses them, and in its poller."""
-    b.control, b.trajectories, b.learners, b.params = s.control, s.trajectories, s.learners, s.params
-    b.replies.sock = s.control
-    b.shards.learners = s.learners
-    b.shards.replies.sock = s.learners
-    b.router.trajectories = s.trajectories
-    b.publisher.pub = s.params
-    for sock, was_polled in zip(s[:4], polled):
-        if was_polled:
-            b.poller.register(sock, zmq.POLLIN)
-    b.watch_handshakes()
+    def _reopen(self, now: float) -> None:
+        """Bind the ports again; if one does not bind, the sockets' unbound stand-ins serve meanwhile (every send
+        finds no peer, as after a reset) and the budget retries later (``memory_rebind_failed``)."""
+        budget = self.budget
+        try:
+            self.sockets.reopen()
+        except BindError as exc:
+            self.counters["memory_rebind_failed"] += 1
+            if budget.rebind_at is None:
+                why = f"{exc}; it serves no one until a retry (backed off) binds them"
+                self.log.error(f"the broker could not bind its ports again after a memory reset: {why}")
+            budget.rebind_failed(now)
+            return
+        if budget.rebind_at is not None:
+            self.log.info("the broker bound its ports again after a memory reset: clients reconnect")
+        budget.rebound()

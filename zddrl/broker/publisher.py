@@ -28,8 +28,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from zddrl import protocol as P
 from zddrl.broker.membership import Member
 from zddrl.broker.sockets import drained
@@ -53,14 +51,15 @@ class Publisher:
 
     def __init__(
         self,
-        pub: zmq.Socket,
+        publish: Callable[[Sequence[Any]], None],
         send: Callable[[bytes, Sequence[Any]], None],
         counters: dict[str, int],
         ratelog: RateLimitedLog,
         heartbeat_interval_s: float,
         pins: dict[str, Ed25519PublicKey] | None = None,
     ) -> None:
-        self.pub = pub
+        self._publish = publish
+        """Sends frames out of the params socket, to every actor."""
         self._send = send
         """Sends frames to a control identity (counting what cannot be routed)."""
         self.counters = counters
@@ -102,7 +101,7 @@ class Publisher:
                 f"version {cache.version})",
             )
             return False
-        self.pub.send_multipart(frames, copy=False)
+        self._publish(frames)
         self.counters["params_bytes"] += P.message_nbytes(frames)
         if outcome == "building":
             return False

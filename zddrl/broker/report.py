@@ -13,13 +13,20 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from zddrl import protocol as P
-from zddrl.broker.membership import Member
-
-if TYPE_CHECKING:  # the broker imports this module to answer status requests
-    from zddrl.broker.broker import Broker
+from zddrl.broker.auth import BrokerAuth
+from zddrl.broker.cadence import Cadence
+from zddrl.broker.health import HealthMonitor
+from zddrl.broker.limits import UnreadReplies
+from zddrl.broker.membership import Member, Membership
+from zddrl.broker.memory import MemoryBudget
+from zddrl.broker.routing import Router
+from zddrl.broker.run import CurrentRun
+from zddrl.broker.standby import Standby
+from zddrl.broker.subtree import Subtrees
+from zddrl.broker.upstream import Upstream
 
 BROKER_COUNTERS = (
     "received",
@@ -141,54 +148,88 @@ def fleet_summary(members: Iterable[Member]) -> dict[str, Any]:
     }
 
 
-def broker_status(b: Broker, page: int = 1) -> dict[str, Any]:
-    """The status body (docs/protocol.md section 9) of Broker ``b``: counters, the fleet's summary, health, departures
-    and ``page`` of the member rows (ProtocolError if ``page`` < 1)."""
-    if page < 1:
-        raise P.ProtocolError(f"status_request: page must be >= 1, got {page}")
-    now = time.monotonic()
-    c, router, membership = b.counters, b.router, b.membership
-    rows, pages = paged(membership.members.values(), page)
-    health = b.health.counts()
-    accounted = router.accounted()
-    return {
-        "broker": {
-            "uptime_s": round(now - b.started, 3),
-            "host": socket.gethostname(),
-            "run_id": b.current.run_id,
-            "policy_version": b.current.policy_version,
-            "ports": b.ports,
-            "received": c["received"],
-            "forwarded": c["forwarded"],
-            "dropped": dict(router.dropped),
-            "in_flight": router.in_flight,
-            "bytes_in": c["bytes_in"],
-            "bytes_out": c["bytes_out"],
-            "accounted": accounted,
-            "accounted_subtree": accounted and b.subtrees.accounted(),
-            "credit": router.outlet.credit,
-            "fleet_seq": membership.roster.seq,
-            "fleet_actors": len(membership.roster.actors),
-            "heartbeat_interval_s": b.cadence.interval_s,
-            **b.rates,
-            **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")},
-            **fleet_summary(membership.members.values()),
-            "health_total": sum(health.values()),
-            "health_by_check": health,
-            "page": page,
-            "pages": pages,
-            "zap_alive": b.auth.alive() if b.auth is not None else True,
-            "memory": {
-                "rss_bytes": b.memory.rss,
-                "peak_bytes": b.memory.peak,
-                "limit_bytes": b.memory.limit,
-                "unread_bytes": b.unread.total,
-                "unread_connections": len(b.unread),
+class StatusReport:
+    """The status body (docs/protocol.md section 9) from the broker's parts it reads (``body``), and the throughput
+    over the last heartbeat interval (``sample``, each interval)."""
+
+    def __init__(
+        self,
+        *,
+        counters: dict[str, int],
+        current: CurrentRun,
+        membership: Membership,
+        router: Router,
+        subtrees: Subtrees,
+        health: HealthMonitor,
+        cadence: Cadence,
+        memory: MemoryBudget,
+        unread: UnreadReplies,
+        ports: dict[str, int],
+        auth: BrokerAuth | None,
+        upstream: Upstream | None,
+        standby: Standby | None,
+    ) -> None:
+        self.counters, self.current, self.membership, self.router = counters, current, membership, router
+        self.subtrees, self.health, self.cadence, self.memory, self.unread = subtrees, health, cadence, memory, unread
+        self.ports, self.auth, self.upstream, self.standby = ports, auth, upstream, standby
+        self.started = time.monotonic()
+        self.rates: dict[str, float] = dict.fromkeys(RATES, 0.0)
+        self._mark: tuple | None = None
+
+    def sample(self, now: float) -> None:
+        """Throughput over the interval since the last sample, for `zddrl status`."""
+        self._mark, rates = throughput(self._mark, self.counters, now)
+        self.rates = rates or self.rates
+
+    def body(self, page: int = 1) -> dict[str, Any]:
+        """Counters, the fleet's summary, health, departures and ``page`` of the member rows (ProtocolError if
+        ``page`` < 1)."""
+        if page < 1:
+            raise P.ProtocolError(f"status_request: page must be >= 1, got {page}")
+        now = time.monotonic()
+        c, router, membership, memory = self.counters, self.router, self.membership, self.memory
+        rows, pages = paged(membership.members.values(), page)
+        health = self.health.counts()
+        accounted = router.accounted()
+        return {
+            "broker": {
+                "uptime_s": round(now - self.started, 3),
+                "host": socket.gethostname(),
+                "run_id": self.current.run_id,
+                "policy_version": self.current.policy_version,
+                "ports": self.ports,
+                "received": c["received"],
+                "forwarded": c["forwarded"],
+                "dropped": dict(router.dropped),
+                "in_flight": router.in_flight,
+                "bytes_in": c["bytes_in"],
+                "bytes_out": c["bytes_out"],
+                "accounted": accounted,
+                "accounted_subtree": accounted and self.subtrees.accounted(),
+                "credit": router.outlet.credit,
+                "fleet_seq": membership.roster.seq,
+                "fleet_actors": len(membership.roster.actors),
+                "heartbeat_interval_s": self.cadence.interval_s,
+                **self.rates,
+                **{k: v for k, v in c.items() if k not in ("received", "forwarded", "bytes_in", "bytes_out")},
+                **fleet_summary(membership.members.values()),
+                "health_total": sum(health.values()),
+                "health_by_check": health,
+                "page": page,
+                "pages": pages,
+                "zap_alive": self.auth.alive() if self.auth is not None else True,
+                "memory": {
+                    "rss_bytes": memory.rss,
+                    "peak_bytes": memory.peak,
+                    "limit_bytes": memory.limit,
+                    "unread_bytes": self.unread.total,
+                    "unread_connections": len(self.unread),
+                },
+                "relays": self.subtrees.status(),
+                "upstream": self.upstream.status() if self.upstream is not None else None,
+                "standby": self.standby.status() if self.standby is not None else None,
             },
-            "relays": b.subtrees.status(),
-            "upstream": b.upstream.status() if b.upstream is not None else None,
-        },
-        "members": {m.peer_id: {**m.row(now), "warnings": b.health.count_of(m.peer_id)} for m in rows},
-        "health": b.health.rows(now, HEALTH_ROWS_LISTED),
-        "departures": b.membership.departures.rows(now),
-    }
+            "members": {m.peer_id: {**m.row(now), "warnings": self.health.count_of(m.peer_id)} for m in rows},
+            "health": self.health.rows(now, HEALTH_ROWS_LISTED),
+            "departures": membership.departures.rows(now),
+        }

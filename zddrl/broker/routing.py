@@ -22,7 +22,7 @@ from zddrl.broker.auth import user_of
 from zddrl.broker.guard import Guard
 from zddrl.broker.membership import Member, Membership
 from zddrl.broker.run import CurrentRun
-from zddrl.broker.sockets import Replies
+from zddrl.broker.sockets import BrokerSockets, Replies
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import NOBLOCK, recv_frames
 
@@ -52,7 +52,7 @@ class Router:
 
     def __init__(
         self,
-        trajectories: zmq.Socket,
+        sockets: BrokerSockets,
         outlet: Outlet,
         membership: Membership,
         run: CurrentRun,
@@ -62,7 +62,8 @@ class Router:
         max_message_bytes: int,
         ratelog: RateLimitedLog,
     ) -> None:
-        self.trajectories = trajectories
+        self.sockets = sockets
+        """Trajectories in on its trajectories socket."""
         self.outlet = outlet
         self.membership = membership
         self.run = run
@@ -86,7 +87,7 @@ class Router:
             if self.outlet.credit <= 0:
                 break
             try:
-                frames = recv_frames(self.trajectories, NOBLOCK)
+                frames = recv_frames(self.sockets.trajectories, NOBLOCK)
             except zmq.Again:
                 break
             self.in_flight += 1

@@ -20,7 +20,7 @@ from zddrl.broker.membership import Listener, Member
 from zddrl.broker.publisher import Publish
 from zddrl.broker.roster import Roster
 from zddrl.broker.run import CurrentRun
-from zddrl.broker.sockets import Replies
+from zddrl.broker.sockets import BrokerSockets, Replies
 from zddrl.logs import RateLimitedLog
 from zddrl.transport.io import send_frames
 
@@ -37,7 +37,7 @@ class Shards(Listener):
 
     def __init__(
         self,
-        learners: zmq.Socket,
+        sockets: BrokerSockets,
         control: Replies,
         current: CurrentRun,
         roster: Roster,
@@ -46,8 +46,9 @@ class Shards(Listener):
         counters: dict[str, int],
         ratelog: RateLimitedLog,
     ) -> None:
-        self.learners = learners
-        self.replies = Replies(learners, counters)
+        self.sockets = sockets
+        """Trajectories out on its learners socket."""
+        self.replies = Replies(sockets, "learners", counters)
         """Rejects on the learners socket."""
         self.control = control
         """Fleet messages, on the control socket."""
@@ -132,7 +133,7 @@ class Shards(Listener):
             if shard is None or shard.credit <= 0:
                 return "dropped a trajectory: no learner shard can take it"
             try:
-                send_frames(self.learners, frames, prefix=shard.data_id)
+                send_frames(self.sockets.learners, frames, prefix=shard.data_id)
             except zmq.ZMQError as exc:  # the shard went away between credit and send
                 self._ratelog.warning(
                     "shard_gone", f"learner shard {shard.peer_id} unreachable ({exc}); its credit is withdrawn"

@@ -1,5 +1,8 @@
-"""The broker's four sockets, made and bound in one place, the one-line error of a port that cannot be bound, and
-``Replies``, the way out of a ROUTER socket.
+"""The broker's four sockets, made and bound in one place and held by one owner (``BrokerSockets``), the one-line
+error of a port that cannot be bound, and ``Replies``, the way out of a ROUTER socket.
+
+Every part of the broker that uses a socket holds the owner and reads the socket from it when it uses it: a memory
+reset (broker/memory.py) closes and binds the sockets again inside the owner, and no part holds an old one.
 
 Ports: control at the bind port, the trajectories, learners and params sockets at the next three unless the
 profile or the CLI sets them (docs/protocol.md section 1).
@@ -8,7 +11,7 @@ Each socket takes frames no bigger than its messages need (``frame_caps``: libzm
 that sends a bigger one before it buffers it), and the broker drops a message of more frames than the protocol
 allows on that socket as soon as it reads it (``MAX_FRAMES``). What a peer's unfinished message holds before then
 is bounded by the broker's memory budget (broker/memory.py), which closes and binds these sockets again
-(``open_sockets`` with the ``ports`` they had).
+(``BrokerSockets.reopen``: ``open_sockets`` with the ``ports`` they had).
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import socket as _socket
 import struct
 import termios
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import zmq
 
 from zddrl import protocol as P
-from zddrl.broker.auth import BrokerAuth
+from zddrl.broker.auth import BrokerAuth, HandshakeCounter
 from zddrl.brokerconf import BrokerConfig, split_endpoint
 from zddrl.tomlconf import ConfigError
 from zddrl.transport.io import NOBLOCK, send_frames
@@ -47,7 +51,9 @@ class BindError(RuntimeError):
     """A broker socket could not be bound. The message is one line: which port, whose, and how to choose others."""
 
 
-class BrokerSockets(NamedTuple):
+class SocketSet(NamedTuple):
+    """The four sockets as ``open_sockets`` made them."""
+
     control: zmq.Socket
     """ROUTER: hello/welcome, heartbeats, stats, status, snapshots, fleet messages."""
     trajectories: zmq.Socket
@@ -103,7 +109,7 @@ def frame_caps(c: BrokerConfig) -> dict[str, int]:
 
 def open_sockets(
     ctx: zmq.Context, c: BrokerConfig, auth: BrokerAuth | None = None, ports: dict[str, int] | None = None
-) -> BrokerSockets:
+) -> SocketSet:
     """Every socket made, configured and bound (CURVE servers of their ZAP domains when ``auth`` is given), on
     ``ports`` if given (a reset binds the ports it just closed, waiting up to REBIND_S for each); ConfigError for a
     bad bind port, BindError for a port that is taken (the sockets made so far are closed first)."""
@@ -154,7 +160,7 @@ def open_sockets(
                 made_sock.close(linger=0)
             raise BindError(bind_error(name, host, port_text, exc)) from None
         bound[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-    return BrokerSockets(control, trajectories, learners, params, bound)
+    return SocketSet(control, trajectories, learners, params, bound)
 
 
 def _bind(sock: zmq.Socket, endpoint: str, wait_s: float) -> None:
@@ -170,12 +176,102 @@ def _bind(sock: zmq.Socket, endpoint: str, wait_s: float) -> None:
         time.sleep(0.01)
 
 
-class Replies:
-    """Messages out of one ROUTER socket (control, or learners) to a peer's identity, never blocking: a peer gone,
-    or whose queue is full, is counted (``control_unroutable``) and skipped; it will reconnect or ask again."""
+SOCKET_NAMES = ("control", "trajectories", "learners", "params")
 
-    def __init__(self, sock: zmq.Socket, counters: dict[str, int]) -> None:
-        self.sock = sock
+
+class BrokerSockets:
+    """The one owner of the broker's four sockets (``control``, ``trajectories``, ``learners``, ``params``), of
+    their handshake monitors on a closed bus (``handshakes``) and of their places in the broker's ``poller``.
+
+    Made bound (``open_sockets``: ConfigError, BindError). Every part that uses a socket holds this object and reads
+    the socket from it at each use; ``reopen`` (a memory reset) closes them and binds them again here, and the
+    parts use the new ones from then on. ``counters`` takes the handshakes counted as the monitors close."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        config: BrokerConfig,
+        auth: BrokerAuth | None,
+        poller: zmq.Poller,
+        counters: dict[str, int],
+    ) -> None:
+        self.ctx, self.config, self.auth, self.poller, self.counters = ctx, config, auth, poller, counters
+        self.handshakes: HandshakeCounter | None = None
+        """The closed bus's socket monitors (handshakes counted, control connections that close); None when open."""
+        self.polled: set[str] = {"control", "learners"}
+        """The names of the sockets the poller holds (``poll``), kept across a reset."""
+        self._take(open_sockets(ctx, config, auth))
+        self.ports: dict[str, int] = self._set.ports
+        """The bound port of each socket, by name: a reset binds the same ones."""
+
+    def _take(self, s: SocketSet) -> None:
+        self._set = s
+        self.control, self.trajectories, self.learners, self.params = s.control, s.trajectories, s.learners, s.params
+        for name in self.polled:
+            self.poller.register(getattr(self, name), zmq.POLLIN)
+        if self.auth is not None:
+            self.handshakes = HandshakeCounter(s[:4], closes_of=s.control)
+            for monitor in self.handshakes.monitors:
+                self.poller.register(monitor, zmq.POLLIN)
+
+    def poll(self, name: str, on: bool) -> None:
+        """Whether the poller holds the socket ``name`` (the broker reads trajectories only while it has credit)."""
+        if on and name not in self.polled:
+            self.poller.register(getattr(self, name), zmq.POLLIN)
+            self.polled.add(name)
+        elif not on and name in self.polled:
+            self.poller.unregister(getattr(self, name))
+            self.polled.discard(name)
+
+    def publish(self, frames: Sequence[Any]) -> None:
+        """One message out of the params socket, to every actor's SUB."""
+        self.params.send_multipart(frames, copy=False)
+
+    def reopen(self) -> None:
+        """Close the four sockets with linger 0 (everything libzmq held for them goes; the last handshakes are
+        counted) and bind their ports again. If one does not bind, unbound stand-ins take the sockets' places (every
+        send finds no peer) and BindError is raised: call again later."""
+        self.close()
+        try:
+            s = open_sockets(self.ctx, self.config, self.auth, self.ports)
+        except BindError:
+            self._take(self._stand_ins())
+            raise
+        self._take(s)
+
+    def _stand_ins(self) -> SocketSet:
+        kinds = (zmq.ROUTER, zmq.PULL, zmq.ROUTER, zmq.PUB)
+        control, trajectories, learners, params = (self.ctx.socket(k) for k in kinds)
+        for sock in (control, trajectories, learners, params):
+            sock.setsockopt(zmq.LINGER, 0)
+        for router in (control, learners):
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        return SocketSet(control, trajectories, learners, params, dict(self.ports))
+
+    def close(self) -> None:
+        """Close the monitors and the sockets (out of the poller)."""
+        polled = {sock for sock, _ in self.poller.sockets}
+        if self.handshakes is not None:
+            for monitor in self.handshakes.monitors:
+                if monitor in polled:
+                    self.poller.unregister(monitor)
+                self.handshakes.drain(monitor, self.counters)  # the last handshakes counted (every connection closes)
+            self.handshakes.close()
+            self.handshakes = None
+        for sock in self._set[:4]:
+            if sock in polled:
+                self.poller.unregister(sock)
+            sock.close(linger=0)
+
+
+class Replies:
+    """Messages out of one ROUTER socket of ``sockets`` (``name``: control, or learners) to a peer's identity, never
+    blocking: a peer gone, or whose queue is full, is counted (``control_unroutable``) and skipped; it will reconnect
+    or ask again."""
+
+    def __init__(self, sockets: BrokerSockets, name: str, counters: dict[str, int]) -> None:
+        self.sockets = sockets
+        self._sock: Callable[[BrokerSockets], zmq.Socket] = attrgetter(name)
         self.counters = counters
 
     def send(self, identity: bytes, msg: P.Message) -> None:
@@ -183,7 +279,7 @@ class Replies:
 
     def send_frames(self, identity: bytes, frames: Sequence[Any]) -> None:
         try:  # io.send_frames: ~1.3 us a message where send_multipart takes ~8.5 (bench fleet's heartbeat pass)
-            send_frames(self.sock, frames, NOBLOCK, prefix=identity)
+            send_frames(self._sock(self.sockets), frames, NOBLOCK, prefix=identity)
         except zmq.ZMQError:
             self.counters["control_unroutable"] += 1
 
