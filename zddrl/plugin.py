@@ -9,7 +9,8 @@ own algorithms are named by short names (``ppo``) that map to references inside 
 
 Where the module is looked up: installed packages, ``PYTHONPATH``, and the directory of the config file
 (``importable``): a config's ``algo.name = "myalgo:ALGORITHM"`` finds ``myalgo.py`` next to the TOML file, in
-`zddrl train` and in the learner and actors it starts.
+`zddrl train` and in the learner and actors it starts. A run directory's config.toml records those directories
+(``record``), and what reads it or the run's checkpoints looks there too (``import_recorded``).
 """
 
 from __future__ import annotations
