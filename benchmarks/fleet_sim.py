@@ -31,7 +31,7 @@ import zmq
 from zddrl import protocol as P
 from zddrl.actor.host import TRAJECTORY_SNDHWM, ActorTimers
 from zddrl.bench import common as C
-from zddrl.config import AlgoConfig
+from zddrl.protocol.rules import run_bus
 from zddrl.transport.fallback import RECONNECT_INITIAL_S, RECONNECT_MAX_S
 from zddrl.transport.link import PARAMS_RCVHWM, hello_fields
 from zddrl.transport.session import HEARTBEAT_INTERVAL_S, HEARTBEAT_LIVENESS
@@ -270,7 +270,7 @@ class SimWorker:
         actor.run_id = msg.run_id
         actor.sent = actor.credited = 0  # a new session: what the old one had in flight is gone
         if msg.run is not None:
-            actor.max_in_flight = int(msg.run.get("algo", {}).get("max_in_flight", AlgoConfig.max_in_flight))
+            actor.max_in_flight = run_bus(msg.bus).max_in_flight  # the window the broker returns credit by
             self._connect_data(actor, msg.ports)
         if actor.ready != was_ready:
             self.counts[S["ready"]] += 1 if actor.ready else -1

@@ -18,11 +18,11 @@ import zmq
 from benchmarks.fleet_sim import FD_MARGIN, SOCKETS_PER_ACTOR, raise_nofile
 from zddrl import protocol as P
 from zddrl.bench import common as C
-from zddrl.config import AlgoConfig
+from zddrl.config import BusConfig
 
 LEARNER_ID = "fleet-learner"
-MAX_IN_FLIGHT = AlgoConfig.max_in_flight
-"""The run's ``algo.max_in_flight``: AlgoConfig's default, what an actor may have uncredited."""
+MAX_IN_FLIGHT = BusConfig.max_in_flight
+"""The run's ``bus.max_in_flight``: BusConfig's default, what an actor may have uncredited."""
 RUN_SPEC = {"name": "bench-fleet"}
 """The run spec, passed on unread; its hello's ``bus`` says async: actors never wait for a new version (the stub
 publishes only version 0)."""
@@ -70,7 +70,7 @@ def learner_main(control: str, run_id: str, conn: Any) -> None:
     from zddrl.transport.channel import DataChannel
     from zddrl.transport.link import BrokerLink, hello_fields
 
-    bus = {"sync": False, "max_staleness": AlgoConfig.max_staleness, "max_in_flight": MAX_IN_FLIGHT}
+    bus = {"sync": False, "max_staleness": BusConfig.max_staleness, "max_in_flight": MAX_IN_FLIGHT}
     hello = P.Hello(role="learner", peer_id=LEARNER_ID, run_id=run_id, run=RUN_SPEC, bus=bus, **hello_fields())
     link = BrokerLink(control, hello).start()
     if link.wait_welcome(30, need_run=True) is None:

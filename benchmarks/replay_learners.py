@@ -48,7 +48,7 @@ def _rollout(spec: EnvSpec, T: int, N: int, version: int, rng: np.random.Generat
 
 
 def bench_learner(mode: str, threads: int, seconds: float) -> dict[str, Any]:
-    config = load_config(LEARNER_EXAMPLES[mode], {"algo.torch_threads": threads})
+    config = load_config(LEARNER_EXAMPLES[mode], {"learner.torch_threads": threads})
     spec = probe_spec(config.env)
     core = (ApexLearner if mode == "apex" else SACLearner)(config, spec)
     T, N = config.env.rollout_len, config.env.num_envs

@@ -85,7 +85,7 @@ class ServiceRig:
             peer_id="learner-0",
             run_id=self.run_id,
             run=self.config.to_dict(),
-            bus=self.config.algo.bus(),
+            bus=self.config.hello_bus(),
         )
         self.learner = BrokerLink(self.connect, hello, context=self.ctx).start()
         if self.learner.wait_welcome(WAIT_S) is None:

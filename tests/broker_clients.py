@@ -27,6 +27,7 @@ from zddrl import protocol as P
 from zddrl.broker.broker import Broker
 from zddrl.config import BrokerConfig, Config, run_kind
 from zddrl.keys import new_key
+from zddrl.protocol.rules import BUS_KEYS
 from zddrl.transport.status import request_status
 
 WAIT_S = 10.0
@@ -34,21 +35,18 @@ WAIT_S = 10.0
 
 
 def run_spec(**algo: Any) -> dict:
-    """A real run spec, as a learner announces it (``Config.to_dict()``)."""
+    """A real run spec, as a learner announces it (``Config.to_dict()``); ``algo``: keys of ``[algo]`` or of
+    ``[bus]`` (``max_in_flight``, ``max_staleness``)."""
     kind = run_kind(algo.pop("mode")) if "mode" in algo else {}  # a RUN_KINDS label: sync, async, impala, apex, sac
-    return Config().replace({**kind, **{f"algo.{k}": v for k, v in algo.items()}}).to_dict()
+    dotted = {f"{'bus' if k in BUS_KEYS else 'algo'}.{k}": v for k, v in algo.items()}
+    return Config().replace({**kind, **dotted}).to_dict()
 
 
 def bus_of(run: dict | None) -> dict | None:
     """The hello's ``bus`` of a run spec, as the learner fills it from its config (learner/node.py)."""
     if run is None or "algo" not in run:
         return None
-    algo = run["algo"]
-    return {
-        "sync": algo["schedule"] == "sync",
-        "max_staleness": algo["max_staleness"],
-        "max_in_flight": algo["max_in_flight"],
-    }
+    return Config.from_dict(run).hello_bus()
 
 
 def learner_hello(peer_id: str = "learner-0", run_id: str = "", run: dict | None = None, **fields: Any) -> P.Hello:

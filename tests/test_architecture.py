@@ -13,7 +13,7 @@ PACKAGE = ROOT / "zddrl"
 DOC = (ROOT / "docs" / "architecture.md").read_text()
 KEY_FOLDERS = {"learners/", "actors/", "monitors/", "relays/", "replays/"}
 """Folders of a key directory (docs/security.md), not of the code."""
-CONFIG_SECTIONS = {"env", "model", "algo", "replay", "train", "learner", "broker", "name"}
+CONFIG_SECTIONS = {"env", "model", "algo", "bus", "replay", "train", "learner", "broker", "name"}
 """Dotted words that are config keys (``broker.upstream_window``), not code."""
 
 

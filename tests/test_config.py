@@ -82,7 +82,7 @@ def test_a_misspelt_section_names_the_likely_one_and_lists_the_sections() -> Non
     with pytest.raises(ConfigError) as err:
         load_config(None, {"trian.max_steps": 5})
     assert str(err.value) == (
-        "unknown config section 'trian' (did you mean train?); sections: env, model, algo, replay, train, learner"
+        "unknown config section 'trian' (did you mean train?); sections: env, model, algo, bus, replay, train, learner"
     )
 
 
@@ -133,3 +133,45 @@ def test_a_run_directorys_config_makes_the_directories_its_code_came_from_import
     assert load_config(run / "config.toml").env.num_envs == 2
     assert str(code) in sys.path and str(gone) not in sys.path
     assert plugin.recorded(plugin.record()) == [str(run), str(code)]
+
+
+MOVED = {
+    "max_in_flight": ("bus", 3),
+    "max_staleness": ("bus", 7),
+    "publish_every": ("learner", 2),
+    "straggler_factor": ("learner", 4.0),
+    "min_round_timeout_s": ("learner", 0.2),
+    "torch_threads": ("learner", 3),
+}
+"""The framework's keys that [algo] held (algoconf.MOVED_KEYS): their section now, and a value unlike the default."""
+
+
+@pytest.mark.parametrize("key", sorted(MOVED))
+def test_a_key_that_left_algo_is_refused_in_one_line_naming_its_new_place(key: str, tmp_path: Path) -> None:
+    section, value = MOVED[key]
+    path = tmp_path / "old.toml"
+    path.write_text(f"[algo]\nname = 'ppo'\n{key} = {value}\n")
+    for load in (lambda: load_config(path), lambda: load_config(None, {f"algo.{key}": value})):
+        with pytest.raises(ConfigError) as err:
+            load()
+        message = str(err.value)
+        assert f"algo.{key} moved out of [algo]" in message and f"write {section}.{key} instead" in message
+        assert "\n" not in message
+    assert getattr(getattr(load_config(None, {f"{section}.{key}": value}), section), key) == value, "--set works"
+
+
+def test_a_stored_config_with_the_old_keys_is_read_with_them_moved(tmp_path: Path) -> None:
+    """A run directory's config.toml or a checkpoint's config, written before the keys left [algo]."""
+    old = Config().to_dict()
+    old["algo"] |= {key: value for key, (_, value) in MOVED.items()}
+    old["algo"]["schedule"] = "async"
+    old["bus"] = {}
+    old["learner"] = {k: v for k, v in old["learner"].items() if k not in MOVED}
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(old))
+    for config in (load_config(path, stored=True), Config.from_dict(old, stored=True)):
+        for key, (section, value) in MOVED.items():
+            assert getattr(getattr(config, section), key) == value, key
+        assert config.hello_bus() == {"sync": False, "max_staleness": 7, "max_in_flight": 3}
+    with pytest.raises(ConfigError, match="moved out of"):
+        load_config(path)  # a config the user writes is refused, not migrated

@@ -22,6 +22,7 @@ SECTIONS = {
     C.EnvConfig: "## `[env]`",
     C.ModelConfig: "## `[model]`",
     C.AlgoConfig: "## `[algo]`",
+    C.BusConfig: "## `[bus]`",
     C.ReplayConfig: "## `[replay]`",
     C.TrainConfig: "## `[train]`",
     C.LearnerConfig: "## `[learner]`",
@@ -42,7 +43,7 @@ def section(text: str, heading: str) -> str:
 def test_every_config_key_is_documented_with_its_default(cls: type) -> None:
     text = section((ROOT / "docs" / "configuration.md").read_text(), SECTIONS[cls])
     for f in dataclasses.fields(cls):
-        if f.name in ("env", "model", "algo", "replay", "train", "learner", "settings"):
+        if f.name in ("env", "model", "algo", "bus", "replay", "train", "learner", "settings"):
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, float) and math.isinf(default):

@@ -32,7 +32,11 @@ def test_restart_under_torchrun_says_what_to_use(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize(
     ("key", "says"),
-    [("algo.max_in_flight=0", "algo.max_in_flight must be >= 1"), ("algo.max_staleness=-1", "algo.max_staleness")],
+    [
+        ("bus.max_in_flight=0", "bus.max_in_flight must be >= 1"),
+        ("bus.max_staleness=-1", "bus.max_staleness must be >= 0"),
+        ("algo.max_in_flight=2", "algo.max_in_flight moved out of [algo], the algorithm's section: write bus.max_in"),
+    ],
 )
 def test_a_run_that_cannot_work_is_refused_in_one_line_before_anything_starts(key: str, says: str) -> None:
     """The broker routes runs it does not read (docs/protocol.md 5.1): the learner is where an actor window of 0

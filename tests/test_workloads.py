@@ -81,7 +81,7 @@ def test_a_real_actor_sends_atari_frames_as_uint8(procs: Procs, broker: BrokerHa
             "env.num_envs": 2,
             "algo.name": "ppo",
             "algo.schedule": "async",
-            "algo.max_staleness": 1000,
+            "bus.max_staleness": 1000,
         },
     )
     flat, layout = flatten_params(ActorCritic(probe_spec(config.env), config.model))

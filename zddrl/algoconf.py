@@ -35,7 +35,7 @@ class AlgoConfig:
     docs/extending.md); apex and sac learn from a replay buffer ([replay])."""
     schedule: str = "auto"
     """When the learner updates and with which data: sync (every actor samples with the newest version, one round
-    per update) | async (actors never wait; data up to ``max_staleness`` versions old, corrected by the algorithm)
+    per update) | async (actors never wait; data up to ``bus.max_staleness`` versions old, corrected by the algorithm)
     | auto (the algorithm's first: sync for ppo, async for the others)."""
     batch_size: int = 256
     """Env steps per update, summed over all actors; fixed whatever the number of actors. apex/sac: env steps taken
@@ -54,23 +54,8 @@ class AlgoConfig:
     """Scale rewards by the running std of the discounted return (learner side, per env stream)."""
     total_steps: int = 100_000
     """Horizon of the linear schedules, in env steps trained on."""
-    straggler_factor: float = 3.0
-    """Sync schedule: a round closes without the actors slower than this times the normal round (when the slowest
-    actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
-    min_round_timeout_s: float = 0.05
-    """Sync schedule: never close a round on the straggler rule sooner than this."""
-    max_staleness: int = 4
-    """Async schedule: trajectories older than this many versions are dropped (counted)."""
-    publish_every: int = 1
-    """Async schedule: publish parameters every k updates."""
-    max_in_flight: int = 2
-    """Trajectories an actor may have pushed that the broker has not read yet (it returns their credit in batches
-    of half this, at least 1, and what is left at each heartbeat). Bounds the queues between actors and learner,
-    hence the data's staleness."""
     staleness_lr_decay: float = 0.0
     """Async schedule: learning rate divided by (1 + this * mean staleness of the batch)."""
-    torch_threads: int = 1
-    """Intra-op threads of the learner (small MLPs run fastest on one)."""
     settings: Any = None
     """The algorithm's own keys (its spec's ``settings`` dataclass), built from the rest of ``[algo]``."""
 
@@ -96,26 +81,7 @@ class AlgoConfig:
         _require(self.lr_schedule in SCHEDULES, f"algo.lr_schedule must be one of {SCHEDULES}")
         _require(self.max_grad_norm > 0, "algo.max_grad_norm must be > 0")
         _require(self.total_steps >= 1, "algo.total_steps must be >= 1")
-        _require(self.straggler_factor > 1.0, "algo.straggler_factor must be > 1")
-        _require(self.max_staleness >= 0 and self.publish_every >= 1, "algo.max_staleness >= 0, publish_every >= 1")
         _require(self.staleness_lr_decay >= 0, "algo.staleness_lr_decay must be >= 0")
-        _require(self.max_in_flight >= 1, "algo.max_in_flight must be >= 1")
-        _require(
-            self.schedule == "sync" or self.publish_every <= self.max_staleness + 1,
-            f"algo.publish_every ({self.publish_every}) must be <= algo.max_staleness + 1 "
-            f"({self.max_staleness + 1}): actors only act with published versions, so data would all be "
-            "too stale to train on before the next version is published",
-        )
-        _require(self.torch_threads >= 1, "algo.torch_threads must be >= 1")
-
-    def bus(self) -> dict[str, Any]:
-        """What brokers and relays need of the run: the ``bus`` field of its learner's hello (docs/protocol.md),
-        which they read instead of the run spec."""
-        return {
-            "sync": self.schedule == "sync",
-            "max_staleness": self.max_staleness,
-            "max_in_flight": self.max_in_flight,
-        }
 
     def table(self) -> dict[str, Any]:
         """The ``[algo]`` table: the shared keys and the algorithm's own, side by side."""
@@ -125,6 +91,16 @@ class AlgoConfig:
 
 SCHEDULES_OF_RUNS = ("sync", "async", "auto")
 SHARED_ALGO_KEYS = frozenset(f.name for f in dataclasses.fields(AlgoConfig)) - {"settings"}
+MOVED_KEYS = {
+    "max_in_flight": "bus",
+    "max_staleness": "bus",
+    "publish_every": "learner",
+    "straggler_factor": "learner",
+    "min_round_timeout_s": "learner",
+    "torch_threads": "learner",
+}
+"""Keys ``[algo]`` held before they moved to the framework's sections (docs/configuration.md says why): a config
+that sets them there is refused with the new key; a stored one (a run directory's, a checkpoint's) is moved."""
 RUN_KINDS = {
     "sync": ("ppo", "sync"),
     "async": ("ppo", "async"),
@@ -174,6 +150,13 @@ def algo_from_table(table: Any, allowed: frozenset[str] | None, stored: bool = F
     _require(isinstance(table, dict), "algo must be a table")
     if stored:
         table = stored_table(table, allowed)
+    moved = [k for k in MOVED_KEYS if k in table]
+    if moved:
+        new = ", ".join(f"{MOVED_KEYS[k]}.{k}" for k in moved)
+        raise ConfigError(
+            f"{', '.join(f'algo.{k}' for k in moved)} moved out of [algo], the algorithm's section: write {new} "
+            "instead (docs/configuration.md)"
+        )
     if "mode" in table:
         name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
         raise ConfigError(

@@ -69,8 +69,9 @@ class BrokerConfig:
     come from there; its subtree is reported there (docs/architecture.md). Empty: a root broker."""
     upstream_window: int = 0
     """Relay: trajectories forwarded upstream and not yet acknowledged (credit returned) at most. 0 = twice the
-    sum of its actors' windows (2 x the run's bus max_in_flight x actors joined, at least 2 x max_in_flight), which
-    keeps the pipe full: the relay is then never the narrowest window, yet a stalled learner stops its actors."""
+    sum of its actors' windows (2 x the run's bus.max_in_flight x actors joined, at least 2 x bus.max_in_flight),
+    which keeps the pipe full: the relay is then never the narrowest window, yet a stalled learner stops its
+    actors."""
     memory_limit_mib: int = 0
     """The broker's memory budget: past this resident set (read every 0.1 s) it closes and binds again its sockets,
     which frees what libzmq holds for them (messages still arriving, replies nobody reads); clients reconnect and

@@ -1,10 +1,11 @@
 """Typed configuration: frozen dataclasses, loaded from TOML, overridden from the CLI.
 
-This module is the one source of defaults. A run config has six sections::
+This module is the one source of defaults. A run config has seven sections::
 
-    [env]    what the actors step          [algo]    how the learner learns
+    [env]    what the actors step          [algo]    how the learner learns (the algorithm's keys)
     [model]  the policy/value network      [replay]  the buffer of the replay algorithms
-    [train]  limits of `zddrl train`       [learner] its shards and parameter transport
+    [train]  limits of `zddrl train`       [learner] its shards, threads, rounds and parameter transport
+    [bus]    what the brokers read of the run: the actors' window, the staleness bound
 
 ``load_config(path, overrides)`` reads a TOML file, applies dotted ``section.key=value`` overrides
 and validates everything (``zddrl.tomlconf``); an unknown key or a bad value is a :class:`ConfigError` whose
@@ -22,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from zddrl import plugin
+from zddrl.algoconf import MOVED_KEYS, algo_from_table, reset_for
 from zddrl.algoconf import RUN_KINDS as RUN_KINDS
 from zddrl.algoconf import SCHEDULES as SCHEDULES
 from zddrl.algoconf import SHARED_ALGO_KEYS as SHARED_ALGO_KEYS
 from zddrl.algoconf import AlgoConfig as AlgoConfig
-from zddrl.algoconf import algo_from_table, reset_for
 from zddrl.algoconf import algorithm_spec as algorithm_spec
 from zddrl.algoconf import kind_label as kind_label
 from zddrl.algoconf import run_kind as run_kind
@@ -311,6 +312,25 @@ def parse_gpus(gpus: str) -> tuple[str, tuple[int, ...]]:
 
 
 @dataclass(frozen=True)
+class BusConfig:
+    """What the brokers and relays read of a run: the learner's hello carries these (its ``bus``, with ``sync`` from
+    ``algo.schedule``; docs/protocol.md 5.1), and every welcome passes them on to the actors. The framework's, not
+    the algorithm's: whatever the algorithm, they bound the queues between actors and learner."""
+
+    max_in_flight: int = 2
+    """Trajectories an actor may have pushed that the broker has not read yet (it returns their credit in batches
+    of half this, at least 1, and what is left at each heartbeat). Bounds the queues between actors and learner,
+    hence the data's staleness."""
+    max_staleness: int = 4
+    """Async schedule: trajectories older than this many versions are dropped (counted), by the brokers and by the
+    learner."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_in_flight >= 1, "bus.max_in_flight must be >= 1")
+        _require(self.max_staleness >= 0, "bus.max_staleness must be >= 0")
+
+
+@dataclass(frozen=True)
 class LearnerConfig:
     gpus: str = "auto"
     """Learner shards: ``auto`` (one, on GPU 0 if any, else the CPU), GPU indices ``0,1`` (one shard each), or
@@ -329,6 +349,15 @@ class LearnerConfig:
     with them, whichever of the two a timed pass of the torso at start-up finds clearly faster (zddrl.algos.autocast).
     The learner logs its choice and why, and meta.json records it; `zddrl bench learner --config FILE --autocast
     off,bf16,auto` measures a host."""
+    torch_threads: int = 1
+    """Intra-op threads of each learner shard (small MLPs run fastest on one)."""
+    publish_every: int = 1
+    """Async schedule: publish parameters every k updates (at most ``bus.max_staleness`` + 1)."""
+    straggler_factor: float = 3.0
+    """Sync schedule: a round closes without the actors slower than this times the normal round (when the slowest
+    actor it waits for usually reports; each actor judged by its own median, learner/rounds.py)."""
+    min_round_timeout_s: float = 0.05
+    """Sync schedule: never close a round on the straggler rule sooner than this."""
 
     def __post_init__(self) -> None:
         _require(self.autocast in AUTOCASTS, f"learner.autocast must be one of {AUTOCASTS}, got {self.autocast!r}")
@@ -339,6 +368,10 @@ class LearnerConfig:
         _require(self.collective_timeout_s > 0, "learner.collective_timeout_s must be > 0")
         _require(1024 <= self.param_chunk_bytes <= 1 << 28, "learner.param_chunk_bytes must be in 1 KiB..256 MiB")
         _require(self.param_dtype in PARAM_DTYPES, f"learner.param_dtype must be one of {PARAM_DTYPES}")
+        _require(self.torch_threads >= 1, "learner.torch_threads must be >= 1")
+        _require(self.publish_every >= 1, "learner.publish_every must be >= 1")
+        _require(self.straggler_factor > 1.0, "learner.straggler_factor must be > 1")
+        _require(self.min_round_timeout_s >= 0, "learner.min_round_timeout_s must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -348,9 +381,27 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    bus: BusConfig = field(default_factory=BusConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.algo.schedule == "sync" or self.learner.publish_every <= self.bus.max_staleness + 1,
+            f"learner.publish_every ({self.learner.publish_every}) must be <= bus.max_staleness + 1 "
+            f"({self.bus.max_staleness + 1}): actors only act with published versions, so data would all be "
+            "too stale to train on before the next version is published",
+        )
+
+    def hello_bus(self) -> dict[str, Any]:
+        """What brokers and relays need of the run: the ``bus`` field of its learner's hello (docs/protocol.md),
+        which they read instead of the run spec."""
+        return {
+            "sync": self.algo.schedule == "sync",
+            "max_staleness": self.bus.max_staleness,
+            "max_in_flight": self.bus.max_in_flight,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -372,9 +423,11 @@ class Config:
             why = plugin.refusal(data["model"]["kind"], allowed)  # before the table is built: that imports nothing
             if why:
                 raise plugin.PluginError(f"model.kind: {why}")
+        if stored:
+            data = stored_sections(data)
         algo = algo_from_table(data.get("algo", {}), allowed, stored)
         config = _build(cls, {k: v for k, v in data.items() if k != "algo"}, "", NONE_IS_INF)
-        return dataclasses.replace(config, algo=algo)
+        return dataclasses.replace(config, algo=algo)  # checked again whole (Config.__post_init__) with its algo
 
     def references(self) -> tuple[str, ...]:
         """The code of the user's own this config names for import (``module:attr``): env, algorithm, model."""
@@ -392,6 +445,19 @@ class Config:
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def stored_sections(data: dict[str, Any]) -> dict[str, Any]:
+    """A stored config (a run directory's, a checkpoint's) as this version reads it: the keys ``[algo]`` held
+    before they moved (``algoconf.MOVED_KEYS``) go to their sections, where a key already set there wins."""
+    algo = data.get("algo")
+    if not isinstance(algo, dict) or not MOVED_KEYS.keys() & algo.keys():
+        return data
+    data = {**data, "algo": {k: v for k, v in algo.items() if k not in MOVED_KEYS}}
+    for key, section in MOVED_KEYS.items():
+        if key in algo and isinstance(data.get(section, {}), dict):
+            data[section] = {key: algo[key], **data.get(section, {})}
+    return data
 
 
 def with_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:

@@ -135,7 +135,7 @@ LEARNER_HELLO = signing.signed_hello(
         pid=4100,
         run_id=RUN_ID,
         run=RUN,
-        bus=Config.from_dict(RUN).algo.bus(),  # what the reference learner announces for this run
+        bus=Config.from_dict(RUN).hello_bus(),  # what the reference learner announces for this run
     ),
     DEMO_SIGNER,
 )

@@ -22,7 +22,7 @@ TRAJECTORIES = 9
 
 
 def test_an_actor_sends_within_the_buses_window_not_the_specs(procs: Procs, broker: BrokerHandle, bus: Bus) -> None:
-    config = Config().replace({"algo.schedule": "async", "algo.max_in_flight": 1})
+    config = Config().replace({"algo.schedule": "async", "bus.max_in_flight": 1})
     window = {"sync": False, "max_staleness": 4, "max_in_flight": 4}  # credit goes back two trajectories at a time
     hello = P.Hello(role="learner", peer_id="learner-0", run_id="run-w", run=config.to_dict(), bus=window)
     link = bus.link(broker.connect, hello)

@@ -81,7 +81,7 @@ def stream(config: Config, messages: list[P.Trajectory]) -> tuple[AsyncStream, L
     channel, ledger = FakeChannel(messages), Ledger(config, logger, time.time())
     T = config.env.rollout_len if config.algo.name == "impala" else None
     poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(), lambda m: mismatch(m.arrays, SPEC, T), logger)
-    return AsyncStream(poller, config.algo, ledger), ledger, channel
+    return AsyncStream(poller, config, ledger), ledger, channel
 
 
 @pytest.mark.parametrize("mode", ["async", "impala"])
@@ -90,7 +90,7 @@ def test_stream_drops_data_older_than_max_staleness_and_counts_it(mode: str) -> 
         {
             **run_kind(mode),
             "algo.batch_size": 64,
-            "algo.max_staleness": 2,
+            "bus.max_staleness": 2,
             "train.max_steps": 10_000,
             "env.rollout_len": 8,
         }
@@ -157,9 +157,9 @@ def test_publish_every_beyond_the_staleness_bound_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="publish_every"):
         Config().replace(
-            {"algo.name": "ppo", "algo.schedule": "async", "algo.publish_every": 6, "algo.max_staleness": 4}
+            {"algo.name": "ppo", "algo.schedule": "async", "learner.publish_every": 6, "bus.max_staleness": 4}
         )
-    Config().replace({"algo.name": "ppo", "algo.schedule": "async", "algo.publish_every": 5, "algo.max_staleness": 4})
+    Config().replace({"algo.name": "ppo", "algo.schedule": "async", "learner.publish_every": 5, "bus.max_staleness": 4})
 
 
 def test_a_step_without_samples_anywhere_is_not_taken() -> None:

@@ -131,7 +131,7 @@ class ControlClient:
 def test_actors_get_their_credit_back_in_batches_of_half_their_limit(
     procs: Procs, tmp_path: Path, bus: Bus, max_in_flight: int, batch: int
 ) -> None:
-    """The run's algo.max_in_flight sets the batch; what a batch leaves pending goes back with the next
+    """The run's bus.max_in_flight sets the batch; what a batch leaves pending goes back with the next
     heartbeat, so every trajectory's credit returns and no actor waits more than a beat for it."""
     broker = ProfiledBroker(procs, tmp_path, heartbeat_interval_s=0.3, heartbeat_liveness=30).start()
     shard = start_run(bus, broker, max_in_flight=max_in_flight)

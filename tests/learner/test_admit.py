@@ -81,7 +81,7 @@ def node(tmp_path):
 def test_a_rollout_far_bigger_than_asked_is_refused_before_it_is_read(node) -> None:
     n, channel = node
     fleet, ledger = n.own.fleet, n.own.ledger
-    rounds = SyncRounds(n.poller, n.config.algo, logger, fleet, ledger, lambda: fleet.refresh(n.link.fleet()))
+    rounds = SyncRounds(n.poller, n.config, logger, fleet, ledger, lambda: fleet.refresh(n.link.fleet()))
     rounds.report_times["b"].extend([0.001] * 3)  # a known normal round: the straggler timeout is its 50 ms floor
     channel.messages.extend([rollout_of("a", 0, 0, T=BIG, N=1), rollout_of("b", 0, 0, T=8, N=1)])
     lines: list[str] = []

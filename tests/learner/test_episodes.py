@@ -137,7 +137,7 @@ def test_forged_returns_and_step_totals_in_the_header_do_not_end_the_run() -> No
     ledger = Ledger(config, logger, time.time())
     channel = FakeChannel([forged(seq) for seq in range(30)])
     poller = ShardPoller(FakeLink(), lambda: channel, "r", ShardGroup(), lambda m: "", logger)
-    stream = AsyncStream(poller, config.algo, ledger)
+    stream = AsyncStream(poller, config, ledger)
     for _ in range(30):
         assert not ledger.finished()
         ledger.row({"batch_steps": 4}, policy_version=0)

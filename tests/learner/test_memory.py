@@ -62,7 +62,7 @@ def grown_over_updates() -> int:
     link, channel = FakeLink({"a": 4, "b": 4}), FakeChannel()
     ledger, fleet = Ledger(config, logger, time.time()), FleetPlan(4, 64, 8, logger)
     poller = ShardPoller(link, lambda: channel, "r", ShardGroup(), lambda m: "", logger)
-    rounds = SyncRounds(poller, config.algo, logger, fleet, ledger, lambda: fleet.refresh(link.fleet()))
+    rounds = SyncRounds(poller, config, logger, fleet, ledger, lambda: fleet.refresh(link.fleet()))
 
     def update(v: int) -> None:
         channel.messages.extend([rollout_of("a", v, v, T=8, N=4), rollout_of("b", v, v, T=8, N=4)])

@@ -33,9 +33,11 @@ class Rig:
         batch_size: int = 10**6,
         default_envs: int = 1,
         check: Callable[[P.Trajectory], str] = lambda m: "",
-        **algo,
+        **learner,
     ) -> None:
-        self.config = Config().replace({"algo.batch_size": batch_size, **{f"algo.{k}": v for k, v in algo.items()}})
+        self.config = Config().replace(
+            {"algo.batch_size": batch_size, **{f"learner.{k}": v for k, v in learner.items()}}
+        )
         self.link, self.channel = FakeLink(actors), FakeChannel()
         self.lines: list[str] = []
         self.sink = logger.add(self.lines.append, level="INFO", format="{message}")
@@ -43,7 +45,7 @@ class Rig:
         self.fleet = FleetPlan(default_envs, batch_size, 8, logger)
         poller = ShardPoller(self.link, lambda: self.channel, "r", ShardGroup(), check, logger)
         self.rounds = SyncRounds(
-            poller, self.config.algo, logger, self.fleet, self.ledger, lambda: self.fleet.refresh(self.link.fleet())
+            poller, self.config, logger, self.fleet, self.ledger, lambda: self.fleet.refresh(self.link.fleet())
         )
 
     def round(self, version: int, *messages: P.Trajectory):

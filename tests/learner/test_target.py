@@ -64,7 +64,7 @@ def forged_run(tmp_path, confirm_target: bool, rounds: int = 12) -> tuple[Learne
     real = own.ledger.confirm
     own.ledger.confirm = lambda: confirmed.append(real()) or confirmed[-1]
     n._publish()
-    collector = SyncRounds(n.poller, n.algo, logger, own.fleet, own.ledger, n._refresh_fleet)
+    collector = SyncRounds(n.poller, n.config, logger, own.fleet, own.ledger, n._refresh_fleet)
     for v in range(rounds):
         channel.messages.extend([episode(n, "honest", v, 1.0), episode(n, "thief", v, 1e4)])
         if not n._step(collector.collect(threading.Event(), n.policy_version)):

@@ -259,7 +259,7 @@ def test_the_learner_hellos_bus_is_what_the_reference_learner_announces_for_its_
     hello = P.decode([data for _, data in parse_frames(FRAMES["hello-learner"])])
     welcome = P.decode([data for _, data in parse_frames(FRAMES["welcome"])])
     assert isinstance(hello, P.Hello) and isinstance(welcome, P.Welcome)
-    expected = Config.from_dict(hello.run or {}).algo.bus()
+    expected = Config.from_dict(hello.run or {}).hello_bus()
     assert hello.bus == expected and welcome.bus == expected
 
 

@@ -189,7 +189,7 @@ class LearnerCore:
 
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         self.group = group or ShardGroup()
-        torch.set_num_threads(config.algo.torch_threads)
+        torch.set_num_threads(config.learner.torch_threads)
         self.config = config
         self.spec = spec
         self.algo = config.algo

@@ -134,7 +134,7 @@ def _workload(spec: dict[str, Any]) -> tuple[Config, EnvSpec, int, int, int]:
     """(config, env spec, T, N, rollouts per update) of a throughput run: the file's, or CartPole with the options'."""
     from zddrl.envs import probe_spec
 
-    autocast = {"learner.autocast": spec["autocast"], "algo.torch_threads": spec["threads"]}
+    autocast = {"learner.autocast": spec["autocast"], "learner.torch_threads": spec["threads"]}
     if spec.get("config"):
         config = load_config(spec["config"]).replace(autocast)
         T, N = config.env.rollout_len, config.env.num_envs

@@ -42,7 +42,7 @@ def _config(
     env_id: str,
     envs: int,
     rollout_len: int,
-    max_in_flight: int = Config().algo.max_in_flight,
+    max_in_flight: int = Config().bus.max_in_flight,
     base: Config | None = None,
 ) -> Config:
     """The bench's run: ``base``'s env and model (a run config: Atari wrappers, a CNN) or CartPole's, sampled in
@@ -54,8 +54,8 @@ def _config(
             "env.rollout_len": rollout_len,
             "algo.name": "ppo",
             "algo.schedule": "async",
-            "algo.max_staleness": 1_000_000,
-            "algo.max_in_flight": max_in_flight,
+            "bus.max_staleness": 1_000_000,
+            "bus.max_in_flight": max_in_flight,
         }
     )
 
@@ -138,7 +138,7 @@ class CountingLearner:
             peer_id="bench-learner",
             run_id=f"bench-{time.time_ns()}",
             run=config.to_dict(),
-            bus=config.algo.bus(),
+            bus=config.hello_bus(),
             **hello_fields(),
         )
         self.link = BrokerLink(connect, hello, context=self.ctx).start()
@@ -229,7 +229,7 @@ def run_sample_bench(
     rounds: int,
     env_id: str = "CartPole-v1",
     rollout_len: int = 32,
-    max_in_flight: int = Config().algo.max_in_flight,
+    max_in_flight: int = Config().bus.max_in_flight,
     base: Config | None = None,
     backends: tuple[str, ...] = (),
 ) -> dict[str, Any]:
@@ -311,9 +311,9 @@ def _figures(got: dict[str, list[float]]) -> dict[str, Any]:
 @click.option(
     "--max-in-flight",
     type=int,
-    default=Config().algo.max_in_flight,
+    default=Config().bus.max_in_flight,
     show_default=True,
-    help="algo.max_in_flight of the run (unread trajectories an actor may have queued).",
+    help="bus.max_in_flight of the run (unread trajectories an actor may have queued).",
 )
 @click.option(
     "--backends",

@@ -131,7 +131,7 @@ class Ledger:
             self.log.warning(
                 f"dropped stale data from {r.peer_id}: version {r.policy_version} is "
                 f"{version - r.policy_version} behind {version} (max_staleness "
-                f"{self.config.algo.max_staleness}; {n} so far)"
+                f"{self.config.bus.max_staleness}; {n} so far)"
             )
 
     def drop_late(self, r: Record, version: int) -> None:

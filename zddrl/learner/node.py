@@ -2,7 +2,7 @@
 
 It announces the run (hello with the run spec), publishes version-0 parameters, then loops: collect a
 batch (``rounds.SyncRounds`` under the sync schedule, ``rounds.AsyncStream`` under the async one), one update of
-the core, publish (every round when sync, every ``publish_every`` updates otherwise), report, and
+the core, publish (every round when sync, every ``learner.publish_every`` updates otherwise), report, and
 checkpoint. When sync, a round with no usable rollout publishes v+1 with the weights unchanged, so
 that actors (which wait for a newer version) sample again.
 
@@ -163,7 +163,7 @@ class LearnerNode:
             run=self.config.to_dict(),
             shard=self.group.rank,
             num_shards=self.group.world_size,
-            bus=self.config.algo.bus(),  # what the brokers need of the run: the run spec is opaque to them
+            bus=self.config.hello_bus(),  # what the brokers need of the run: the run spec is opaque to them
             **hello_fields(),
         )
         if self._signer is not None:
@@ -237,9 +237,9 @@ class LearnerNode:
         if service:
             return self._service_feed(ledger)
         if self.algo.schedule != "sync":
-            return AsyncStream(self.poller, self.algo, ledger, self.log)
+            return AsyncStream(self.poller, self.config, ledger, self.log)
         fleet = own.fleet if own is not None else None
-        return SyncRounds(self.poller, self.algo, self.log, fleet, ledger, self._refresh_fleet)
+        return SyncRounds(self.poller, self.config, self.log, fleet, ledger, self._refresh_fleet)
 
     def _service_feed(self, ledger: Ledger | None) -> ServiceFeed:
         """The service placement: sample from the replays (``zddrl/replay/client.py``) instead of a buffer here."""
@@ -274,7 +274,7 @@ class LearnerNode:
         self.timing["updates"] += 1
         self.timing["samples"] += int(figures.get("batch_steps", 0))
         self.timing["wait_s"] += got.round_s
-        if publish_due(self.algo.schedule, self.updates, self.algo.publish_every):
+        if publish_due(self.algo.schedule, self.updates, self.config.learner.publish_every):
             self._publish()
         self.lengths.asked(self.rollout_len)
         if self.own is not None:

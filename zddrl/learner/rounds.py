@@ -3,7 +3,7 @@ intake.
 
 Sync: a round collects trajectories of the current version v until the batch is full (``algo.batch_size`` env
 steps summed over actors), every expected actor has reported, or the round has taken more than
-``straggler_factor`` times the normal round; late data for a closed version is dropped and counted, never
+``learner.straggler_factor`` times the normal round; late data for a closed version is dropped and counted, never
 trained on. Each actor is judged by its own typical report time (the median of its recent in-time reports, from
 the round's start): the **normal round** is the latest typical time among the actors the round waits for, leaving
 out any whose typical time is more than ``straggler_factor`` times the fleet's median one (the lower median: of
@@ -17,7 +17,7 @@ in which no rollout could be used, and its next version keeps the weights so tha
 accepted rollout, in time or late, tells the fleet what its actor is worth in env columns (``FleetPlan.delivered``):
 rollouts are sized from what actors deliver, not from what they claim.
 
-Async and IMPALA: take data as it arrives, drop what is more than ``max_staleness`` versions old, until a
+Async and IMPALA: take data as it arrives, drop what is more than ``bus.max_staleness`` versions old, until a
 batch is full. Actors never wait.
 
 Replay services (``replay.placement = "service"``, ``ServiceFeed``): the replays take the run's data in (``zddrl
@@ -41,7 +41,7 @@ import numpy as np
 from loguru import logger
 
 from zddrl import protocol as P
-from zddrl.config import AlgoConfig
+from zddrl.config import AlgoConfig, Config
 from zddrl.learner.fleet import FleetPlan
 from zddrl.learner.ledger import Ledger
 from zddrl.learner.poll import Polled, ShardPoller
@@ -108,13 +108,13 @@ class SyncRounds:
     def __init__(
         self,
         poller: ShardPoller,
-        algo: AlgoConfig,
+        config: Config,
         log: Any,
         fleet: FleetPlan | None = None,
         ledger: Ledger | None = None,
         refresh_fleet: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.poller, self.algo, self.log = poller, algo, log
+        self.poller, self.algo, self.learner, self.log = poller, config.algo, config.learner, log
         self.fleet, self.ledger, self.refresh_fleet = fleet, ledger, refresh_fleet
         self.waiting = WaitingLine(log)
         self.report_times: defaultdict[str, deque[float]] = defaultdict(lambda: deque(maxlen=ACTOR_WINDOW))
@@ -125,10 +125,10 @@ class SyncRounds:
         typical = {peer: statistics.median(times) for peer, times in self.report_times.items() if times}
         if not typical:
             return FIRST_ROUNDS_TIMEOUT_S
-        factor = self.algo.straggler_factor
+        factor = self.learner.straggler_factor
         bar = factor * statistics.median_low(typical.values())
         normal = max((t for peer, t in typical.items() if peer in expected and t <= bar), default=bar / factor)
-        return max(self.algo.min_round_timeout_s, factor * normal)
+        return max(self.learner.min_round_timeout_s, factor * normal)
 
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
         started = time.monotonic()
@@ -200,8 +200,8 @@ class SyncRounds:
 class AsyncStream:
     """``collect(stop, version)`` takes one batch of the stream (async PPO, IMPALA)."""
 
-    def __init__(self, poller: ShardPoller, algo: AlgoConfig, ledger: Ledger | None = None, log: Any = logger) -> None:
-        self.poller, self.algo, self.ledger = poller, algo, ledger
+    def __init__(self, poller: ShardPoller, config: Config, ledger: Ledger | None = None, log: Any = logger) -> None:
+        self.poller, self.algo, self.bus, self.ledger = poller, config.algo, config.bus, ledger
         self.waiting = WaitingLine(log)
 
     def collect(self, stop: threading.Event, version: int) -> CollectedBatch:
@@ -209,7 +209,7 @@ class AsyncStream:
         batch: list[P.Trajectory] = []
         used: list[tuple[str, int, int]] = []
         steps = 0
-        max_staleness = self.algo.max_staleness
+        max_staleness = self.bus.max_staleness
         while steps < self.algo.batch_size:
             control = {"stop": self.ledger.finished()} if self.ledger is not None else {}
             polled = self.poller.poll(stop, control, lambda m: 0 <= version - m.policy_version <= max_staleness, batch)
