@@ -4,7 +4,7 @@
 HWM lets it, a receiver that is a learner shard's DataChannel with its credit policy) on real processes:
 
     direct   sender -> root broker -> receiver
-    relay    sender -> relay (zddrl.broker.relay.Relay) -> root broker -> receiver
+    relay    sender -> relay (zddrl.broker.Broker with an upstream) -> root broker -> receiver
 
 Both paths run side by side on their own processes; only one sender is on at a time, in short windows whose order
 alternates, so machine noise hits both alike; the figure is the median of the per-window-pair relay/direct ratios of
@@ -36,7 +36,7 @@ DRAIN_S = 0.3
 def relay_main(ports: list[int], upstream: str) -> None:
     """A relay under ``upstream`` on the given control/trajectory/learner/params ports."""
     C.setup_worker("bench-relay")
-    from zddrl.broker.relay import Relay
+    from zddrl.broker.broker import Broker
     from zddrl.config import BrokerConfig
 
     control, traj, learners, params = ports
@@ -49,7 +49,7 @@ def relay_main(ports: list[int], upstream: str) -> None:
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    relay = Relay(config)
+    relay = Broker(config)
     try:
         relay.bind()
         relay.run(stop)

@@ -37,7 +37,7 @@ WAIT_S = 10.0
 def run_spec(**algo: Any) -> dict:
     """A real run spec, as a learner announces it (``Config.to_dict()``); ``algo``: keys of ``[algo]`` or of
     ``[bus]`` (``max_in_flight``, ``max_staleness``)."""
-    kind = run_kind(algo.pop("mode")) if "mode" in algo else {}  # a RUN_KINDS label: sync, async, impala, apex, sac
+    kind = run_kind(algo.pop("mode")) if "mode" in algo else {}  # a run_kinds label: sync, async, impala, apex, sac
     dotted = {f"{'bus' if k in BUS_KEYS else 'algo'}.{k}": v for k, v in algo.items()}
     return Config().replace({**kind, **dotted}).to_dict()
 

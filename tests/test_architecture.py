@@ -41,7 +41,7 @@ def defined(path: Path) -> frozenset[str]:
 
 
 def resolve(cited: str) -> Path | None:
-    """The file a cited module path names, relative to zddrl/ or the repository (``broker/relay.py``), or a bare
+    """The file a cited module path names, relative to zddrl/ or the repository (``broker/upstream.py``), or a bare
     file name in a row of the package it names (``routing.py``): the one module of that name, if only one."""
     for base in (PACKAGE, ROOT):
         path = base / cited
@@ -69,7 +69,7 @@ def test_every_module_path_it_cites_exists() -> None:
 
 
 def test_every_name_it_cites_in_a_module_exists_there() -> None:
-    """``**broker/relay.py** `Relay``` and ```algos/flat.py` `unflatten``` name something of that module."""
+    """``**broker/upstream.py** `Upstream``` and ```algos/flat.py` `unflatten``` name something of that module."""
     pairs = re.findall(r"[`*]{1,2}((?:zddrl/)?[a-z_/]+\.py)[`*]{1,2}\s+`([A-Za-z_]\w*)", DOC)
     wrong = [f"{module} {name}" for module, name in pairs if name not in defined(resolve(module) or PACKAGE)]
     assert len(pairs) > 15 and not wrong, wrong

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from zddrl.algoconf import run_kinds
 from zddrl.config import Config, ConfigError, load_config, parse_override, to_toml
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -175,3 +176,14 @@ def test_a_stored_config_with_the_old_keys_is_read_with_them_moved(tmp_path: Pat
         assert config.hello_bus() == {"sync": False, "max_staleness": 7, "max_in_flight": 3}
     with pytest.raises(ConfigError, match="moved out of"):
         load_config(path)  # a config the user writes is refused, not migrated
+
+
+def test_the_run_labels_come_from_the_built_in_algorithms() -> None:
+    """Benchmarks' labels and the values of the old algo.mode key (stored configs hold them) stay what they were."""
+    assert run_kinds() == {
+        "sync": ("ppo", "sync"),
+        "async": ("ppo", "async"),
+        "impala": ("impala", "async"),
+        "apex": ("apex", "async"),
+        "sac": ("sac", "async"),
+    }

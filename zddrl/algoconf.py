@@ -101,33 +101,38 @@ MOVED_KEYS = {
 }
 """Keys ``[algo]`` held before they moved to the framework's sections (docs/configuration.md says why): a config
 that sets them there is refused with the new key; a stored one (a run directory's, a checkpoint's) is moved."""
-RUN_KINDS = {
-    "sync": ("ppo", "sync"),
-    "async": ("ppo", "async"),
-    "impala": ("impala", "async"),
-    "apex": ("apex", "async"),
-    "sac": ("sac", "async"),
-}
-"""Short labels of the built-in (algorithm, schedule) pairs: how benchmarks and tests name their runs, and the
-values of the ``algo.mode`` key of configs that zddrl wrote before ``algo.name`` and ``algo.schedule`` (stored ones
-are read with it; one a user writes is refused with the keys that replace it)."""
+
+
+@functools.lru_cache(maxsize=1)
+def run_kinds() -> dict[str, tuple[str, str]]:
+    """Short labels of the built-in (algorithm, schedule) pairs: how benchmarks and tests name their runs, and the
+    values of the ``algo.mode`` key of configs that zddrl wrote before ``algo.name`` and ``algo.schedule`` (stored
+    ones are read with it; one a user writes is refused with the keys that replace it). Made from the one table of
+    built-in algorithms (``plugin.BUILTIN_ALGORITHMS``) and their specs' schedules: an algorithm of one schedule is
+    labelled by its name (impala, apex, sac), one of several by each schedule (ppo: sync, async)."""
+    kinds: dict[str, tuple[str, str]] = {}
+    for name in plugin.BUILTIN_ALGORITHMS:
+        schedules = algorithm_spec(name).schedules
+        for schedule in schedules:
+            kinds[schedule if len(schedules) > 1 else name] = (name, schedule)
+    return kinds
 
 
 def run_kind(label: str) -> dict[str, str]:
-    """``{"algo.name": ..., "algo.schedule": ...}`` overrides of a ``RUN_KINDS`` label."""
-    name, schedule = RUN_KINDS[label]
+    """``{"algo.name": ..., "algo.schedule": ...}`` overrides of a ``run_kinds`` label."""
+    name, schedule = run_kinds()[label]
     return {"algo.name": name, "algo.schedule": schedule}
 
 
 def run_kind_args(label: str) -> list[str]:
-    """The `zddrl train`/`learner` options of a ``RUN_KINDS`` label."""
-    name, schedule = RUN_KINDS[label]
+    """The `zddrl train`/`learner` options of a ``run_kinds`` label."""
+    name, schedule = run_kinds()[label]
     return ["--algorithm", name, "--schedule", schedule]
 
 
 def kind_label(name: str, schedule: str) -> str:
-    """The ``RUN_KINDS`` label of an algorithm and schedule (the algorithm's name when it has none)."""
-    return next((label for label, pair in RUN_KINDS.items() if pair == (name, schedule)), name)
+    """The ``run_kinds`` label of an algorithm and schedule (the algorithm's name when it has none)."""
+    return next((label for label, pair in run_kinds().items() if pair == (name, schedule)), name)
 
 
 @functools.lru_cache(maxsize=64)
@@ -158,7 +163,7 @@ def algo_from_table(table: Any, allowed: frozenset[str] | None, stored: bool = F
             "instead (docs/configuration.md)"
         )
     if "mode" in table:
-        name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
+        name, schedule = run_kinds().get(str(table["mode"]), ("ppo", "sync"))
         raise ConfigError(
             f"algo.mode was split in two: write algo.name = {name!r} and algo.schedule = {schedule!r} "
             f"instead of algo.mode = {table['mode']!r}"
@@ -177,11 +182,6 @@ def algo_from_table(table: Any, allowed: frozenset[str] | None, stored: bool = F
         f"{', '.join(sorted(SHARED_ALGO_KEYS))}",
     )
     settings = _build(spec.settings, own, "algo.")
-    schedule = shared.get("schedule", "auto")
-    if schedule == "auto":
-        shared["schedule"] = spec.schedules[0]
-    elif schedule not in spec.schedules:
-        raise ConfigError(f"algo.schedule {schedule!r}: algorithm {name!r} runs with {spec.schedules} only")
     algo: AlgoConfig = _build(AlgoConfig, {**shared, "settings": settings, "name": name}, "algo.")
     return algo
 
@@ -191,7 +191,7 @@ def stored_table(table: dict[str, Any], allowed: frozenset[str] | None) -> dict[
     becomes the two, and keys of other algorithms (the one flat table of every algorithm's keys of that time) go."""
     if "mode" not in table or "name" in table:
         return table
-    name, schedule = RUN_KINDS.get(str(table["mode"]), ("ppo", "sync"))
+    name, schedule = run_kinds().get(str(table["mode"]), ("ppo", "sync"))
     mine = {f.name for f in dataclasses.fields(algorithm_spec(name, allowed).settings)}
     kept = {k: v for k, v in table.items() if k in SHARED_ALGO_KEYS or k in mine}
     return {**kept, "name": name, "schedule": schedule}

@@ -24,7 +24,6 @@ from typing import Any
 
 from zddrl import plugin
 from zddrl.algoconf import MOVED_KEYS, algo_from_table, reset_for
-from zddrl.algoconf import RUN_KINDS as RUN_KINDS
 from zddrl.algoconf import SCHEDULES as SCHEDULES
 from zddrl.algoconf import SHARED_ALGO_KEYS as SHARED_ALGO_KEYS
 from zddrl.algoconf import AlgoConfig as AlgoConfig

@@ -17,7 +17,7 @@ import torch
 from zddrl import gae
 from zddrl.algos.actor_critic import ACTOR_CRITIC_FIGURES, acting_policy, actor_critic_model, check_actor_critic
 from zddrl.algos.core import LearnerCore
-from zddrl.algos.rollout import Rollout, terminal, truncations
+from zddrl.algos.rollout import Rollout, terminal, truncation_bootstrap
 from zddrl.algos.spec import AlgorithmSpec
 
 
@@ -66,11 +66,8 @@ class A2CLearner(LearnerCore):
         for traj, rewards in zip(trajectories, self.learning_rewards(trajectories)):
             x = traj.arrays
             T, N = rewards.shape
-            trunc_idx, _, trunc_values = truncations(x)  # bootstrap values of time-limit ends, as the actors sent
-            trunc_value = np.zeros((T, N), np.float32)
-            trunc_value.reshape(-1)[trunc_idx] = trunc_values
             adv, ret = gae(
-                rewards, x["values"], terminal(x), x["truncated"], x["next_value"], trunc_value,
+                rewards, x["values"], terminal(x), x["truncated"], x["next_value"], truncation_bootstrap(x),
                 gamma=self.algo.gamma, gae_lambda=self.settings.gae_lambda,
             )  # fmt: skip
             parts["obs"].append(x["obs"].reshape(T * N, *x["obs"].shape[2:]))

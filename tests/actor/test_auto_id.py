@@ -15,7 +15,6 @@ from conftest import BrokerHandle, Bus, Procs, wait_for
 from zddrl import protocol as P
 from zddrl.broker.actor_ids import actor_number
 from zddrl.broker.broker import Broker
-from zddrl.broker.relay import Relay
 from zddrl.config import BrokerConfig
 from zddrl.keys import credentials, new_key
 from zddrl.transport.link import hello_fields
@@ -126,7 +125,7 @@ def test_a_restart_gets_its_id_back_and_another_key_waits_out_the_window(
 def test_a_relay_refuses_to_assign_ids(bus: Bus) -> None:
     """A relay's ids would clash with its upstream's and its siblings': it refuses ``auto_id`` with one line."""
     with running(Broker(BrokerConfig(bind="tcp://127.0.0.1:*"))) as root:
-        with running(Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root))) as relay:
+        with running(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root))) as relay:
             sock = bus.socket(zmq.DEALER)
             sock.connect(relay)
             sock.send_multipart(P.encode(P.Hello(role="actor", peer_id="", auto_id=True, **hello_fields())))

@@ -1,8 +1,9 @@
-"""A relay broker (broker/relay.py) between actors and a root broker: in-process nodes on threads, real sockets.
+"""A relay broker (a Broker with an upstream: broker/upstream.py) between actors and a root broker: in-process
+nodes on threads, real sockets.
 
-A root ``Broker`` and a ``Relay`` run their loops on threads, bound on random loopback ports with short
-heartbeats; the learner shard and the actors are the test clients of broker_clients.py (a BrokerLink and a data
-socket each). Every wait is on a condition with a deadline.
+A root ``Broker`` and a relay (a ``Broker`` whose config names an upstream) run their loops on threads, bound on
+random loopback ports with short heartbeats; the learner shard and the actors are the test clients of
+broker_clients.py (a BrokerLink and a data socket each). Every wait is on a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from broker_clients import (
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
-from zddrl.broker.relay import Relay, RelayRefused
+from zddrl.broker.upstream import RelayRefused
 from zddrl.config import BrokerConfig
 from zddrl.keys import credentials, new_key, relay_credentials
 from zddrl.ops.status import format_status
@@ -90,7 +91,7 @@ def nodes() -> Iterator[list[Node]]:
 def root_and_relay(start, **relay: object) -> tuple[Node, Node]:
     root = start(Broker(BrokerConfig(bind="tcp://127.0.0.1:*", **FAST)))
     cfg = BrokerConfig(bind="tcp://127.0.0.1:*", upstream=root.connect, **FAST, **relay)  # type: ignore[arg-type]
-    return root, start(Relay(cfg))
+    return root, start(Broker(cfg))
 
 
 def start_learner(bus: Bus, root: Node, run_id: str = "run-r") -> Shard:
@@ -217,7 +218,7 @@ def test_a_closed_tree_relay_key_speaks_only_for_the_actors_its_relay_reported(b
             keys=str(relay_keys),
             **FAST,  # type: ignore[arg-type]
         )
-        relay = start(Relay(relay_cfg, credentials=relay_credentials(relay_keys)))
+        relay = start(Broker(relay_cfg, credentials=relay_credentials(relay_keys)))
         learner = credentials(keys, "learner", "l")
         assert learner.signer is not None
         hello = signed_hello(learner_hello("learner-0", "run-k", run_spec()), learner.signer)
@@ -260,7 +261,7 @@ def test_a_relay_survives_a_hostile_upstream(bus: Bus) -> None:
     stops it with the reason (the CLI's one-line error)."""
     upstream = bus.socket(zmq.ROUTER)
     port = upstream.bind_to_random_port("tcp://127.0.0.1")
-    relay = Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}", **FAST))  # type: ignore
+    relay = Broker(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}", **FAST))  # type: ignore
     relay.bind()
     upstream_side = relay.upstream
     assert upstream_side is not None

@@ -17,7 +17,6 @@ from broker_clients import WAIT_S, in_process_broker, learner_hello, run_spec
 from conftest import Bus, wait_for
 from zddrl import protocol as P
 from zddrl.broker.broker import Broker
-from zddrl.broker.relay import Relay
 from zddrl.config import BrokerConfig
 from zddrl.protocol.rules import RunBus, bus_refusal, run_bus
 
@@ -99,10 +98,10 @@ def test_a_malformed_bus_is_refused_with_a_reason_and_the_run_stays() -> None:
 
 
 @pytest.fixture
-def relay_and_upstream(bus: Bus) -> Iterator[tuple[Relay, zmq.Socket]]:
+def relay_and_upstream(bus: Bus) -> Iterator[tuple[Broker, zmq.Socket]]:
     upstream = bus.socket(zmq.ROUTER)
     port = upstream.bind_to_random_port("tcp://127.0.0.1")
-    relay = Relay(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}"))
+    relay = Broker(BrokerConfig(bind="tcp://127.0.0.1:*", upstream=f"tcp://127.0.0.1:{port}"))
     relay.bind()
     try:
         yield relay, upstream
@@ -110,7 +109,7 @@ def relay_and_upstream(bus: Bus) -> Iterator[tuple[Relay, zmq.Socket]]:
         relay.close()
 
 
-def test_a_relay_reads_the_bus_of_its_upstreams_welcome(relay_and_upstream: tuple[Relay, zmq.Socket]) -> None:
+def test_a_relay_reads_the_bus_of_its_upstreams_welcome(relay_and_upstream: tuple[Broker, zmq.Socket]) -> None:
     relay, upstream = relay_and_upstream
     side = relay.upstream
     assert side is not None

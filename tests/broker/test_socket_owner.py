@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import zmq
 
+from broker_clients import in_process_broker
 from zddrl.broker.broker import Broker
 from zddrl.broker.sockets import BrokerSockets
-from zddrl.config import BrokerConfig
 
 BROKER_PACKAGE = Path(__file__).resolve().parents[2] / "zddrl" / "broker"
 SOCKET_ATTRIBUTES = {"control", "trajectories", "learners", "params", "sock", "pub", "sockets", "handshakes"}
@@ -27,14 +27,13 @@ def _parsed() -> Iterator[tuple[str, ast.Module]]:
 
 
 def test_no_part_of_the_broker_imports_the_broker() -> None:
-    """Only the package (its export) and relay.py (a Broker with an upstream) name the Broker: no part takes it
-    whole."""
+    """Only the package (its export) names the Broker: no part takes it whole."""
     importers = set()
     for name, tree in _parsed():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module == "zddrl.broker.broker":
                 importers.add(name)
-    assert importers <= {"__init__.py", "relay.py"}, importers
+    assert importers <= {"__init__.py"}, importers
 
 
 def test_no_code_assigns_a_socket_into_another_object() -> None:
@@ -72,10 +71,8 @@ def _held(root: object, skip: object) -> Iterator[tuple[str, object]]:
 
 @pytest.fixture
 def broker() -> Iterator[Broker]:
-    b = Broker(BrokerConfig(bind="tcp://127.0.0.1:*"))
-    b.bind()
-    yield b
-    b.close()
+    with in_process_broker() as b:
+        yield b
 
 
 def _parts(b: Broker) -> list[tuple[str, object]]:

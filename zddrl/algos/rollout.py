@@ -72,6 +72,18 @@ def truncations(arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarra
     return _NO_INDEX, np.zeros((0, *next_obs.shape[1:]), dtype=next_obs.dtype), _NO_VALUE
 
 
+def truncation_bootstrap(arrays: Mapping[str, np.ndarray], values: np.ndarray | None = None) -> np.ndarray:
+    """``[T, N]`` float32: at each step where an episode was truncated (a time limit, not a termination), the value
+    to bootstrap the return from; 0 elsewhere. The ``trunc_value`` argument of ``returns.gae``. The values are the
+    ones the actors sent (``trunc_value``), or ``values`` (``[K]``: the current network's of ``trunc_obs``, for data
+    acted with an older version)."""
+    T, N = arrays["rewards"].shape
+    index, _, sent = truncations(arrays)
+    out = np.zeros((T, N), np.float32)
+    out.reshape(-1)[index] = sent if values is None else values
+    return out
+
+
 def mismatch(
     arrays: Mapping[str, np.ndarray], spec: EnvSpec, rollout_len: int | None = None, bounded: bool = False
 ) -> str:

@@ -16,7 +16,7 @@ socket queues fill to their high-water marks and actors block in ``send``: backp
 unbounded buffer, never a silent drop. Every message read is forwarded or dropped with a reason,
 so ``received == forwarded + sum(dropped) + in_flight`` always holds.
 
-A broker whose config names an upstream is a relay (relay.py): its outlet is the upstream instead of learner
+A broker whose config names an upstream is a relay (upstream.py): its outlet is the upstream instead of learner
 shards, and its run and versions come from there (upstream.py).
 """
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from zddrl.broker.sockets import BindError, BrokerSockets
 from zddrl.logs import RateLimitedLog
+from zddrl.proc import rss_bytes
 
 MEMORY_CHECK_S = 0.1
 """Seconds between two reads of the resident set: the broker passes its limit by at most what arrives in that time
@@ -54,24 +55,6 @@ RESET = "reset"
 STUCK = "stuck"
 STORM = "storm"
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-_statm: tuple[int, int] | None = None
-"""(pid, descriptor) of the process's ``/proc/self/statm``, opened once per process (descriptor -1: none)."""
-
-
-def rss_bytes() -> int:
-    """This process's resident set in bytes; 0 where ``/proc/self/statm`` does not exist (not Linux: no budget)."""
-    global _statm
-    pid = os.getpid()
-    if _statm is None or _statm[0] != pid:  # a forked child reads its own, not its parent's
-        try:
-            _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY))
-        except OSError:
-            _statm = (pid, -1)
-    if _statm[1] < 0:
-        return 0
-    return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE  # pread at offset 0 regenerates it: one system call
 
 
 def memory_available() -> int:

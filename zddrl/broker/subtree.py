@@ -1,12 +1,12 @@
 """A broker's view of the relays below it: which actors each relay serves, and each relay's counters.
 
-A relay (broker/relay.py) joins its upstream with hello role ``relay`` and reports its subtree there (subtree
-messages, docs/protocol.md section 5.8). Each relayed actor becomes a member here (``Member.relay``) whose
-identity and key are its relay's: the fleet announced to the learners counts it, the data path accepts its
-trajectories only from its relay's connection (and, on a closed bus, its relay's key), and its credit goes back
-to the relay. A relayed actor leaves when its relay's report says so, when a full report no longer names it,
-when it joins elsewhere (directly, or through another relay: the newest claim wins, since an actor moves to its
-fallback when its relay dies), or when its relay leaves or expires.
+A relay (a broker with an upstream: broker/upstream.py) joins its upstream with hello role ``relay`` and reports its
+subtree there (subtree messages, docs/protocol.md section 5.8). Each relayed actor becomes a member here
+(``Member.relay``) whose identity and key are its relay's: the fleet announced to the learners counts it, the data path
+accepts its trajectories only from its relay's connection (and, on a closed bus, its relay's key), and its credit goes
+back to the relay. A relayed actor leaves when its relay's report says so, when a full report no longer names it, when
+it joins elsewhere (directly, or through another relay: the newest claim wins, since an actor moves to its fallback when
+its relay dies), or when its relay leaves or expires.
 
 The trust boundary: a relay's key may speak for the actors it reports, and for no others: it cannot take the id
 of an actor joined directly and alive here (``id_conflict``), nor report more than the caps allow. That it

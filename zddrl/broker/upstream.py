@@ -1,5 +1,25 @@
 """A relay's side of the broker loop: what goes up to its upstream broker and what comes down.
 
+A relay is a ``Broker`` whose config names an upstream (``zddrl broker --upstream tcp://ROOT:PORT``): a broker whose
+learner is another broker.
+
+Actors join a relay exactly as they join a root broker (same protocol, same welcome, same credit). The relay:
+
+* takes its run from its upstream's welcome (the run spec and its signature, passed on untouched, and the run's
+  ``bus``, which it reads) and welcomes its actors into it; it takes no learners;
+* forwards each admitted trajectory upstream on one PUSH, frames untouched (peer id, run id and version are the
+  actor's), with credit end to end: it holds ``window`` unacknowledged at most, and reads its actors' socket only
+  while it has credit left, so a learner that stops reading stops the root, the root stops acknowledging, the
+  relay stops reading, and its actors block in their own window. Every trajectory read is forwarded or dropped
+  with a reason: ``received == forwarded + dropped + in_flight`` holds here as at any broker;
+* subscribes to its upstream's parameter versions, checks them as its own learners' would be checked
+  (``publisher.Publisher``: every hash, and the signature against its pinned learner keys on a closed bus), and
+  publishes and caches them for its actors (a late joiner gets the newest version from the relay);
+* reports its subtree upstream (subtree messages: its actors, before each is welcomed, and its counters), so
+  that the root's fleet message and ``zddrl status`` count the relay's actors (broker/subtree.py).
+
+Its side of the loop, made here:
+
 * ``UpstreamOutlet``, the relay's data outlet (routing.Outlet): each admitted trajectory goes up on the session's
   PUSH, frames untouched, while the relay holds credit: ``window`` unacknowledged at most, within a session of its
   own run. A learner that stops reading stops the root, the root stops acknowledging, the relay stops reading.

@@ -136,8 +136,8 @@ def broker(
 ) -> None:
     """Run the broker (or, with --upstream, a relay): routes trajectories to learners and parameters to actors."""
     from zddrl.broker.broker import Broker
-    from zddrl.broker.relay import Relay, RelayRefused
     from zddrl.broker.sockets import BindError
+    from zddrl.broker.upstream import RelayRefused
 
     try:
         config = load_broker_config(
@@ -157,11 +157,8 @@ def broker(
         )
         if key_name is not None and not config.keys:
             raise ConfigError("--key names a broker key in --keys: give --keys DIR too")
-        b: Broker = (
-            Relay(config, credentials=relay_credentials(config, key_name), key=key_name)
-            if config.upstream
-            else Broker(config, key=key_name)
-        )
+        credentials = relay_credentials(config, key_name) if config.upstream else None
+        b = Broker(config, credentials=credentials, key=key_name)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()

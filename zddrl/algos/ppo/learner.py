@@ -25,7 +25,7 @@ import torch
 
 from zddrl.algos.core import LearnerCore, explained_variance, schedule
 from zddrl.algos.returns import LOG_RATIO_BOUND, gae, truncated_importance_weights
-from zddrl.algos.rollout import Rollout, terminal, truncations
+from zddrl.algos.rollout import Rollout, terminal, truncation_bootstrap, truncations
 
 LOSS_FIGURES = ("policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac")
 """What ``ppo_loss`` reports; averaged over the samples of every shard."""
@@ -104,14 +104,12 @@ class PPOLearner(LearnerCore):
             x = traj.arrays
             T, N = x["rewards"].shape
             obs_flat = x["obs"].reshape(T * N, *x["obs"].shape[2:])
-            trunc_idx, trunc_obs, trunc_values = truncations(x)
             if recompute:
                 values = self.value(obs_flat).reshape(T, N)
-                next_value, trunc_values = self.value(x["next_obs"]), self.value(trunc_obs)
+                next_value = self.value(x["next_obs"])
+                trunc_value = truncation_bootstrap(x, self.value(truncations(x)[1]))
             else:
-                values, next_value = x["values"], x["next_value"]
-            trunc_value = np.zeros((T, N), dtype=np.float32)
-            trunc_value.reshape(-1)[trunc_idx] = trunc_values
+                values, next_value, trunc_value = x["values"], x["next_value"], truncation_bootstrap(x)
             adv, ret = gae(
                 rewards,
                 values,
