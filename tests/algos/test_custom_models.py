@@ -43,7 +43,7 @@ def test_a_q_network_of_ones_own_trains_and_the_actor_acts_with_it() -> None:
     with torch.no_grad():
         q = core.model(torch.as_tensor(obs)).numpy()
     np.testing.assert_allclose(policy.q(obs), q, atol=1e-6)  # the actor's network is the learner's
-    assert "td_errors" in dir(policy)  # Ape-X's actors still send their initial priorities
+    assert "finish_rollout" in dir(policy)  # Ape-X's actors still send their initial priorities (actor_td)
 
 
 def test_a_sac_network_of_ones_own_with_its_critics_trains_and_acts() -> None:

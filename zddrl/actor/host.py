@@ -24,7 +24,7 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.actor.rollout import Collected, collect
 from zddrl.algos.policy import Policy
-from zddrl.algos.spec import ActingVersion, algorithm_of
+from zddrl.algos.spec import ActingVersion, algorithm_of, declared_arrays
 from zddrl.config import Config
 from zddrl.envs import ActorEnvs, ActorEnvsFactory, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
@@ -341,7 +341,7 @@ class ActorHost:
                 if params is None or policy is None or waiting:
                     continue  # nothing usable yet; a sync run samples only with the newest version (wait for one)
                 T = rollout_len(params, config)
-                rollout = self._collect(vec, policy, rng, T, config.env.id)
+                rollout = self._collect(vec, policy, rng, T, config)
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, config.algo.max_in_flight)
                 if time.monotonic() >= next_stats:
                     self._report(link, run_id, params, num_envs, first_obs)
@@ -350,10 +350,12 @@ class ActorHost:
             push.close(linger=0)
             vec.close()
 
-    def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
-        """One rollout (``collect``), timed; an env's non-finite episode return is said once per interval."""
+    def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, config: Config) -> Collected:
+        """One rollout (``collect``, with the algorithm's declared arrays), timed; an env's non-finite episode return
+        is said once per interval."""
+        env_id = config.env.id
         t0 = time.monotonic()
-        rollout = collect(vec, policy, rng, T)
+        rollout = collect(vec, policy, rng, T, declared_arrays(algorithm_of(config), config, vec.spec))
         self.timers.step_s += time.monotonic() - t0
         if rollout.nonfinite_episodes:
             self.timers.nonfinite_episodes += rollout.nonfinite_episodes

@@ -9,14 +9,20 @@ from __future__ import annotations
 import numpy as np
 
 from zddrl.algos.replay_buffer.memory import ReplayMemoryError, check_fits, replay_nbytes
-from zddrl.algos.spec import algorithm_of
+from zddrl.algos.spec import algorithm_of, declared_arrays
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 
 
 def spec_refusal(config: Config, spec: EnvSpec) -> str:
-    """Why ``config``'s algorithm cannot learn in an env of ``spec``, or "" (the algorithm's own ``check``)."""
-    return algorithm_of(config).check(config, spec)
+    """Why ``config``'s algorithm cannot learn in an env of ``spec``, or "" (the algorithm's own ``check``, and its
+    declared arrays: the learner's hello states them, and a declaration the brokers refuse ends the run at once)."""
+    algorithm = algorithm_of(config)
+    try:
+        declared_arrays(algorithm, config, spec)
+    except ValueError as exc:
+        return str(exc)
+    return algorithm.check(config, spec)
 
 
 def replay_refusal(config: Config, spec: EnvSpec) -> str:

@@ -8,7 +8,7 @@ CNN policies run in torch instead (``zddrl.algos.torch_policy``, chosen by ``act
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -30,12 +30,17 @@ class ActOutput(NamedTuple):
     """``[N]`` float32 behaviour log-probabilities."""
     values: np.ndarray
     """``[N]`` float32 state values."""
-    q_taken: np.ndarray | None = None
-    """apex: ``[N]`` float32 ``Q(s, a)`` of the actions taken (the actor's TD errors need it); None otherwise."""
+    extras: Mapping[str, np.ndarray] | None = None
+    """This step's rows ``[N, *shape]`` of the algorithm's declared per-step arrays (``AlgorithmSpec.arrays``), by
+    name; None: none."""
 
 
 class Policy(Protocol):
-    """What an actor host acts with: ``NumpyPolicy`` (MLPs) or ``torch_policy.TorchPolicy`` (CNNs)."""
+    """What an actor host acts with: ``NumpyPolicy`` (MLPs) or ``torch_policy.TorchPolicy`` (CNNs).
+
+    A policy whose algorithm declares arrays (``AlgorithmSpec.arrays``) may also have ``begin_rollout() ->
+    {name: [N, *shape]}`` (per-rollout arrays, at the rollout's first step) and ``finish_rollout(arrays) ->
+    {name: array}`` (any declared array, from the whole rollout's: zddrl.actor.rollout.collect)."""
 
     @property
     def outputs(self) -> int: ...
