@@ -1,7 +1,9 @@
 """What a run's config asks of its env and of this machine, checked before anything starts.
 
 Numpy only (no torch): `zddrl train` and `zddrl learner` run these in the command's own process, whose start-up
-must not pay for importing torch; the learner cores run the same checks again when they are built.
+must not pay for importing torch; the learner cores run the same checks again when they are built. The exception is a
+network of the user's own (``model.kind = "module:make"``), built once here so that a factory that breaks its
+interface (a recurrent one among them) is one line before any process starts, not a learner that dies in its log.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import numpy as np
 
 from zddrl.algos.replay_buffer.memory import ReplayMemoryError, check_fits, replay_nbytes
 from zddrl.algos.spec import algorithm_of, declared_arrays
-from zddrl.config import Config
+from zddrl.config import Config, ConfigError
 from zddrl.envs import EnvSpec
 
 
@@ -22,7 +24,14 @@ def spec_refusal(config: Config, spec: EnvSpec) -> str:
         declared_arrays(algorithm, config, spec)
     except ValueError as exc:
         return str(exc)
-    return algorithm.check(config, spec)
+    why = algorithm.check(config, spec)
+    if why or not config.model.is_custom:
+        return why
+    try:  # a network of the user's own is checked where it is built (zddrl.algos.custom_model)
+        algorithm.acting_model(config, spec)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
 
 
 def replay_refusal(config: Config, spec: EnvSpec) -> str:
