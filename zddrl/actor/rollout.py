@@ -33,6 +33,8 @@ class RolloutBuffer:
         self.life_lost = np.zeros((T, N), dtype=bool)
         self.extras = {a.name: np.zeros(a.rows(T, N), dtype=a.dtype) for a in declared if a.per == "step"}
         """The declared per-step arrays, filled from each step's ``ActOutput.extras``."""
+        self.filled = dict.fromkeys(self.extras, 0)
+        """Steps whose row of each declared per-step array the policy gave."""
 
 
 class Collected(NamedTuple):
@@ -72,6 +74,7 @@ def collect(
                 if name not in buf.extras:
                     raise ValueError(f"the policy output {name!r} is not a per-step array its algorithm declares")
                 buf.extras[name][t] = row
+                buf.filled[name] += 1
         _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
         buf.life_lost[t] = vec.life_lost
         for i, fo in final_obs.items():
@@ -99,11 +102,11 @@ def collect(
     if vec.episodic_life:
         arrays["life_lost"] = buf.life_lost
     if declared:
-        arrays.update(buf.extras)
+        arrays.update({name: rows for name, rows in buf.extras.items() if buf.filled[name] == T})
         arrays.update(started)
         finish = getattr(policy, "finish_rollout", None)
         if finish is not None:
-            arrays.update(finish(arrays))
+            arrays.update(finish(arrays | {n: r for n, r in buf.extras.items() if n not in arrays}))
         for a in declared:
             got = arrays.pop(a.name, None) if not a.sent else arrays.get(a.name)
             if got is None or got.dtype != np.dtype(a.dtype) or got.shape != a.rows(T, vec.num_envs):
