@@ -50,12 +50,16 @@ def bus_of(run: dict | None) -> dict | None:
 
 
 def learner_hello(peer_id: str = "learner-0", run_id: str = "", run: dict | None = None, **fields: Any) -> P.Hello:
-    """A learner's hello announcing ``run`` (with its ``bus``, as LearnerNode sends it)."""
-    return P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run, bus=bus_of(run), **fields)
+    """A learner's hello announcing ``run`` (with its ``bus``, as LearnerNode sends it, unless ``fields`` has one)."""
+    fields.setdefault("bus", bus_of(run))
+    return P.Hello(role="learner", peer_id=peer_id, run_id=run_id, run=run, **fields)
 
 
-def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32) -> P.Trajectory:
-    """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``."""
+def trajectory(
+    run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: int = 32, **declared: np.ndarray
+) -> P.Trajectory:
+    """A one-step, one-env trajectory whose observation takes about ``nbytes``; its reward is ``seq``; with the run's
+    ``declared`` arrays (docs/protocol.md section 7.1)."""
     f32 = np.float32
     arrays = {
         "obs": np.zeros((1, 1, max(nbytes // 4, 1)), f32),
@@ -67,6 +71,7 @@ def trajectory(run_id: str, peer_id: str, seq: int, version: int = 0, nbytes: in
         "truncated": np.zeros((1, 1), bool),
         "next_obs": np.zeros((1, max(nbytes // 4, 1)), f32),
         "next_value": np.zeros(1, f32),
+        **declared,
     }
     return P.Trajectory(
         run_id=run_id, peer_id=peer_id, seq=seq, policy_version=version, param_hash="h", env_steps=1, arrays=arrays
@@ -88,9 +93,19 @@ def parameters(run_id: str, version: int, peer_id: str = "learner-0") -> P.Param
 class Shard:
     """A learner shard: control link (hello with role=learner) + DEALER (identity = peer id)."""
 
-    def __init__(self, bus: Bus, broker: BrokerHandle, peer_id: str, run_id: str = "", run: dict | None = None):
+    def __init__(
+        self,
+        bus: Bus,
+        broker: BrokerHandle,
+        peer_id: str,
+        run_id: str = "",
+        run: dict | None = None,
+        run_bus: dict | None = None,
+    ):
+        """``run_bus``: the hello's ``bus`` (default: as the learner fills it from ``run``)."""
         self.peer_id, self.run_id = peer_id, run_id
-        self.link = bus.link(broker.connect, learner_hello(peer_id, run_id, run))
+        hello = learner_hello(peer_id, run_id, run, **({"bus": run_bus} if run_bus is not None else {}))
+        self.link = bus.link(broker.connect, hello)
         assert self.link.wait_welcome(WAIT_S) is not None, f"{peer_id}: no welcome"
         self.sock = bus.socket(zmq.DEALER, identity=peer_id.encode(), rcvhwm=0)
         self.sock.connect(self.link.endpoint("learners"))

@@ -52,8 +52,9 @@ def traj(arrays=None, **kw) -> P.Trajectory:
     return P.Trajectory(**{**fields, **kw})
 
 
-def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.Trajectory:
-    """A CartPole-shaped ([T, N, 4] observations, actions 0/1) trajectory, env 0 truncated at step 1."""
+def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0, **declared: np.ndarray) -> P.Trajectory:
+    """A CartPole-shaped ([T, N, 4] observations, actions 0/1) trajectory, env 0 truncated at step 1, with the run's
+    ``declared`` arrays (docs/protocol.md section 7.1)."""
     rng = np.random.default_rng(seq)
     truncated = np.zeros((T, N), dtype=bool)
     truncated[1, 0] = True
@@ -70,6 +71,7 @@ def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.T
         "trunc_idx": np.array([1 * N + 0]),
         "trunc_obs": np.zeros((1, 4), np.float32),
         "trunc_value": np.array([10.0], np.float32),
+        **declared,
     }
     return P.Trajectory(
         run_id="r", peer_id=peer_id, seq=seq, policy_version=0, param_hash="", env_steps=T * N, arrays=arrays

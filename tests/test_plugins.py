@@ -4,6 +4,7 @@ through `zddrl train` and `zddrl.train`, with no file under zddrl/ naming them; 
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -68,6 +69,20 @@ def test_the_a2c_example_updates_without_a_warning() -> None:
         figures = core.update([cartpole_trajectory(8, 2, seq=s) for s in (1, 2)])
     assert {"policy_loss", "value_loss", "entropy"} <= figures.keys()
     assert all(type(v) in (int, float) for v in figures.values()), figures
+
+
+@slow
+def test_a_plugin_algorithm_with_an_array_of_its_own_trains_cartpole(tmp_path: Path) -> None:
+    """examples/plugins/ppo_kl.py declares the logits its actors send (``behaviour_logits``): the broker checks its
+    trajectories against that declaration and the core computes its KL penalty from them; one file, no zddrl edit."""
+    summary = train(PLUGINS / "ppo_kl_cartpole.toml", tmp_path / "run", "--set", "train.until_return=195", cwd=tmp_path)
+    assert summary["reached"] and summary["return_at_target"] >= 195, summary
+    assert not summary["dropped_invalid"], summary  # every trajectory carried its declared logits
+    with (tmp_path / "run" / "metrics.csv").open() as f:
+        kl = [float(row["kl"]) for row in csv.DictReader(f) if row.get("kl")]
+    assert kl and max(kl) > 0, kl  # its own figure, computed from the logits its actors declared and sent
+    names = [p.read_text() for p in (ROOT / "zddrl").rglob("*.py")]
+    assert not any("behaviour_logits" in text or "ppo_kl" in text for text in names)
 
 
 @slow

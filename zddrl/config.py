@@ -50,7 +50,7 @@ else:  # pragma: no cover
 
 TARGET_KINDS = ("train", "eval")
 PLACEMENTS = ("learner", "service")
-ACTIVATIONS = ("tanh", "relu")
+ACTIVATIONS = ("tanh", "relu", "silu", "gelu", "elu", "leaky_relu")
 MODEL_KINDS = ("mlp", "nature_cnn", "impala_cnn", "small_cnn")
 AUTOCASTS = ("auto", "off", "bf16")
 WANDB_MODES = ("online", "offline", "disabled")
@@ -134,9 +134,13 @@ class ModelConfig:
     width of the fully connected layer after the torso (the papers: 512 for nature_cnn, 256 for impala_cnn and
     small_cnn)."""
     activation: str = "tanh"
-    """tanh | relu (the MLP's; the CNNs use ReLU, as the papers do)."""
+    """tanh | relu | silu | gelu | elu | leaky_relu (torch's, with its default parameters: the MLP's; the CNNs use
+    ReLU, as the papers do)."""
     log_std_init: float = 0.0
     """Initial log standard deviation of the Gaussian policy (Box action spaces)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for a ``model.kind`` of your own: ``make(env, model, **kwargs)``, an inline TOML table such
+    as ``kwargs = { width = 128 }`` or a ``[model.kwargs]`` table."""
 
     @property
     def is_custom(self) -> bool:
@@ -151,6 +155,10 @@ class ModelConfig:
         )
         _require(len(self.hidden) >= 1 and all(h >= 1 for h in self.hidden), "model.hidden must be positive sizes")
         _require(self.activation in ACTIVATIONS, f"model.activation must be one of {ACTIVATIONS}")
+        _require(
+            not self.kwargs or self.is_custom,
+            f"model.kwargs are for a model.kind of your own ('package.module:make'), not the built-in {self.kind!r}",
+        )
 
 
 @dataclass(frozen=True)

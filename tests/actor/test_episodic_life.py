@@ -55,7 +55,7 @@ class Walk:
             actions = np.zeros(n, np.int64)
             logp = np.zeros(n, np.float32)
             values = np.zeros(n, np.float32)
-            q_taken = None
+            extras = None
 
         return Out()
 

@@ -9,10 +9,11 @@ import torch
 
 from zddrl.actor.host import build_policy, policy_of
 from zddrl.actor.rollout import collect
+from zddrl.algos.apex.policy import QPolicy, actor_td, apex_epsilons
 from zddrl.algos.model import flatten_params
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
-from zddrl.algos.offpolicy_policy import NumpyDuelingQ, NumpyGaussian, QPolicy, SACPolicy, apex_epsilons
-from zddrl.algos.replay_buffer.nstep import nstep_td_errors
+from zddrl.algos.offpolicy_policy import NumpyDuelingQ, NumpyGaussian, SACPolicy
+from zddrl.algos.spec import algorithm_of, declared_arrays
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, VecEnv
 from zddrl.protocol import Parameters
@@ -35,7 +36,7 @@ def test_numpy_q_values_match_the_torch_dueling_network() -> None:
     out = policy.act(obs, np.random.default_rng(0))  # eps 0: greedy
     np.testing.assert_array_equal(out.actions, policy.q(obs).argmax(axis=1))
     np.testing.assert_allclose(out.logp, 0.0, atol=1e-6)
-    np.testing.assert_allclose(out.q_taken, out.values)
+    np.testing.assert_allclose(out.extras["q_taken"], out.values)
 
 
 def test_epsilon_greedy_explores_at_each_envs_own_rate() -> None:
@@ -82,17 +83,18 @@ def params_of(net: torch.nn.Module) -> Parameters:
     )
 
 
-def test_an_apex_rollout_carries_the_actors_td_errors() -> None:
+def test_an_apex_rollout_carries_the_actors_td() -> None:
     cfg = model_config().replace({"algo.name": "apex", "train.actors": 2, "env.num_envs": 2, "replay.n_step": 3})
     vec = VecEnv(lambda: gym.make("CartPole-v1"), [1, 2])
     torch.manual_seed(0)
     policy, why = policy_of(params_of(DuelingQ(vec.spec, cfg.model)), cfg, vec, 1 << 20, actor_id=1)
     assert why == "" and isinstance(policy, QPolicy)
     np.testing.assert_allclose(policy.eps, apex_epsilons(0.4, 7.0, 2, 2, 4))
-    rollout = collect(vec, policy, np.random.default_rng(0), 40)
+    rollout = collect(vec, policy, np.random.default_rng(0), 40, declared_arrays(algorithm_of(cfg), cfg, vec.spec))
     a = rollout.arrays
+    assert "q_taken" not in a  # declared, kept on the actor
     q_taken = policy.q(a["obs"].reshape(-1, 4))[np.arange(80), a["actions"].reshape(-1)].reshape(40, 2)
-    np.testing.assert_allclose(a["td_errors"], nstep_td_errors(a, q_taken, 0.99, 3), atol=1e-5)
+    np.testing.assert_allclose(a["actor_td"], actor_td(a, q_taken, 0.99, 3), atol=1e-5)
     vec.close()
 
 

@@ -13,7 +13,7 @@ from zddrl.envs import EnvSpec
 
 
 @pytest.mark.parametrize("discrete", [True, False])
-@pytest.mark.parametrize("activation", ["tanh", "relu"])
+@pytest.mark.parametrize("activation", ["tanh", "relu", "silu", "gelu", "elu", "leaky_relu"])
 def test_numpy_policy_matches_torch_model(discrete: bool, activation: str) -> None:
     torch.manual_seed(0)
     spec = EnvSpec(obs_shape=(5,), discrete=discrete, action_dim=3, action_low=(-1.0,) * 3, action_high=(1.0,) * 3)
@@ -63,3 +63,18 @@ def test_flat_buffer_round_trip_and_bad_layout() -> None:
         assert ka == kb and torch.equal(va, vb)
     with pytest.raises(ValueError, match="does not fit"):
         unflatten(flat[:-1], layout)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu", "silu", "gelu", "elu", "leaky_relu"])
+def test_each_numpy_activation_is_torchs(activation: str) -> None:
+    """zddrl.algos.policy's numpy activations against zddrl.algos.model's torch modules, far into both tails."""
+    from zddrl.algos.model import ACTIVATIONS as TORCH
+    from zddrl.algos.policy import ACTIVATIONS as NUMPY
+
+    x = np.concatenate([np.linspace(-60, 60, 2001), np.random.default_rng(0).standard_normal(1000) * 3])
+    x = x.astype(np.float32)
+    with np.errstate(over="raise", invalid="raise"):  # no overflow on the way either
+        got = NUMPY[activation](x)
+    want = TORCH[activation]()(torch.from_numpy(x)).numpy()
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

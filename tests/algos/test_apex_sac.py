@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from zddrl.algos.apex.learner import ApexLearner
+from zddrl.algos.apex.policy import actor_td
 from zddrl.algos.checks import replay_refusal, spec_refusal
-from zddrl.algos.replay_buffer.nstep import nstep_td_errors
 from zddrl.algos.rollout import mismatch
 from zddrl.algos.sac.learner import SACLearner
 from zddrl.config import Config, ConfigError, run_kind
@@ -111,7 +111,7 @@ def test_the_replay_ratio_holds_over_updates_and_waits_for_learning_starts() -> 
 def test_actor_td_errors_cannot_buy_more_than_the_largest_priority() -> None:
     core = ApexLearner(config("apex"), DISCRETE)
     hostile = np.full((8, 2), 1e30, np.float32)
-    core.update([rollout(DISCRETE, td_errors=hostile)])
+    core.update([rollout(DISCRETE, actor_td=hostile)])
     assert core.replay.tree.get(np.arange(16)).max() <= core.replay.max_priority * (1 + 1e-9)
 
 
@@ -124,7 +124,7 @@ def test_actor_td_errors_match_a_slow_n_step_reference() -> None:
         trunc_idx=np.array([2 * N + 1]), trunc_obs=np.zeros((1, 3), np.float32), trunc_value=np.array([5.0], np.float32)
     )
     q_taken = np.random.default_rng(3).standard_normal((T, N)).astype(np.float32)
-    got = nstep_td_errors(a, q_taken, gamma, n)
+    got = actor_td(a, q_taken, gamma, n)
     for i in range(N):
         for t in range(T):
             g, k, ended = 0.0, 0, None

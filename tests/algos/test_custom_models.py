@@ -43,7 +43,7 @@ def test_a_q_network_of_ones_own_trains_and_the_actor_acts_with_it() -> None:
     with torch.no_grad():
         q = core.model(torch.as_tensor(obs)).numpy()
     np.testing.assert_allclose(policy.q(obs), q, atol=1e-6)  # the actor's network is the learner's
-    assert "td_errors" in dir(policy)  # Ape-X's actors still send their initial priorities
+    assert "finish_rollout" in dir(policy)  # Ape-X's actors still send their initial priorities (actor_td)
 
 
 def test_a_sac_network_of_ones_own_with_its_critics_trains_and_acts() -> None:
@@ -100,3 +100,71 @@ def test_export_writes_the_networks_of_ones_own(name: str, kind: str, env: EnvSp
     with torch.no_grad():
         expected = net(obs).argmax(1) if env is CARTPOLE else 2.0 * torch.tanh(net(obs)[0])
     torch.testing.assert_close(action.to(expected.dtype), expected, atol=1e-5, rtol=1e-5)
+
+
+class Sized(torch.nn.Module):
+    def __init__(self, env: EnvSpec, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        size = int(np.prod(env.obs_shape))
+        for _ in range(depth):
+            layers += [torch.nn.Linear(size, width), torch.nn.Tanh()]
+            size = width
+        self.torso = torch.nn.Sequential(*layers)
+        self.pi, self.v = torch.nn.Linear(width, env.action_dim), torch.nn.Linear(width, 1)
+
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.torso(obs.flatten(1).float())
+        return self.pi(x), self.v(x).squeeze(1)
+
+
+def make_sized(env: EnvSpec, model: object, width: int = 4, depth: int = 1) -> torch.nn.Module:
+    """A factory with keyword arguments of its own, given by ``[model.kwargs]``."""
+    return Sized(env, width, depth)
+
+
+def test_model_kwargs_reach_a_factory_of_ones_own() -> None:
+    model = {"kind": "test_custom_models:make_sized", "kwargs": {"width": 24, "depth": 2}}  # a [model.kwargs] table
+    cfg = Config.from_dict({"model": model, "algo": {"name": "ppo"}})
+    net = algorithm_of(cfg).acting_model(cfg, CARTPOLE)
+    widths = [m.out_features for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    assert widths[:2] == [24, 24] and cfg.to_dict()["model"]["kwargs"] == {"width": 24, "depth": 2}
+    with pytest.raises(ConfigError, match="model.kwargs are for a model.kind of your own"):
+        Config().replace({"model.kwargs": {"width": 24}})
+    bad = Config().replace({"model.kind": "test_custom_models:make_sized", "model.kwargs": {"height": 3}})
+    with pytest.raises(ConfigError, match=r"kwargs \['height'\]: .* no such keyword \(it takes \['width', 'depth'\]\)"):
+        algorithm_of(bad).acting_model(bad, CARTPOLE)
+
+
+class GRUNet(torch.nn.Module):
+    """A recurrent network, as a user would write one: zddrl's cores call forward(obs) and cannot run it yet."""
+
+    def __init__(self, env: EnvSpec) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRUCell(env.obs_shape[0], 8)
+        self.pi, self.v = torch.nn.Linear(8, env.action_dim), torch.nn.Linear(8, 1)
+
+    def initial_state(self, batch: int) -> torch.Tensor:
+        return torch.zeros(batch, 8)
+
+    def forward(self, obs: torch.Tensor, state: torch.Tensor) -> tuple:
+        h = self.gru(obs, state)
+        return (self.pi(h), self.v(h).squeeze(1)), h
+
+
+def make_gru(env: EnvSpec, model: object) -> torch.nn.Module:
+    return GRUNet(env)
+
+
+def test_a_recurrent_network_is_one_line_naming_the_interface_before_anything_starts() -> None:
+    """The GRU that crashed the learner with a raw TypeError (issue 38) is refused by the checks `zddrl train` and
+    `zddrl learner` run in their own process, and wherever it would be built."""
+    from zddrl.algos.checks import spec_refusal
+
+    cfg = Config().replace({"model.kind": "test_custom_models:make_gru"})
+    why = spec_refusal(cfg, CARTPOLE)
+    assert "looks recurrent (forward(obs, state), initial_state)" in why and "\n" not in why
+    assert "initial_state(batch), forward(obs, state, episode_start) -> (outputs, state)" in why
+    with pytest.raises(ConfigError, match="looks recurrent"):
+        algorithm_of(cfg).acting_model(cfg, CARTPOLE)
+    assert spec_refusal(Config().replace({"model.kind": "nets:make"}), CARTPOLE) == ""

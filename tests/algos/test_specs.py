@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from test_apex_sac import BOX, DISCRETE, rollout
 
 from samples import rollout_of
 from zddrl.algos.core import CORE_FIGURES
-from zddrl.algos.spec import AlgorithmSpec, algorithm, declared
+from zddrl.algos.spec import AlgorithmSpec, algorithm, declared, declared_arrays
 from zddrl.config import SHARED_ALGO_KEYS, Config, ConfigError
 from zddrl.envs import EnvSpec
 from zddrl.plugin import BUILTIN_ALGORITHMS
@@ -83,3 +84,33 @@ def test_nothing_outside_the_specs_branches_on_an_algorithm_name() -> None:
                 if node.value.attr == "algo":
                     found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} (algo.mode)")
     assert not found, "branches on an algorithm's name outside its spec:\n" + "\n".join(found)
+
+
+def test_a_builtins_declared_arrays_are_named_only_in_its_own_package() -> None:
+    """An array an algorithm declares (``AlgorithmSpec.arrays``: Ape-X's ``q_taken`` and ``actor_td``) is the
+    algorithm's business: no other file under zddrl/ names it. The protocol's generic part knows declared arrays
+    only as a declaration (docs/protocol.md section 7.1), never by name."""
+    found = []
+    for name in sorted(BUILTIN_ALGORITHMS):
+        for array in declared_arrays(algorithm(name), Config().replace({"algo.name": name}), ENVS[name]):
+            word = re.compile(rf"\b{re.escape(array.name)}\b")
+            for path in sorted(PACKAGE.rglob("*.py")):
+                if path.parent.name == name:
+                    continue
+                found += [
+                    f"{path.relative_to(PACKAGE.parent)} names {name}'s {array.name!r}"
+                    for _ in word.finditer(path.read_text())
+                ][:1]
+    assert algorithm("apex").arrays, "Ape-X declares its arrays: the test must have something to look for"
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_ALGORITHMS))
+def test_a_builtins_declaration_is_one_the_brokers_accept(name: str) -> None:
+    from zddrl import protocol as P
+    from zddrl.algos.spec import sent_arrays
+
+    config = Config().replace({"algo.name": name})
+    declared = [a.to_wire() for a in sent_arrays(algorithm(name), config, ENVS[name])]
+    bus = {"sync": True, "max_staleness": 0, "max_in_flight": 2, "arrays": declared}
+    assert P.bus_refusal(bus) == ""

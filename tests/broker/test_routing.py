@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 import zmq
 
@@ -17,6 +18,7 @@ from broker_clients import (
     WAIT_S,
     Pusher,
     Shard,
+    bus_of,
     cli,
     collect,
     counters,
@@ -112,6 +114,36 @@ def test_two_actors_two_shards_deliver_every_trajectory_exactly_once(broker: Bro
         assert m[a.peer_id]["env_steps"] == n and m[a.peer_id]["num_envs"] == 2  # one step each
     for s in (l0, l1):
         assert m[s.peer_id]["role"] == "learner" and m[s.peer_id]["messages"] == len(s.trajectories())
+
+
+def test_a_trajectory_must_carry_the_arrays_its_run_declares(broker: BrokerHandle, bus: Bus) -> None:
+    """The learner's hello declares an array (docs/protocol.md section 7.1): the broker forwards the trajectories that
+    carry it as declared and drops the rest as malformed, charged to their actor, with the reason in its log."""
+    run = run_spec()
+    declared = [["actor_td", "float32", [], "step"], ["h0", "float32", [3], "rollout"]]
+    shard = Shard(bus, broker, "learner-0", "run-a", run, run_bus={**bus_of(run), "arrays": declared})
+    shard.publish(0)
+    wait_for(lambda: counters(broker, bus)["policy_version"] == 0, WAIT_S, "version 0 to be published")
+    shard.grant(10)
+    actor = Pusher(bus, broker, "actor-0")
+    td, h0 = np.zeros((1, 1), np.float32), np.zeros((1, 3), np.float32)
+    sent = [
+        trajectory("run-a", "actor-0", 0, actor_td=td, h0=h0),  # as declared: forwarded
+        trajectory("run-a", "actor-0", 1, h0=h0),  # a declared array missing
+        trajectory("run-a", "actor-0", 2, actor_td=td.astype(np.float64), h0=h0),  # of another dtype
+        trajectory("run-a", "actor-0", 3, actor_td=td, h0=np.zeros((1, 1, 3), np.float32)),  # of another shape
+        trajectory("run-a", "actor-0", 4, actor_td=td, h0=h0, q_taken=td),  # an array nobody declared
+        trajectory("run-a", "actor-0", 5, actor_td=td, h0=h0),
+    ]
+    for msg in sent:
+        assert actor.send(msg)
+    collect([shard], 2)
+    wait_for(lambda: counters(broker, bus)["received"] == len(sent), WAIT_S, "every trajectory to be read")
+    assert [t.seq for t in shard.trajectories()] == [0, 5]
+    np.testing.assert_array_equal(shard.trajectories()[0].arrays["h0"], h0)
+    body = status(broker, bus)
+    assert body["broker"]["dropped"]["malformed"] == 4 and body["broker"]["accounted"]
+    assert body["members"]["actor-0"]["dropped_malformed"] == 4
 
 
 # ------------------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def remote(ctx: zmq.Context, fakes: list[FakeReplay], **kw: object) -> RemoteRep
 
 def fill(fake: FakeReplay, rollouts: int, seed: int = 0) -> None:
     for seq in range(rollouts):
-        fake.store.take_in(cartpole_trajectory(8, 2, peer_id=f"{fake.store.peer_id}-actor", seq=seq), None)
+        td = np.ones((8, 2), np.float32)  # Ape-X's declared actor_td
+        fake.store.take_in(cartpole_trajectory(8, 2, peer_id=f"{fake.store.peer_id}-actor", seq=seq, actor_td=td), None)
 
 
 def test_a_batch_is_split_by_priority_mass_and_weighted_over_every_replay(replays) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from loguru import logger
 
-from samples import cartpole_trajectory
+import samples
 from zddrl import protocol as P
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
@@ -33,6 +33,11 @@ def store(tmp_path: Path | None = None, **over: object) -> ReplayStore:
     s = ReplayStore("replay-0", tmp_path, logger)
     s.adopt(config(**over), SPEC)
     return s
+
+
+def cartpole_trajectory(T: int, N: int, peer_id: str = "a", seq: int = 0) -> P.Trajectory:
+    """An Ape-X rollout: its actors' declared TD errors (``actor_td``) beside every trajectory's arrays."""
+    return samples.cartpole_trajectory(T, N, peer_id, seq, actor_td=np.ones((T, N), np.float32))
 
 
 def request(**kw: object) -> P.ReplaySample:

@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner, Result
 
 from zddrl.algos.core import RunningMeanStd
+from zddrl.algos.exported import ActorCriticPolicy
 from zddrl.algos.flat import normalize_obs
 from zddrl.algos.model import ActorCritic
 from zddrl.algos.offpolicy_nets import DuelingQ, SquashedGaussian
@@ -29,7 +30,7 @@ from zddrl.cli.export import FORMATS, export
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, probe_spec
 from zddrl.ops.export import FORMATS as export_formats
-from zddrl.ops.export import WRITERS, ActorCriticPolicy, write_torchscript
+from zddrl.ops.export import WRITERS, write_torchscript
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:DeprecationWarning")
 

@@ -145,7 +145,7 @@ def assert_same(a: P.Message, b: P.Message) -> None:
 @pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: m.KIND)
 def test_round_trip_every_kind(msg: P.Message) -> None:
     frames = msg.encode()
-    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x08"
+    assert bytes(frames[0]) == P.PREAMBLE == b"ZDRL\x09"
     assert len(frames) == 2 + len(getattr(msg, "arrays", {}))
     assert_same(msg, P.decode(wire(frames)))
     assert_same(msg, P.decode(frames))  # numpy frames straight from encode work too
@@ -523,7 +523,6 @@ F32 = np.float32
 BAD += [
     ("trajectory without obs", traj_frames(drop=("obs",)), "trajectory: missing arrays ['obs']"),
     ("trajectory without next_value", traj_frames(drop=("next_value",)), "missing arrays ['next_value']"),
-    ("trajectory unknown array", traj_frames(extra=np.zeros(2, F32)), "trajectory: unknown arrays ['extra']"),
     ("trajectory obs float64", traj_frames(obs=np.zeros((2, 2, 3))), "'obs' must be float32 or uint8 [T, N"),
     ("trajectory obs without N", traj_frames(obs=np.zeros(2, F32)), "'obs' must be float32 or uint8 [T, N"),
     ("trajectory T = 0", traj_frames(obs=np.zeros((0, 2, 3), F32)), "with T, N >= 1"),
@@ -574,8 +573,7 @@ BAD += [
         traj_frames(K=1, trunc_idx=np.zeros((1, 1), np.int64)),
         "'trunc_idx' must be int64 [1]",
     ),
-    ("trajectory td_errors float64", traj_frames(td_errors=np.zeros((2, 2))), "'td_errors' must be float32 [2, 2]"),
-    ("trajectory td_errors of another T", traj_frames(td_errors=np.zeros((3, 2), F32)), "'td_errors' must be float32"),
+    ("trajectory life_lost float32", traj_frames(life_lost=np.zeros((2, 2), F32)), "'life_lost' must be bool [2, 2]"),
     ("trajectory env_steps not T * N", traj_frames(env_steps=5), "env_steps 5 must be T * N = 4"),
     ("trajectory episodes unpaired", traj_frames(ep_returns=[1.0], ep_lengths=[]), "must pair up"),
     ("trajectory more episodes than steps", traj_frames(ep_returns=[1.0] * 5, ep_lengths=[1] * 5), "must pair up"),
@@ -1039,7 +1037,48 @@ def test_unexportable_array_frames_are_protocol_errors() -> None:
             P.validate_trajectory(frames_of(header, frame), 1 << 20)
 
 
-def test_a_trajectory_may_carry_td_errors() -> None:
-    td = np.arange(4, dtype=F32).reshape(2, 2)
-    msg = P.decode(traj_frames(td_errors=td))
-    np.testing.assert_array_equal(msg.arrays["td_errors"], td)
+DECLARED = P.declaration_of([["actor_td", "float32", [], "step"], ["h0", "float32", [3], "rollout"]])
+
+
+def test_a_trajectory_carries_its_runs_declared_arrays() -> None:
+    """Decode takes arrays beyond section 7's; the run's declaration (section 7.1) says which: a forwarder refuses
+    the rest, and a declared array of another dtype or shape, or missing."""
+    td, h0 = np.arange(4, dtype=F32).reshape(2, 2), np.zeros((2, 3), F32)
+    msg = P.decode(traj_frames(actor_td=td, h0=h0))
+    np.testing.assert_array_equal(msg.arrays["actor_td"], td)
+    header = P.validate_trajectory(traj_frames(actor_td=td, h0=h0), 1 << 20)
+    assert DECLARED.refusal(header["arrays"]) == "" and DECLARED.refusal_of(msg.arrays) == ""
+    assert "neither a trajectory's own nor declared" in P.DeclaredLayout().refusal(header["arrays"])
+    cases = [
+        ({"h0": h0}, "declared array 'actor_td' must be float32 [2, 2], got missing"),
+        ({"actor_td": td.astype(np.float64), "h0": h0}, "'actor_td' must be float32 [2, 2], got float64 [2, 2]"),
+        ({"actor_td": td, "h0": np.zeros((2, 2, 3), F32)}, "'h0' must be float32 [2, 3], got float32 [2, 2, 3]"),
+        ({"actor_td": td, "h0": h0, "q_taken": td}, "arrays ['q_taken'] are neither"),
+    ]
+    for arrays, error in cases:
+        specs = P.validate_trajectory(traj_frames(**arrays), 1 << 20)["arrays"]
+        assert error in DECLARED.refusal(specs), arrays
+        assert error in DECLARED.refusal(specs)  # the answer kept for this layout is the same
+
+
+@pytest.mark.parametrize(
+    ("arrays", "error"),
+    [
+        ("x", "must be a list"),
+        ([["a", "float32", []]], "[name, dtype, shape, per]"),
+        ([["rewards", "float32", [], "step"]], "a trajectory's own"),
+        ([["a", "float32", [], "step"], ["a", "float32", [], "step"]], "declared twice"),
+        ([["a b", "float32", [], "step"]], "must be an identifier"),
+        ([["a", "float128", [], "step"]], "has dtype 'float128'"),
+        ([["a", "float32", [0], "step"]], "sizes >= 1"),
+        ([["a", "float32", [], "episode"]], "per must be one of"),
+    ],
+)
+def test_a_bus_with_a_bad_declaration_is_refused(arrays: object, error: str) -> None:
+    bus = {"sync": True, "max_staleness": 0, "max_in_flight": 2, "arrays": arrays}
+    assert error in P.bus_refusal(bus)
+
+
+def test_a_declaration_travels_in_the_bus_and_back() -> None:
+    bus = {"sync": False, "max_staleness": 4, "max_in_flight": 2, "arrays": DECLARED.to_wire()}
+    assert P.bus_refusal(bus) == "" and P.run_bus(bus).arrays == DECLARED and P.run_bus(bus).to_wire() == bus

@@ -53,7 +53,7 @@ def test_the_broker_counts_params_repeat_per_message() -> None:
     pub = ctx.socket(zmq.PUB)
     try:
         counters: dict[str, int] = defaultdict(int)
-        publisher = Publisher(pub, lambda identity, frames: None, counters, RateLimitedLog(), 1.0)
+        publisher = Publisher(pub.send_multipart, lambda identity, frames: None, counters, RateLimitedLog(), 1.0)
         v3 = version(3)
         assert len(v3) > 2
         assert [publisher.add(m, m.encode(), "r") for m in v3][-1]  # the last message completes the version

@@ -25,7 +25,7 @@ from zddrl import protocol as P
 from zddrl.actor.rollout import Collected, collect
 from zddrl.actor.versions import Verdict, VersionState
 from zddrl.algos.policy import Policy
-from zddrl.algos.spec import ActingVersion, algorithm_of
+from zddrl.algos.spec import ActingVersion, algorithm_of, declared_arrays
 from zddrl.config import Config
 from zddrl.envs import ActorEnvs, ActorEnvsFactory, EnvSpec, actor_envs
 from zddrl.logs import RateLimitedLog
@@ -339,7 +339,7 @@ class ActorHost:
                     continue  # nothing usable yet; a sync run samples only with the newest version (wait for one)
                 params, policy = acting
                 T = rollout_len(params, config)
-                rollout = self._collect(vec, policy, rng, T, config.env.id)
+                rollout = self._collect(vec, policy, rng, T, config)
                 window = run_bus(welcome.bus).max_in_flight  # the broker returns credit by this one, not the spec's
                 self._send(link, push, run_id, params, rollout, T * num_envs, stop, window)
                 if time.monotonic() >= next_stats:
@@ -349,10 +349,12 @@ class ActorHost:
             push.close(linger=0)
             vec.close()
 
-    def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, env_id: str) -> Collected:
-        """One rollout (``collect``), timed; an env's non-finite episode return is said once per interval."""
+    def _collect(self, vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, config: Config) -> Collected:
+        """One rollout (``collect``, with the algorithm's declared arrays), timed; an env's non-finite episode return
+        is said once per interval."""
+        env_id = config.env.id
         t0 = time.monotonic()
-        rollout = collect(vec, policy, rng, T)
+        rollout = collect(vec, policy, rng, T, declared_arrays(algorithm_of(config), config, vec.spec))
         self.timers.step_s += time.monotonic() - t0
         if rollout.nonfinite_episodes:
             self.timers.nonfinite_episodes += rollout.nonfinite_episodes

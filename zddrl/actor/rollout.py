@@ -1,21 +1,24 @@
 """One rollout of an actor host: ``T`` steps of its vector env with a policy, into the arrays a trajectory carries
-(docs/protocol.md section 7) and the episodes that ended in it."""
+(docs/protocol.md section 7), the algorithm's declared arrays among them (``AlgorithmSpec.arrays``, section 7.1),
+and the episodes that ended in it."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from zddrl.algos.policy import Policy
+from zddrl.algos.spec import DeclaredArray
 from zddrl.envs import ActorEnvs
 
 
 class RolloutBuffer:
     """Preallocated time-major buffers for one rollout of ``T`` steps of ``N`` envs."""
 
-    def __init__(self, T: int, vec: ActorEnvs) -> None:
+    def __init__(self, T: int, vec: ActorEnvs, declared: tuple[DeclaredArray, ...] = ()) -> None:
         N, spec = vec.num_envs, vec.spec
         self.T, self.N = T, N
         self.obs = np.zeros((T, N, *spec.obs_shape), dtype=vec.dtype)  # uint8 pixels stay uint8 (4x fewer bytes)
@@ -28,8 +31,10 @@ class RolloutBuffer:
         self.terminated = np.zeros((T, N), dtype=bool)
         self.truncated = np.zeros((T, N), dtype=bool)
         self.life_lost = np.zeros((T, N), dtype=bool)
-        self.q_taken = np.zeros((T, N), dtype=np.float32)
-        """apex: Q(s, a) of the actions taken, for the TD errors (not sent)."""
+        self.extras = {a.name: np.zeros(a.rows(T, N), dtype=a.dtype) for a in declared if a.per == "step"}
+        """The declared per-step arrays, filled from each step's ``ActOutput.extras``."""
+        self.filled = dict.fromkeys(self.extras, 0)
+        """Steps whose row of each declared per-step array the policy gave."""
 
 
 class Collected(NamedTuple):
@@ -44,10 +49,19 @@ class Collected(NamedTuple):
     an earlier one) is the learner's to drop as invalid (counted for this actor); this actor lives on."""
 
 
-def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int) -> Collected:
+def collect(
+    vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int, declared: tuple[DeclaredArray, ...] = ()
+) -> Collected:
     """Step ``vec`` for ``T`` steps with ``policy``; return the trajectory's arrays and episode figures
-    (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated."""
-    buf = RolloutBuffer(T, vec)
+    (docs/protocol.md section 7). The truncation arrays are there only if an episode was truncated.
+
+    ``declared``: the algorithm's own arrays. Per-rollout ones come from the policy's ``begin_rollout()`` (before
+    the first step), per-step ones from each step's ``ActOutput.extras``; the policy's ``finish_rollout(arrays)``
+    may add any of them from the whole rollout. Those declared ``sent=False`` stay here. A policy that leaves a
+    declared array out, or gives one of another dtype or shape, is a bug of its algorithm: ValueError."""
+    buf = RolloutBuffer(T, vec, declared)
+    begin = getattr(policy, "begin_rollout", None)
+    started: Mapping[str, np.ndarray] = begin() if begin is not None else {}
     trunc_idx, trunc_obs = [], []
     vec.finished.clear()
     for t in range(T):
@@ -55,8 +69,12 @@ def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int) ->
         out = policy.act(obs, rng)
         buf.obs[t] = obs
         buf.actions[t], buf.logp[t], buf.values[t] = out.actions, out.logp, out.values
-        if out.q_taken is not None:
-            buf.q_taken[t] = out.q_taken
+        if out.extras:
+            for name, row in out.extras.items():
+                if name not in buf.extras:
+                    raise ValueError(f"the policy output {name!r} is not a per-step array its algorithm declares")
+                buf.extras[name][t] = row
+                buf.filled[name] += 1
         _, buf.rewards[t], buf.terminated[t], buf.truncated[t], final_obs = vec.step(out.actions)
         buf.life_lost[t] = vec.life_lost
         for i, fo in final_obs.items():
@@ -83,8 +101,19 @@ def collect(vec: ActorEnvs, policy: Policy, rng: np.random.Generator, T: int) ->
         )
     if vec.episodic_life:
         arrays["life_lost"] = buf.life_lost
-    td_errors = getattr(policy, "td_errors", None)  # Ape-X's: the initial priorities, from this actor's estimates
-    if td_errors is not None:
-        arrays["td_errors"] = td_errors(arrays, buf.q_taken)
+    if declared:
+        arrays.update({name: rows for name, rows in buf.extras.items() if buf.filled[name] == T})
+        arrays.update(started)
+        finish = getattr(policy, "finish_rollout", None)
+        if finish is not None:
+            arrays.update(finish(arrays | {n: r for n, r in buf.extras.items() if n not in arrays}))
+        for a in declared:
+            got = arrays.pop(a.name, None) if not a.sent else arrays.get(a.name)
+            if got is None or got.dtype != np.dtype(a.dtype) or got.shape != a.rows(T, vec.num_envs):
+                raise ValueError(
+                    f"the policy gave the declared array {a.name!r} as "
+                    f"{'nothing' if got is None else f'{got.dtype} {list(got.shape)}'}, "
+                    f"not {a.dtype} {list(a.rows(T, vec.num_envs))}"
+                )
     episodes = [(float(r), int(n)) for r, n in vec.finished if math.isfinite(r)]
     return Collected(arrays, [r for r, _ in episodes], [n for _, n in episodes], len(vec.finished) - len(episodes))

@@ -1,7 +1,7 @@
 """Networks of the user's own: ``model.kind = "package.module:make"``, one factory per run, called as
-``make(env: zddrl.envs.EnvSpec, model: zddrl.config.ModelConfig) -> torch.nn.Module`` by the learner and by every
-actor, so that its parameters travel by name and shape (``model.flatten_params``). What ``forward`` must return
-depends on the algorithm's family (tensors only: ``zddrl export`` traces it):
+``make(env: zddrl.envs.EnvSpec, model: zddrl.config.ModelConfig, **model.kwargs) -> torch.nn.Module`` by the learner
+and by every actor, so that its parameters travel by name and shape (``model.flatten_params``). What ``forward`` must
+return depends on the algorithm's family (tensors only: ``zddrl export`` traces it):
 
 - actor-critic (ppo, impala, plug-ins such as examples/plugins' A2C): ``forward(obs) -> (dist_params, value)``:
   the logits ``[B, action_dim]`` (Discrete) or the Gaussian's mean and log standard deviation side by side,
@@ -14,8 +14,9 @@ depends on the algorithm's family (tensors only: ``zddrl export`` traces it):
 
 ``obs`` is a batch of raw observations ``[B, *env.obs_shape]``: float32, or uint8 pixels for the network to scale.
 Every network is checked once when built, on a batch of two zero observations: a wrong shape is a one-line
-ConfigError naming the interface. A recurrent network will add ``initial_state(batch) -> state`` and take and return
-the state in ``forward``; a module without ``initial_state`` is feed-forward, so this interface stays as it is then.
+ConfigError naming the interface, and so is a recurrent network (one with ``initial_state``, or whose ``forward`` needs
+more than the family's inputs): recurrent cores, ``initial_state(batch)`` and ``forward(obs, state, episode_start) ->
+(outputs, state)``, are not supported yet.
 """
 
 from __future__ import annotations
@@ -39,9 +40,15 @@ def build_custom(env: EnvSpec, config: ModelConfig, family: str, expected: tuple
     """The user's module for ``family``, checked: an ``nn.Module`` whose forward gives ``expected`` shapes (a tuple of
     shapes, or one shape) on a probe batch."""
     make = load(config.kind, "model.kind")
-    net = make(env, config, **kwargs)
+    unknown = kwargs_refusal(make, config)
+    if unknown:
+        raise ConfigError(unknown)
+    net = make(env, config, **config.kwargs, **kwargs)
     if not isinstance(net, nn.Module):
         raise ConfigError(f"model.kind {config.kind!r} returned a {type(net).__name__}, not a torch.nn.Module")
+    why = signature_refusal(net, config, family, len(probe_inputs(env, **kwargs)))
+    if why:
+        raise ConfigError(why)
     with torch.no_grad():
         out = net(*probe_inputs(env, **kwargs))
     got = tuple(tuple(t.shape) for t in out) if isinstance(out, tuple) else tuple(getattr(out, "shape", ()))
@@ -51,6 +58,41 @@ def build_custom(env: EnvSpec, config: ModelConfig, family: str, expected: tuple
             f"got {got} (docs/extending.md)"
         )
     return net
+
+
+def signature_refusal(net: nn.Module, config: ModelConfig, family: str, inputs: int) -> str:
+    """Why ``net``'s ``forward`` does not fit the family's call (``inputs`` tensors), or "": a recurrent network
+    (``initial_state``, or a ``forward`` that needs more arguments, such as a state) is named as such in one line
+    instead of failing inside the learner."""
+    try:
+        params = list(inspect.signature(net.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the probe call says
+        return ""
+    needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    call = "forward(obs, action)" if inputs == 2 else "forward(obs)"
+    if hasattr(net, "initial_state") or len(needed) > inputs:
+        return (
+            f"model.kind {config.kind!r} ({family}) looks recurrent (forward({', '.join(needed)})"
+            f"{', initial_state' if hasattr(net, 'initial_state') else ''}): zddrl's algorithms call {call} on "
+            "feed-forward networks, and recurrent cores (initial_state(batch), forward(obs, state, episode_start) "
+            "-> (outputs, state)) are not supported yet (docs/extending.md)"
+        )
+    return ""
+
+
+def kwargs_refusal(make: Any, config: ModelConfig) -> str:
+    """Why ``make`` cannot take ``model.kwargs`` (a name its signature lacks, with no ``**kwargs``), or ""."""
+    try:
+        params = inspect.signature(make).parameters
+    except (TypeError, ValueError):  # a callable without a signature: its call says
+        return ""
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return ""
+    unknown = sorted(set(config.kwargs) - set(params))
+    if not unknown:
+        return ""
+    takes = [n for n, p in list(params.items())[2:] if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+    return f"model.kwargs {unknown}: model.kind {config.kind!r} takes no such keyword (it takes {takes or 'none'})"
 
 
 def probe_inputs(env: EnvSpec, critic: bool = False) -> tuple[torch.Tensor, ...]:

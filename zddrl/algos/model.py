@@ -31,7 +31,15 @@ class Tanh(nn.Module):
         return torch.sigmoid(2.0 * x).mul(2.0).sub(1.0)
 
 
-ACTIVATIONS = {"tanh": Tanh, "relu": nn.ReLU}
+ACTIVATIONS: dict[str, type[nn.Module]] = {
+    "tanh": Tanh,
+    "relu": nn.ReLU,
+    "silu": nn.SiLU,
+    "gelu": nn.GELU,
+    "elu": nn.ELU,
+    "leaky_relu": nn.LeakyReLU,
+}
+"""``model.activation`` -> its torch module (default parameters); zddrl.algos.policy mirrors each in numpy."""
 
 
 def _mlp(sizes: list[int], activation: str, out_gain: float) -> nn.Sequential:

@@ -1,4 +1,5 @@
-"""Actor-side inference of the replay algorithms: Ape-X's epsilon-greedy Q and SAC's squashed Gaussian.
+"""Actor-side inference of the replay algorithms: the Q-network Ape-X acts with (its epsilon-greedy policy is
+zddrl.algos.apex.policy) and SAC's squashed Gaussian.
 
 Each policy takes a forward function: the built-in MLPs' in numpy (``NumpyDuelingQ``, ``NumpyGaussian``, several
 times cheaper per step than a torch call), a network of the user's own in torch (``torch_policy.TorchForward``).
@@ -16,18 +17,9 @@ import numpy as np
 
 from zddrl.algos.flat import unflatten
 from zddrl.algos.policy import ACTIVATIONS, ActOutput
-from zddrl.algos.replay_buffer.nstep import nstep_td_errors
 
 LOG_STD_MIN, LOG_STD_MAX = -20.0, 2.0
 SQUASH_EPS = 1e-6
-
-
-def apex_epsilons(eps_base: float, eps_alpha: float, first: int, count: int, total: int) -> np.ndarray:
-    """Exploration of envs ``first .. first + count - 1`` of ``total``: ``eps_base ** (1 + eps_alpha i / (total - 1))``
-    (Horgan et al. 2018). Indices past ``total - 1`` start the schedule over (an actor beyond the planned fleet
-    explores like one within it, never all at the smallest epsilon); a fleet of one env explores at ``eps_base``."""
-    i = np.arange(first, first + count) % max(total, 1)
-    return (eps_base ** (1.0 + eps_alpha * i / max(total - 1, 1))).astype(np.float32)
 
 
 class _Torso:
@@ -66,43 +58,6 @@ class NumpyDuelingQ:
         x = self.torso(obs)
         adv = x @ self.advantage_head[0] + self.advantage_head[1]
         return x @ self.value_head[0] + self.value_head[1] + adv - adv.mean(axis=1, keepdims=True)
-
-
-class QPolicy:
-    """Epsilon-greedy on a Q-function ``q(obs) -> [N, actions]`` (numpy ``NumpyDuelingQ``, or a torch network
-    through ``torch_policy.TorchForward``); ``eps`` ``[N]``: each env's exploration (``apex_epsilons``)."""
-
-    def __init__(
-        self, q: Callable[[np.ndarray], np.ndarray], outputs: int, eps: np.ndarray, gamma: float, n_step: int
-    ) -> None:
-        self.q, self.outputs = q, outputs
-        self.eps = np.asarray(eps, dtype=np.float32)
-        self.gamma, self.n_step = gamma, n_step
-
-    def value(self, obs: np.ndarray) -> np.ndarray:
-        """``max_a Q(s, a)``: the greedy policy's value, what n-step targets bootstrap from."""
-        return self.q(obs).max(axis=1)
-
-    def act(self, obs: np.ndarray, rng: np.random.Generator, deterministic: bool = False) -> ActOutput:
-        q = self.q(obs)
-        n, k = q.shape
-        greedy = q.argmax(axis=1)
-        actions = greedy
-        if not deterministic:
-            explore = rng.random(n, dtype=np.float32) < self.eps
-            actions = np.where(explore, rng.integers(k, size=n), greedy)
-        rows = np.arange(n)
-        prob = self.eps / k + (1.0 - self.eps) * (actions == greedy)
-        return ActOutput(
-            actions.astype(np.int64),
-            np.log(prob).astype(np.float32),
-            q.max(axis=1).astype(np.float32),
-            q[rows, actions].astype(np.float32),
-        )
-
-    def td_errors(self, arrays: Mapping[str, np.ndarray], q_taken: np.ndarray) -> np.ndarray:
-        """The initial priorities of what this actor sampled (the actor sends them when its policy has this)."""
-        return nstep_td_errors(arrays, q_taken, self.gamma, self.n_step)
 
 
 class NumpyGaussian:

@@ -8,7 +8,7 @@ CNN policies run in torch instead (``zddrl.algos.torch_policy``, chosen by ``act
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -20,7 +20,39 @@ def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0.0)
 
 
-ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"tanh": np.tanh, "relu": _relu}
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x * (0.5 + 0.5 * np.tanh(0.5 * x))  # x * sigmoid(x), with no overflow for large |x|
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf to within 1.5e-7 (Abramowitz and Stegun 7.1.26): numpy has none, and float32 activations need no more."""
+    a = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-a * a))
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return (0.5 * x * (1.0 + _erf(x * np.float32(1 / np.sqrt(2))))).astype(x.dtype, copy=False)  # torch's exact GELU
+
+
+def _elu(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x, np.expm1(np.minimum(x, 0.0)))
+
+
+def _leaky_relu(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x, np.float32(0.01) * x)
+
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "tanh": np.tanh,
+    "relu": _relu,
+    "silu": _silu,
+    "gelu": _gelu,
+    "elu": _elu,
+    "leaky_relu": _leaky_relu,
+}
+"""``model.activation`` in numpy: zddrl.algos.model.ACTIVATIONS' torch modules mirrored (tests/actor/test_policy.py)."""
 
 
 class ActOutput(NamedTuple):
@@ -30,12 +62,17 @@ class ActOutput(NamedTuple):
     """``[N]`` float32 behaviour log-probabilities."""
     values: np.ndarray
     """``[N]`` float32 state values."""
-    q_taken: np.ndarray | None = None
-    """apex: ``[N]`` float32 ``Q(s, a)`` of the actions taken (the actor's TD errors need it); None otherwise."""
+    extras: Mapping[str, np.ndarray] | None = None
+    """This step's rows ``[N, *shape]`` of the algorithm's declared per-step arrays (``AlgorithmSpec.arrays``), by
+    name; None: none."""
 
 
 class Policy(Protocol):
-    """What an actor host acts with: ``NumpyPolicy`` (MLPs) or ``torch_policy.TorchPolicy`` (CNNs)."""
+    """What an actor host acts with: ``NumpyPolicy`` (MLPs) or ``torch_policy.TorchPolicy`` (CNNs).
+
+    A policy whose algorithm declares arrays (``AlgorithmSpec.arrays``) may also have ``begin_rollout() ->
+    {name: [N, *shape]}`` (per-rollout arrays, at the rollout's first step) and ``finish_rollout(arrays) ->
+    {name: array}`` (any declared array, from the whole rollout's: zddrl.actor.rollout.collect)."""
 
     @property
     def outputs(self) -> int: ...

@@ -29,6 +29,7 @@ import torch
 from zddrl.algos.core import LearnerCore
 from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay, TransitionBatch
 from zddrl.algos.rollout import Rollout
+from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.shards.group import ShardGroup
@@ -81,6 +82,9 @@ class ReplayLearner(LearnerCore):
         self.nonfinite_td = 0
         self.replay: PrioritizedReplay | None = None
         """The local buffer (``placement = "learner"``); None with the service placement."""
+        feed = algorithm_of(config).replay
+        self.priorities = feed.priorities if feed is not None else ""
+        """The declared array of the actors' TD errors (``ReplayFeed.priorities``), or ""."""
         if rc.placement == "service":
             return
         self.replay = buffer_for(config, spec, config.env.seed * 7919 + self.group.rank)
@@ -104,8 +108,11 @@ class ReplayLearner(LearnerCore):
         return why or (block_refusal(arrays, self.replay.capacity) if self.replay is not None else "")
 
     def initial_td(self, arrays: Any) -> np.ndarray | None:
-        """The TD errors that set new transitions' priorities (None: the largest priority seen so far)."""
-        return None
+        """The TD errors that set new transitions' priorities: the declared array the spec's ``ReplayFeed`` names,
+        capped at the largest priority seen (a number off the wire may not buy more replay); None: that largest
+        priority."""
+        td = arrays.get(self.priorities) if self.priorities else None
+        return None if td is None or self.replay is None else self.replay.capped_td(td)
 
     def train_step(self, batch: TransitionBatch | None) -> dict[str, float]:  # pragma: no cover - interface
         """One gradient step on ``batch`` (None: this shard has nothing to sample; it joins the collectives)."""

@@ -53,7 +53,6 @@ REWARD_RANGE_SLACK = 1e-6
 float64 a hair past a bound it met."""
 BOUND_SLACK = 1e-4
 """Relative tolerance of the action-bounds check (float32 rounding of ``mid + half * tanh(u)``)."""
-_FLOAT_ARRAYS = ("obs", "logp", "values", "rewards", "next_obs", "next_value", "trunc_obs", "trunc_value", "td_errors")
 
 
 def terminal(arrays: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -129,9 +128,8 @@ def mismatch(
             return f"truncation indices outside 0..{T * N - 1} or repeated"
         if not (arrays["truncated"].reshape(-1)[index] & ~arrays["terminated"].reshape(-1)[index]).all():
             return "truncation indices of steps that were not truncated (or were terminated)"
-    for name in (*_FLOAT_ARRAYS, *(("actions",) if not spec.discrete else ())):
-        a = arrays.get(name)
-        if a is not None and a.size and a.dtype.kind == "f" and not np.isfinite(a).all():  # uint8 pixels always are
+    for name, a in arrays.items():  # the algorithm's declared arrays too
+        if a.size and a.dtype.kind == "f" and not np.isfinite(a).all():  # uint8 pixels always are
             return f"non-finite values in {name!r}"
     return ""
 

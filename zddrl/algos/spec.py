@@ -68,6 +68,68 @@ def no_refusal(config: Config, env: EnvSpec) -> str:
     return ""
 
 
+ARRAY_DTYPES = ("float32", "float16", "int64", "int32", "uint8", "bool")
+"""Dtypes a declared array may have (a subset of the wire's)."""
+ARRAY_PER = ("step", "rollout")
+"""``step``: ``[T, N, *shape]``, one row per env step; ``rollout``: ``[N, *shape]``, one row per env of a rollout (a
+recurrent core's state at the rollout's first step)."""
+
+
+@dataclass(frozen=True)
+class DeclaredArray:
+    """An array the actors of an algorithm record beyond the ones every trajectory carries (docs/extending.md,
+    "Declared arrays"). The learner's hello carries the run's declaration and the brokers check every trajectory
+    against it (docs/protocol.md section 7.1): an array not declared, or of another dtype or shape, is refused."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    """The row's shape: ``()`` for one number per step and env."""
+    per: str = "step"
+    """``step`` or ``rollout`` (ARRAY_PER)."""
+    sent: bool = True
+    """False: recorded on the actor for the policy's ``finish_rollout`` and left off the wire (Ape-X's Q values of
+    the actions taken become the TD errors it sends)."""
+
+    def __post_init__(self) -> None:
+        if not (self.name.isidentifier() and len(self.name) <= 64):
+            raise ValueError(f"declared array {self.name!r}: the name must be a Python identifier of <= 64 chars")
+        if self.dtype not in ARRAY_DTYPES:
+            raise ValueError(f"declared array {self.name!r}: dtype must be one of {ARRAY_DTYPES}, got {self.dtype!r}")
+        if self.per not in ARRAY_PER:
+            raise ValueError(f"declared array {self.name!r}: per must be one of {ARRAY_PER}, got {self.per!r}")
+        if not all(isinstance(d, int) and d >= 1 for d in self.shape) or len(self.shape) > 4:
+            raise ValueError(f"declared array {self.name!r}: shape must be at most 4 sizes >= 1, got {self.shape}")
+
+    def rows(self, T: int, N: int) -> tuple[int, ...]:
+        """The array's full shape in a rollout of ``T`` steps of ``N`` envs."""
+        return (T, N, *self.shape) if self.per == "step" else (N, *self.shape)
+
+    def to_wire(self) -> list:
+        """``[name, dtype, shape, per]``: one entry of the hello's ``bus.arrays``."""
+        return [self.name, self.dtype, list(self.shape), self.per]
+
+
+@dataclass(frozen=True)
+class ReplayFeed:
+    """A replay algorithm's data feed: its trajectories go into a replay buffer (``[replay]``; in the learner, or in
+    `zddrl replay` services with ``replay.placement = "service"``) and its core samples from there."""
+
+    priorities: str = ""
+    """The declared per-step array that holds the actors' TD errors, the transitions' first priorities (Ape-X
+    declares one); "": every transition starts at the buffer's largest priority."""
+
+
+FEEDS = ("rollouts", "local_replay", "replay_service")
+"""Where a learner shard's core gets its data (``AlgorithmSpec.feed``)."""
+
+
+def _actor_critic_export(net: torch.nn.Module, env: EnvSpec, obs_rms: Mapping | None) -> torch.nn.Module:
+    from zddrl.algos.exported import ActorCriticPolicy
+
+    return ActorCriticPolicy(net, env, obs_rms)
+
+
 @dataclass(frozen=True)
 class AlgorithmSpec:
     """Everything zddrl needs to know of an algorithm; see the module docstring."""
@@ -90,12 +152,42 @@ class AlgorithmSpec:
     declared is logged as such, once, and left out of the metrics."""
     check: Callable[[Config, EnvSpec], str] = no_refusal
     """Why this algorithm cannot learn in a run of this config and env, or "" (checked before anything starts)."""
-    replay: bool = False
-    """Learns from a replay buffer ([replay]; ``replay.placement`` may put it in `zddrl replay` services)."""
+    arrays: tuple[DeclaredArray, ...] | Callable[[Config, EnvSpec], tuple[DeclaredArray, ...]] = ()
+    """The arrays its actors record beyond every trajectory's own (``DeclaredArray``), filled from the acting
+    policy's ``ActOutput.extras`` (per step), ``begin_rollout()`` (per rollout) or ``finish_rollout`` (either); or a
+    function of the run's config and env giving them (a shape that depends on the action space or a model size).
+    Read through ``declared_arrays``."""
+    replay: ReplayFeed | None = None
+    """Learns from a replay buffer (``ReplayFeed``); None: from the rollouts as they arrive."""
+    export: Callable[[torch.nn.Module, EnvSpec, Mapping | None], torch.nn.Module] = _actor_critic_export
+    """Wraps the acting network as the module `zddrl export` writes: ``(net, env, obs_rms) -> module`` whose
+    ``forward(obs)`` returns ``(action, dist_params)`` and whose ``outputs()`` describes them (zddrl.algos.exported).
+    The default fits a network whose ``forward(obs)`` returns ``(dist_params, value)``."""
     fixed_rollout_len: bool = False
     """Every trajectory of a batch must have the version's rollout length (IMPALA stacks them time-major)."""
     bounded_actions: bool = False
     """Continuous actions on the wire must lie within the env's bounds (the actors send squashed actions)."""
+
+
+def feed(spec: AlgorithmSpec, config: Config) -> str:
+    """Where a learner shard of ``spec`` in a run of ``config`` gets its data: one of FEEDS."""
+    if spec.replay is None:
+        return "rollouts"
+    return "replay_service" if config.replay.placement == "service" else "local_replay"
+
+
+def declared_arrays(spec: AlgorithmSpec, config: Config, env: EnvSpec) -> tuple[DeclaredArray, ...]:
+    """The arrays ``spec`` declares for a run of ``config`` on ``env``; ValueError if they are not DeclaredArrays of
+    distinct names."""
+    arrays = spec.arrays(config, env) if callable(spec.arrays) else spec.arrays
+    if not all(isinstance(a, DeclaredArray) for a in arrays) or len({a.name for a in arrays}) != len(arrays):
+        raise ValueError(f"algorithm {spec.name!r}: arrays must be DeclaredArrays of distinct names, got {arrays!r}")
+    return tuple(arrays)
+
+
+def sent_arrays(spec: AlgorithmSpec, config: Config, env: EnvSpec) -> tuple[DeclaredArray, ...]:
+    """The declared arrays a trajectory of ``spec`` carries (the learner's hello declares them)."""
+    return tuple(a for a in declared_arrays(spec, config, env) if a.sent)
 
 
 def algorithm(name: str, allowed: frozenset[str] | None = None) -> AlgorithmSpec:

@@ -161,6 +161,10 @@ class Router:
         if reason:
             self.drop(reason, actor, why)
             return actor
+        why = run.bus.arrays.refusal(msg["arrays"])  # the run's declared arrays (docs/protocol.md section 7.1)
+        if why:
+            self.drop("malformed", actor, f"dropped a malformed trajectory of {msg['peer_id']}: {why}")
+            return actor
         why = self.outlet.deliver(frames, nbytes)
         if why:
             self.drop("no_route", actor, why)

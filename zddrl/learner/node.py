@@ -27,11 +27,11 @@ from loguru import logger
 from zddrl import keys
 from zddrl import protocol as P
 from zddrl.algos.core import CORE_FIGURES, LearnerCore
-from zddrl.algos.replay_learner import REPLAY_FIGURES, ReplayLearner
+from zddrl.algos.replay_learner import REPLAY_FIGURES
 from zddrl.algos.rollout import mismatch
-from zddrl.algos.spec import algorithm_of, declared
+from zddrl.algos.spec import AlgorithmSpec, algorithm_of, declared, feed, sent_arrays
 from zddrl.config import Config, ConfigError
-from zddrl.envs import probe_spec
+from zddrl.envs import EnvSpec, probe_spec
 from zddrl.intake.admit import AskedLengths, envs_bound, envs_of, refusal
 from zddrl.intake.window import stream_window
 from zddrl.learner.checkpoints import Checkpoints, check_run_dir
@@ -59,6 +59,19 @@ STATS_EVERY_S = 1.0
 RUN_FIGURES = ("staleness_mean", "staleness_max", "staleness_hist", "sps", "eval_return", *REPLAY_FIGURES)
 """Figures of the run, whatever its algorithm, that go to `zddrl status` with the learner's stats (the algorithm's
 own follow: its spec's ``figures``)."""
+
+
+def run_bus_of(config: Config, spec: AlgorithmSpec, env: EnvSpec) -> dict[str, Any]:
+    """The ``bus`` of the run's learner hello: how it learns (``config.hello_bus``) and the algorithm's declared
+    arrays (docs/protocol.md 5.1 and 7.1); ConfigError (one line) for a declaration the brokers would refuse."""
+    bus = config.hello_bus()
+    arrays = [a.to_wire() for a in sent_arrays(spec, config, env)]
+    if arrays:
+        bus[P.BUS_ARRAYS] = arrays
+    why = P.bus_refusal(bus)
+    if why:
+        raise ConfigError(f"algo.name {config.algo.name!r}: {why}")
+    return bus
 
 
 class MainShard(NamedTuple):
@@ -107,6 +120,12 @@ class LearnerNode:
         self.log = logger.bind(role="learner", peer=self.peer_id)
         self.spec = probe_spec(config.env)
         self.algorithm = algorithm_of(config)
+        self.bus = run_bus_of(config, self.algorithm, self.spec)
+        """What the brokers need of the run (the hello's ``bus``): the run spec is opaque to them."""
+        self.declared = P.run_bus(self.bus).arrays
+        """The algorithm's declared trajectory arrays, which this shard checks too (docs/protocol.md section 7.1)."""
+        self.feed = feed(self.algorithm, config)
+        """Where the core's data comes from (``spec.FEEDS``): rollouts, a replay buffer in the core, replay services."""
         self.figures = declared(self.algorithm, CORE_FIGURES)
         """Everything an update of this algorithm may report, by name."""
         self.core: LearnerCore = self.algorithm.learner(config, self.spec, self.group)
@@ -163,7 +182,7 @@ class LearnerNode:
             run=self.config.to_dict(),
             shard=self.group.rank,
             num_shards=self.group.world_size,
-            bus=self.config.hello_bus(),  # what the brokers need of the run: the run spec is opaque to them
+            bus=self.bus,
             **hello_fields(),
         )
         if self._signer is not None:
@@ -196,7 +215,7 @@ class LearnerNode:
         welcome = await_welcome(link, stop, self.connect)
         if self.main:
             self.own = self.open_run()
-        service = self.config.replay.placement == "service" and self.algorithm.replay
+        service = self.feed == "replay_service"
         window, limit = (0 if service else self._window()), welcome.max_message_bytes  # service: the replays' data
         self.poller = ShardPoller(
             link,
@@ -256,8 +275,10 @@ class LearnerNode:
         )
         remote.rollout_len = self.rollout_len
         self.remote = remote
-        assert isinstance(self.core, ReplayLearner)
-        self.core.attach(remote)
+        attach = getattr(self.core, "attach", None)  # a replay core (zddrl.algos.replay_learner.ReplayLearner)
+        if attach is None:
+            raise ConfigError(f"algo.name {self.algo.name!r}: its core has no attach(source) for the replay services")
+        attach(remote)
         self.log.info(f"replay placement 'service': sampling from {', '.join(self.replays)}")
         return ServiceFeed(self.poller, remote, self.algo, ledger, self.group)
 
@@ -356,7 +377,11 @@ class LearnerNode:
         try:
             T = self.rollout_len if self.algorithm.fixed_rollout_len else None
             bounded = self.algorithm.bounded_actions
-            return mismatch(msg.arrays, self.core.spec, T, bounded) or self.core.refusal(msg.arrays)
+            return (
+                self.declared.refusal_of(msg.arrays)
+                or mismatch(msg.arrays, self.core.spec, T, bounded)
+                or self.core.refusal(msg.arrays)
+            )
         except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it, never the run
             return f"its check failed ({type(exc).__name__}: {exc})"
 

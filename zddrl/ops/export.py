@@ -43,10 +43,8 @@ from torch import nn
 
 from zddrl import __version__
 from zddrl.algos.core import acting_model
-from zddrl.algos.custom_model import CustomActorCritic, CustomQ
-from zddrl.algos.flat import OBS_CLIP
-from zddrl.algos.model import ActorCritic
-from zddrl.algos.offpolicy_nets import DuelingQ, SquashedPolicy
+from zddrl.algos.exported import ExportedPolicy
+from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import EnvSpec, probe_spec
 from zddrl.ops.api import read_state
@@ -66,8 +64,6 @@ TOLERANCE = 1e-4
 a runtime sums in its own order, and an output near 0 that is a sum of large terms carries their rounding errors, so
 an elementwise relative bound would fail good files of deep networks. Any real defect (a statistic, a scale, a clip
 lost) is off by far more."""
-VAR_EPS = 1e-8
-"""Added to the variance before its square root, as ``zddrl.algos.flat.normalize_obs`` does."""
 
 
 class ExportError(ValueError):
@@ -87,7 +83,7 @@ def export_policy(
         require_onnx()
     state, config = read_state(checkpoint, allowed)
     spec, net = policy_network(state, config)
-    policy = exportable(net, spec, state.get("obs_rms"))
+    policy = exportable(config, net, spec, state.get("obs_rms"))
     meta = describe(config, spec, policy, int(state.get("policy_version", -1)))
     output.parent.mkdir(parents=True, exist_ok=True)
     partial = output.with_name(output.name + ".partial")  # the file appears only once it is known to be right
@@ -119,96 +115,22 @@ def policy_network(state: dict[str, Any], config: Config) -> tuple[EnvSpec, nn.M
     return spec, net.eval()
 
 
-class ExportedPolicy(nn.Module):
-    """``net`` behind the run's observation normalisation (when it had one); subclasses choose the action."""
-
-    obs_mean: torch.Tensor
-    obs_var: torch.Tensor
-    action_low: torch.Tensor
-    action_high: torch.Tensor
-    """Buffers: the statistics when the run normalised observations, the bounds for Box actions."""
-
-    def __init__(self, net: nn.Module, spec: EnvSpec, obs_rms: dict[str, Any] | None) -> None:
-        super().__init__()
-        self.net = net
-        self.discrete = spec.discrete
-        self.normalized = obs_rms is not None
-        if obs_rms is not None:  # float32, as the actors cast them (algos/policy.py): the same numbers
-            self.register_buffer("obs_mean", torch.as_tensor(obs_rms["mean"]).to(torch.float32).clone())
-            self.register_buffer("obs_var", torch.as_tensor(obs_rms["var"]).to(torch.float32).clone())
-        if not spec.discrete:
-            self.register_buffer("action_low", torch.tensor(spec.action_low, dtype=torch.float32))
-            self.register_buffer("action_high", torch.tensor(spec.action_high, dtype=torch.float32))
-
-    def prepare(self, obs: torch.Tensor) -> torch.Tensor:
-        """The network's input: ``flat.normalize_obs`` in torch when the run normalised, else ``obs`` as it came."""
-        if not self.normalized:
-            return obs
-        return ((obs.float() - self.obs_mean) / torch.sqrt(self.obs_var + VAR_EPS)).clamp(-OBS_CLIP, OBS_CLIP)
-
-    def outputs(self) -> dict[str, str]:
-        """What ``action`` and ``dist_params`` hold (the file's description says it)."""
-        raise NotImplementedError
-
-
-class ActorCriticPolicy(ExportedPolicy):
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        params, _ = self.net(self.prepare(obs))
-        if self.discrete:
-            return params.argmax(dim=1), params
-        mean = params[:, : self.action_low.shape[0]]
-        return torch.maximum(torch.minimum(mean, self.action_high), self.action_low), params
-
-    def outputs(self) -> dict[str, str]:
-        if self.discrete:
-            return {"action": "argmax of the logits, int64 [B]", "dist_params": "logits [B, n]"}
-        return {"action": "mean clipped to the bounds [B, A]", "dist_params": "concat(mean, log_std) [B, 2A]"}
-
-
-class GreedyQPolicy(ExportedPolicy):
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = self.net(self.prepare(obs))
-        return q.argmax(dim=1), q
-
-    def outputs(self) -> dict[str, str]:
-        return {"action": "argmax of Q, int64 [B]", "dist_params": "Q values [B, n]"}
-
-
-class SquashedGaussianPolicy(ExportedPolicy):
-    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        mu, log_std = self.net(self.prepare(obs))
-        # mid + half * tanh(mu), mid and half in float32 as NumpySACPolicy computes them: the actors' greedy action
-        mid, half = (self.action_high + self.action_low) / 2, (self.action_high - self.action_low) / 2
-        return mid + half * torch.tanh(mu), torch.cat([mu, log_std], dim=1)
-
-    def outputs(self) -> dict[str, str]:
-        return {"action": "tanh(mean) scaled to the bounds [B, A]", "dist_params": "concat(mean, log_std) [B, 2A]"}
-
-
-FAMILIES: dict[type[nn.Module], type[ExportedPolicy]] = {
-    ActorCritic: ActorCriticPolicy,
-    CustomActorCritic: ActorCriticPolicy,  # the same forward(obs) -> (dist_params, value): algos/custom_model.py
-    DuelingQ: GreedyQPolicy,
-    CustomQ: GreedyQPolicy,  # forward(obs) -> q
-    SquashedPolicy: SquashedGaussianPolicy,  # zddrl's SquashedGaussian and custom_model.CustomGaussian
-}
-"""The exported module of each acting network."""
-
-
 def policy_module(state: dict[str, Any], config: Config) -> ExportedPolicy:
     """The module an exported file holds, of a checkpoint's ``state`` (its ``model`` and ``obs_rms``): what
     ``zddrl.load_policy(...).dist_params`` runs."""
     spec, net = policy_network(state, config)
-    return exportable(net, spec, state.get("obs_rms"))
+    return exportable(config, net, spec, state.get("obs_rms"))
 
 
-def exportable(net: nn.Module, spec: EnvSpec, obs_rms: dict[str, Any] | None) -> ExportedPolicy:
-    """``net`` wrapped as the exported module of its family (ExportError for a network of no known family)."""
-    family = next((wrapper for cls, wrapper in FAMILIES.items() if isinstance(net, cls)), None)
-    if family is None:
-        known = ", ".join(cls.__name__ for cls in FAMILIES)
-        raise ExportError(f"no export for a {type(net).__name__} network (the exported ones: {known})")
-    return family(net, spec, obs_rms).eval().requires_grad_(False)
+def exportable(config: Config, net: nn.Module, spec: EnvSpec, obs_rms: dict[str, Any] | None) -> ExportedPolicy:
+    """``net`` wrapped as the module the run's algorithm exports (its spec's ``export``)."""
+    wrapped = algorithm_of(config).export(net, spec, obs_rms)
+    if not isinstance(wrapped, ExportedPolicy):
+        raise ExportError(
+            f"algo.name {config.algo.name!r}: its spec's export gave a {type(wrapped).__name__}, "
+            "not a zddrl.algos.exported.ExportedPolicy"
+        )
+    return wrapped.eval().requires_grad_(False)
 
 
 def describe(config: Config, spec: EnvSpec, policy: ExportedPolicy, policy_version: int) -> dict[str, Any]:

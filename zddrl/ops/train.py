@@ -35,7 +35,7 @@ from loguru import logger
 
 from zddrl import plugin
 from zddrl.algos.spec import algorithm_of
-from zddrl.config import Config, TrainConfig, to_toml
+from zddrl.config import Config, ConfigError, TrainConfig, to_toml
 from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
@@ -429,6 +429,7 @@ def _check_env(config: Config) -> None:
     instead of a learner that fails in its log."""
     from zddrl.algos.checks import replay_refusal, spec_refusal
     from zddrl.envs import EnvError, probe_spec
+    from zddrl.learner.node import run_bus_of
 
     try:
         spec = probe_spec(config.env)
@@ -440,6 +441,10 @@ def _check_env(config: Config) -> None:
     why = replay_refusal(config, spec)
     if why:
         raise click.UsageError(why)
+    try:  # the algorithm's declared arrays, as the learner's hello will state them (docs/protocol.md section 7.1)
+        run_bus_of(config, algorithm_of(config), spec)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def _restart_learner(

@@ -79,6 +79,7 @@ from zddrl.protocol.messages import (  # noqa: F401  (part of this package's int
 # The byte layer (preamble, limits, dtypes, array frames) lives in zddrl.protocol.frames; its public names are
 # part of this module's interface too.
 from zddrl.protocol.rules import (  # noqa: F401
+    BUS_ARRAYS,
     DATA_IDENTITY_BYTES,
     MAX_FLEET_ACTORS_BYTES,
     MAX_HEARTBEAT_INTERVAL_S,
@@ -95,6 +96,8 @@ from zddrl.protocol.rules import (  # noqa: F401
     SIGNATURE_BYTES,
     TRAJECTORY_ARRAYS,
     TRUNCATION_ARRAYS,
+    DeclaredLayout,
+    bus_refusal,
     check_chunk,
     check_fleet,
     check_heartbeat,
@@ -106,8 +109,10 @@ from zddrl.protocol.rules import (  # noqa: F401
     check_trajectory,
     check_trajectory_layout,
     check_welcome,
+    declaration_of,
     fleet_entry_bytes,
     hello_refusal,
+    run_bus,
 )
 
 _buffer = flat_buffer  # the name tests and docs/src/gen_protocol.py know

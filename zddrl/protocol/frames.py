@@ -20,7 +20,7 @@ import numpy as np
 from zmq import Frame as ZmqFrame
 
 SIGNATURE = b"ZDRL"
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 PREAMBLE = SIGNATURE + bytes([PROTOCOL_VERSION])
 
 MAX_HEADER_BYTES = 1 << 20

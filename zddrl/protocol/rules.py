@@ -56,7 +56,102 @@ def hello_refusal(hello: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 BUS_KEYS = ("sync", "max_staleness", "max_in_flight")
-"""The keys of a ``bus`` map, all of them required when the map is there."""
+"""The keys of a ``bus`` map, all of them required when the map is there; ``arrays`` (BUS_ARRAYS) may join them."""
+BUS_ARRAYS = "arrays"
+"""The optional key of a ``bus`` map declaring the run's own trajectory arrays (docs/protocol.md section 7.1)."""
+MAX_DECLARED_ARRAYS = 32
+"""Most arrays a run may declare."""
+MAX_DECLARED_NAME = 64
+"""Longest declared array name, in characters."""
+ARRAY_PER = ("step", "rollout")
+"""A declared array is ``[T, N, *shape]`` (``step``) or ``[N, *shape]`` (``rollout``)."""
+
+
+class DeclaredLayout:
+    """A run's declared arrays (the ``arrays`` of its ``bus``) and the trajectory layouts found to follow them.
+
+    ``refusal(specs)`` says why a checked trajectory's ``[name, dtype, shape]`` specs break the declaration: a
+    declared array missing or of another dtype or shape, or an array that is neither one of every trajectory's
+    (section 7) nor declared. A forwarder asks per trajectory; the answer is kept per layout object (the layout
+    cache hands out one list per distinct layout), so the check costs one dict lookup in the steady state."""
+
+    def __init__(self, declared: tuple[tuple[str, str, tuple[int, ...], str], ...] = ()) -> None:
+        self.declared = declared
+        self.names = frozenset(name for name, *_ in declared)
+        self._seen: dict[int, tuple[Any, str]] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeclaredLayout) and self.declared == other.declared
+
+    def __hash__(self) -> int:
+        return hash(self.declared)
+
+    def __repr__(self) -> str:
+        return f"DeclaredLayout({self.declared!r})"
+
+    def to_wire(self) -> list:
+        return [[name, dtype, list(shape), per] for name, dtype, shape, per in self.declared]
+
+    def refusal(self, specs: Any) -> str:
+        """Why ``specs`` (``[[name, dtype, shape], ...]`` of a trajectory that passed decode's checks) break the
+        declaration, or ""."""
+        seen = self._seen.get(id(specs))
+        if seen is not None and seen[0] is specs:
+            return seen[1]
+        why = self._refusal({name: (dtype, tuple(shape)) for name, dtype, shape in specs})
+        if len(self._seen) >= 256:  # layouts vary little; a sender that varies them on purpose pays the check
+            self._seen.clear()
+        self._seen[id(specs)] = (specs, why)  # the list is held, so its id names no other list while kept
+        return why
+
+    def refusal_of(self, arrays: Any) -> str:
+        """``refusal`` of a decoded trajectory's arrays (name -> ndarray)."""
+        if not self.declared and arrays.keys() <= _GENERIC:
+            return ""
+        return self._refusal({name: (DTYPE_NAMES[a.dtype], a.shape) for name, a in arrays.items()})
+
+    def _refusal(self, arrays: dict[str, tuple[str, tuple]]) -> str:
+        undeclared = sorted(arrays.keys() - _GENERIC - self.names)
+        if undeclared:
+            return f"trajectory: arrays {undeclared} are neither a trajectory's own nor declared by the run"
+        T, N = arrays["rewards"][1]
+        for name, dtype, shape, per in self.declared:
+            want = (T, N, *shape) if per == "step" else (N, *shape)
+            got = arrays.get(name)
+            if got != (dtype, want):
+                have = "missing" if got is None else f"{got[0]} {list(got[1])}"
+                return f"trajectory: declared array {name!r} must be {dtype} {list(want)}, got {have}"
+        return ""
+
+
+def declaration_of(arrays: Any) -> DeclaredLayout:
+    """The DeclaredLayout of a ``bus`` map's ``arrays`` that passed ``bus_refusal``."""
+    return DeclaredLayout(tuple((name, dtype, tuple(shape), per) for name, dtype, shape, per in arrays or ()))
+
+
+def declaration_refusal(arrays: Any) -> str:
+    """Why a ``bus`` map's ``arrays`` breaks its rules: a list of at most MAX_DECLARED_ARRAYS distinct
+    ``[name, dtype, shape, per]``, each name an identifier of at most MAX_DECLARED_NAME characters that is none
+    of a trajectory's own, a wire dtype, at most MAX_NDIM - 2 sizes >= 1, ``per`` one of ARRAY_PER."""
+    if type(arrays) is not list or len(arrays) > MAX_DECLARED_ARRAYS:
+        return f"bus: arrays must be a list of at most {MAX_DECLARED_ARRAYS} entries"
+    names = set()
+    for entry in arrays:
+        if type(entry) is not list or len(entry) != 4:
+            return "bus: each declared array is [name, dtype, shape, per]"
+        name, dtype, shape, per = entry
+        if type(name) is not str or not name.isidentifier() or len(name) > MAX_DECLARED_NAME:
+            return f"bus: declared array name {name!r} must be an identifier of at most {MAX_DECLARED_NAME} chars"
+        if name in _GENERIC or name in names:
+            return f"bus: declared array {name!r} is a trajectory's own or declared twice"
+        names.add(name)
+        if type(dtype) is not str or dtype not in DTYPES:
+            return f"bus: declared array {name!r} has dtype {dtype!r}, not one of {sorted(DTYPES)}"
+        if type(shape) is not list or len(shape) > MAX_NDIM - 2 or not all(_is_int(d, 1) for d in shape):
+            return f"bus: declared array {name!r} must have a shape of at most {MAX_NDIM - 2} sizes >= 1"
+        if per not in ARRAY_PER:
+            return f"bus: declared array {name!r}: per must be one of {list(ARRAY_PER)}, got {per!r}"
+    return ""
 
 
 class RunBus(NamedTuple):
@@ -71,6 +166,8 @@ class RunBus(NamedTuple):
     max_in_flight: int = 2
     """Trajectories an actor keeps pushed and not credited at most: the broker returns credit in batches of half
     of it, and a relay sizes its upstream window by it."""
+    arrays: DeclaredLayout = DeclaredLayout()
+    """The run's declared trajectory arrays (section 7.1), which every forwarder checks."""
 
     @property
     def staleness(self) -> int:
@@ -78,8 +175,15 @@ class RunBus(NamedTuple):
         return 0 if self.sync else self.max_staleness
 
     def to_wire(self) -> dict[str, Any]:
-        """The ``bus`` map of hello and welcome."""
-        return {"sync": self.sync, "max_staleness": self.max_staleness, "max_in_flight": self.max_in_flight}
+        """The ``bus`` map of hello and welcome (``arrays`` only when the run declares some)."""
+        bus: dict[str, Any] = {
+            "sync": self.sync,
+            "max_staleness": self.max_staleness,
+            "max_in_flight": self.max_in_flight,
+        }
+        if self.arrays.declared:
+            bus[BUS_ARRAYS] = self.arrays.to_wire()
+        return bus
 
 
 def bus_refusal(bus: dict[str, Any] | None) -> str:
@@ -87,20 +191,22 @@ def bus_refusal(bus: dict[str, Any] | None) -> str:
     >= 0, ``max_in_flight`` an int >= 1), or "" (nil is no map: the defaults)."""
     if bus is None:
         return ""
-    if set(bus) != set(BUS_KEYS):
-        return f"bus must have exactly the keys {list(BUS_KEYS)}, got {sorted(bus)}"
+    if set(bus) - {BUS_ARRAYS} != set(BUS_KEYS):
+        return f"bus must have exactly the keys {list(BUS_KEYS)} (and {BUS_ARRAYS!r}), got {sorted(bus)}"
     if type(bus["sync"]) is not bool:
         return f"bus: sync must be a bool, got {bus['sync']!r}"
     if not _is_int(bus["max_staleness"], 0):
         return f"bus: max_staleness must be an int >= 0, got {bus['max_staleness']!r}"
     if not _is_int(bus["max_in_flight"], 1):
         return f"bus: max_in_flight must be an int >= 1, got {bus['max_in_flight']!r}"
-    return ""
+    return declaration_refusal(bus[BUS_ARRAYS]) if BUS_ARRAYS in bus else ""
 
 
 def run_bus(bus: dict[str, Any] | None) -> RunBus:
     """The RunBus of a ``bus`` map that passed ``bus_refusal`` (nil: the defaults)."""
-    return RunBus() if bus is None else RunBus(bus["sync"], bus["max_staleness"], bus["max_in_flight"])
+    if bus is None:
+        return RunBus()
+    return RunBus(bus["sync"], bus["max_staleness"], bus["max_in_flight"], declaration_of(bus.get(BUS_ARRAYS)))
 
 
 def fleet_entry_bytes(peer_id: str, num_envs: int, host: str) -> int:
@@ -304,11 +410,13 @@ TRAJECTORY_ARRAYS = ("obs", "actions", *STEP_ARRAYS, "next_obs", "next_value")
 """Every trajectory carries these."""
 TRUNCATION_ARRAYS = ("trunc_idx", "trunc_obs", "trunc_value")
 """Present together, and only in a rollout where some episode was truncated (``K >= 1``)."""
-OPTIONAL_STEP_ARRAYS = {"td_errors": _F32, "life_lost": _BOOL}
-"""``[T, N]`` arrays a mode may add: ``td_errors``, Ape-X's actor-side TD errors (the initial priorities);
-``life_lost`` (``env.episodic_life``), true where a life was lost and the game went on: a terminal for the returns,
-not the end of an episode."""
-_KNOWN = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS + tuple(OPTIONAL_STEP_ARRAYS))
+OPTIONAL_STEP_ARRAYS = {"life_lost": _BOOL}
+"""``[T, N]`` arrays a run may add: ``life_lost`` (``env.episodic_life``), true where a life was lost and the game
+went on: a terminal for the returns, not the end of an episode."""
+
+
+_GENERIC = frozenset(TRAJECTORY_ARRAYS + TRUNCATION_ARRAYS + tuple(OPTIONAL_STEP_ARRAYS))
+"""Every trajectory array the protocol itself defines: no run may declare one of these names."""
 
 
 def check_trajectory_layout(layout: Layout) -> None:
@@ -318,9 +426,8 @@ def check_trajectory_layout(layout: Layout) -> None:
     missing = [name for name in TRAJECTORY_ARRAYS if name not in arrays]
     if missing:
         raise ProtocolError(f"trajectory: missing arrays {missing}")
-    unknown = sorted(arrays.keys() - _KNOWN)
-    if unknown:
-        raise ProtocolError(f"trajectory: unknown arrays {unknown}")
+    # Other arrays are the run's declared ones (section 7.1): a forwarder checks them against the run's declaration
+    # (DeclaredLayout), which decode does not know.
     obs_dtype, obs_shape = arrays["obs"]
     if obs_dtype not in OBS_DTYPES or len(obs_shape) < 2 or 0 in obs_shape[:2]:
         raise ProtocolError(

@@ -36,7 +36,7 @@ from zddrl import protocol as P
 from zddrl.algos.replay_buffer.prioritized import PrioritizedReplay
 from zddrl.algos.replay_learner import block_refusal, buffer_for
 from zddrl.algos.rollout import mismatch
-from zddrl.algos.spec import algorithm_of
+from zddrl.algos.spec import algorithm_of, sent_arrays
 from zddrl.config import Config
 from zddrl.envs import EnvSpec
 from zddrl.intake.admit import envs_bound, envs_of, refusal
@@ -76,6 +76,10 @@ class ReplayStore:
         self.buffer: PrioritizedReplay | None = None
         self.config: Config | None = None
         self.spec: EnvSpec | None = None
+        self.declared = P.DeclaredLayout()
+        """The run's declared trajectory arrays (docs/protocol.md section 7.1), checked here too."""
+        self.priorities = ""
+        """The declared array of the actors' TD errors (``ReplayFeed.priorities``), or ""."""
         self.inserted = 0
         self.newest_version = -1
         self.learner_version = 0
@@ -92,6 +96,9 @@ class ReplayStore:
         """Serve ``config``'s run: keep the buffer if its layout is the same, else a new one (loaded from the state
         directory when a saved one has this layout). Returns one line saying which."""
         self.config, self.spec = config, spec
+        algorithm = algorithm_of(config)
+        self.declared = P.declaration_of([a.to_wire() for a in sent_arrays(algorithm, config, spec)])
+        self.priorities = algorithm.replay.priorities if algorithm.replay is not None else ""
         self.asked_len = config.env.rollout_len
         self.learner_version = 0
         if self.buffer is not None and self.buffer.layout() == _layout_of(config, spec):
@@ -115,7 +122,8 @@ class ReplayStore:
         readable = not why
         if not why:
             try:
-                why = mismatch(msg.arrays, self.spec, None, algorithm_of(self.config).bounded_actions)
+                bounded = algorithm_of(self.config).bounded_actions
+                why = self.declared.refusal_of(msg.arrays) or mismatch(msg.arrays, self.spec, None, bounded)
                 why = why or block_refusal(msg.arrays, self.buffer.capacity)
             except Exception as exc:  # noqa: BLE001 - whatever the data, a check that fails refuses it
                 why = f"its check failed ({type(exc).__name__}: {exc})"
@@ -129,7 +137,7 @@ class ReplayStore:
                 "invalid", f"refused a trajectory of {msg.peer_id} (seq {msg.seq}): {why} ({self.counters['invalid']})"
             )
             return
-        td = msg.arrays.get("td_errors")
+        td = msg.arrays.get(self.priorities) if self.priorities else None
         self.buffer.insert_arrays(msg.arrays, msg.policy_version, None if td is None else self.buffer.capped_td(td))
         steps = int(msg.arrays["rewards"].size)
         self.inserted += steps

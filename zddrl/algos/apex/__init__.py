@@ -3,15 +3,16 @@ filled by epsilon-greedy actors of fixed epsilons (``learner.ApexLearner``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from zddrl.algos.offpolicy_policy import NumpyDuelingQ, QPolicy, apex_epsilons
+from zddrl.algos.apex.policy import QPolicy, apex_epsilons
+from zddrl.algos.offpolicy_policy import NumpyDuelingQ
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
-from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
+from zddrl.algos.spec import ActingVersion, AlgorithmSpec, DeclaredArray, Figure, ReplayFeed
 from zddrl.config import Config
 from zddrl.tomlconf import require
 
@@ -77,6 +78,12 @@ def _check(config: Config, env: EnvSpec) -> str:
     return replay_algo_refusal(config, env)
 
 
+def _export(net: torch.nn.Module, env: EnvSpec, obs_rms: Mapping | None) -> torch.nn.Module:
+    from zddrl.algos.exported import GreedyQPolicy
+
+    return GreedyQPolicy(net, env, obs_rms)
+
+
 ALGORITHM = AlgorithmSpec(
     name="apex",
     settings=ApexSettings,
@@ -86,5 +93,10 @@ ALGORITHM = AlgorithmSpec(
     acting_policy=_policy,
     figures=(*REPLAY_ALGO_FIGURES, Figure("loss"), Figure("q_mean"), Figure("td_abs_mean")),
     check=_check,
-    replay=True,
+    arrays=(
+        DeclaredArray("q_taken", "float32", sent=False),  # Q(s, a) of the action taken: what actor_td is made of
+        DeclaredArray("actor_td", "float32"),  # the actor's n-step TD errors: its transitions' first priorities
+    ),
+    replay=ReplayFeed(priorities="actor_td"),
+    export=_export,
 )

@@ -8,15 +8,14 @@ Schaul et al. 2016 (prioritized replay). For a sampled transition ``(s_t, a_t, G
 
 and the new priority of the transition is ``|Q(s_t, a_t) - y|``. The target network is a copy of the online one,
 refreshed every ``algo.target_update_every`` gradient steps. Actors explore with a fixed epsilon of their own
-and send the TD errors of what they sampled, computed with their copy of the network (``td_errors``): the
-initial priorities. A number off the wire may not buy its transition more replay than the largest priority the
-buffer has seen, so it is capped there. No sockets here.
+and send the TD errors of what they sampled, computed with their copy of the network (``actor_td``, declared in
+the spec): the initial priorities (``ReplayLearner.initial_td``), capped at the largest priority the buffer has
+seen, so that a number off the wire may not buy its transition more replay. No sockets here.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import numpy as np
 import torch
@@ -33,10 +32,6 @@ class ApexLearner(ReplayLearner):
     def __init__(self, config: Config, spec: EnvSpec, group: ShardGroup | None = None) -> None:
         super().__init__(config, spec, group)
         self.target = copy.deepcopy(self.model).requires_grad_(False)
-
-    def initial_td(self, arrays: Any) -> np.ndarray | None:
-        td = arrays.get("td_errors")
-        return None if td is None or self.replay is None else self.replay.capped_td(td)
 
     def train_step(self, batch: TransitionBatch | None) -> dict[str, float]:
         if batch is None:

@@ -24,14 +24,11 @@ both sides. Computed and returned in float64; the only Python loop runs over ``n
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
 
-from zddrl.algos.replay_buffer.block import next_offsets
-
-__all__ = ["NStepReturns", "nstep_returns", "nstep_td_errors"]
+__all__ = ["NStepReturns", "nstep_returns"]
 
 
 class NStepReturns(NamedTuple):
@@ -72,24 +69,3 @@ def nstep_returns(
     end_terminated = np.take_along_axis(terminated, last, axis=0)
     discounts = np.where(end_terminated, 0.0, np.power(gamma, steps, dtype=np.float64))
     return NStepReturns(returns, discounts, steps)
-
-
-def nstep_td_errors(arrays: Mapping[str, np.ndarray], q_taken: np.ndarray, gamma: float, n: int) -> np.ndarray:
-    """Ape-X's actor-side TD errors ``[T, N]`` float32 of one rollout, from the acting network's own estimates.
-
-    ``delta_t = G_t + discount_t V(s_{t+k}) - Q(s_t, a_t)``, with ``V(s) = max_a Q(s, a)`` read from the
-    rollout's ``values`` (``obs[t + k]``), ``next_value`` (``t + k = T``) or ``trunc_value`` (a truncated
-    episode's final observation): the bootstrap observation ``block.next_offsets`` picks, so the same
-    transition the buffer stores. ``q_taken``: ``Q(s_t, a_t)`` ``[T, N]``.
-    """
-    rewards, terminated, truncated = arrays["rewards"], arrays["terminated"], arrays["truncated"]
-    T, N = rewards.shape
-    ns = nstep_returns(rewards, terminated, truncated, gamma, n)
-    trunc_pos = np.full(T * N, -1, dtype=np.int64)
-    trunc_value = np.zeros(0, dtype=np.float32)
-    if "trunc_idx" in arrays:
-        trunc_pos[arrays["trunc_idx"]] = np.arange(len(arrays["trunc_idx"]))
-        trunc_value = arrays["trunc_value"]
-    offsets = next_offsets(ns.steps, terminated, truncated, trunc_pos.reshape(T, N))
-    values = np.concatenate([arrays["values"].reshape(-1), arrays["next_value"], trunc_value])
-    return (ns.returns + ns.discounts * values[offsets] - q_taken).astype(np.float32)

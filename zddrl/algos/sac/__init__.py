@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from zddrl.algos.offpolicy_policy import NumpyGaussian, SACPolicy
 from zddrl.algos.replay_spec import REPLAY_ALGO_FIGURES, replay_algo_refusal
-from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure
+from zddrl.algos.spec import ActingVersion, AlgorithmSpec, Figure, ReplayFeed
 from zddrl.config import Config
 from zddrl.tomlconf import require
 
@@ -72,6 +73,12 @@ def _check(config: Config, env: EnvSpec) -> str:
     return replay_algo_refusal(config, env)
 
 
+def _export(net: torch.nn.Module, env: EnvSpec, obs_rms: Mapping | None) -> torch.nn.Module:
+    from zddrl.algos.exported import SquashedGaussianPolicy
+
+    return SquashedGaussianPolicy(net, env, obs_rms)
+
+
 ALGORITHM = AlgorithmSpec(
     name="sac",
     settings=SACSettings,
@@ -88,6 +95,7 @@ ALGORITHM = AlgorithmSpec(
         Figure("temperature"),
     ),
     check=_check,
-    replay=True,
+    replay=ReplayFeed(),
+    export=_export,
     bounded_actions=True,
 )
