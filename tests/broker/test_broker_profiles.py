@@ -169,7 +169,7 @@ def test_a_missing_profile_is_a_clear_cli_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_non_numeric_bind_port_names_the_setting(tmp_path: Path) -> None:
     profile = tmp_path / "port.toml"
-    profile.write_text('[broker]\nbind = "tcp://127.0.0.1:fivefive"\n')
+    profile.write_text('[broker]\nbind = "tcp://127.0.0.1:fivefive"\ninsecure = true\n')
     out = run_cli("broker", "--profile", str(profile))
     assert out.returncode != 0
     assert "broker.bind port must be 1..65535 or *" in out.stderr

@@ -220,3 +220,37 @@ def test_the_open_tcp_bus_is_there_when_chosen(tmp_path: Path) -> None:
     broker_log = (run_dir / "logs" / "broker.log").read_text()
     assert re.search(r"broker bound on 127\.0\.0\.1: \{'control': \d+", broker_log), broker_log[-2000:]
     assert "open (TCP on loopback)" in done.stderr
+
+
+def local_broker(procs: Procs, name: str, *options: str) -> tuple[str, Path]:
+    """A `zddrl broker` given no bind (``options``: e.g. --upstream): its local bus's control endpoint and directory."""
+    ready = procs.log_dir / f"{name}-ready.json"
+    proc = procs.start(name, "broker", "--ready-file", str(ready), *options)
+    wait_for(lambda: ready.exists() or proc.poll() is not None, 30, f"the {name} to bind")
+    assert proc.poll() is None, procs.log(name)
+    endpoint = json.loads(ready.read_text())["endpoint"]
+    return endpoint, Path(endpoint.removeprefix("ipc://")).parent
+
+
+@pytest.mark.slow
+def test_every_role_works_over_the_local_bus(procs: Procs, tmp_path: Path) -> None:
+    """A root broker and a relay under it (--upstream), each on its own local bus; a learner of two CPU shards on the
+    root, an actor host of two processes (--procs) on the relay; `zddrl status` over ipc. The run learns, the root
+    sees both relayed actors, and each bus's directory goes with its broker."""
+    root, root_dir = local_broker(procs, "root")
+    relay, relay_dir = local_broker(procs, "relay", "--upstream", root)
+    run_dir = tmp_path / "run"
+    limits = [f"--set=train.{k}" for k in ("until_return=1e9", "max_seconds=300", "max_steps=100000000")]
+    learner = ["learner", CARTPOLE, "--connect", root, "--run-dir", str(run_dir), "--gpus", "cpu:2", *limits]
+    started = [procs.start("learner", *learner), procs.start("actors", "actor", "--connect", relay, "--procs", "2")]
+    rows = run_dir / "metrics.csv"
+    wait_for(lambda: rows.exists() and len(rows.read_text().splitlines()) > 3, 120, "3 updates through the relay")
+    shown = zddrl("status", "--connect", root, "--json")
+    assert shown.returncode == 0, shown.stderr
+    members = json.loads(shown.stdout)["members"]
+    relayed = [m for m in members.values() if m["role"] == "actor" and m.get("relay")]
+    assert len(relayed) == 2, members
+    assert {"learner-0", "learner-1"} <= set(members), members
+    for proc in [*started, *procs.procs[:2][::-1]]:  # the clients, then the relay, then the root
+        procs.stop(proc)
+    assert not root_dir.exists() and not relay_dir.exists(), "a local bus's directory outlived its broker"
