@@ -141,8 +141,10 @@ class ThroughputRig:
         bind = ipc_endpoint(bus_dir) if bus_dir else ""
         broker = self.workers.start(f"{path}-broker", C.broker_main, ports, self.broker_spec, keys_dir, bind)
         self.controls[path] = bind or _ep(ports[0])
-        ends = [ipc_endpoint(bus_dir, n) for n in ("trajectories", "learners")] if bus_dir else map(_ep, ports[1:3])
-        lane = self._start_lane(path, *ends, self.controls[path], keys_dir)
+        send_to, receive_at = (
+            (ipc_endpoint(bus_dir, n) for n in ("trajectories", "learners")) if bus_dir else map(_ep, ports[1:3])
+        )
+        lane = self._start_lane(path, send_to, receive_at, self.controls[path], keys_dir)
         lane.forwarder_pid = broker.pid
 
     def _start_lane(
