@@ -8,6 +8,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -50,6 +51,14 @@ def test_a_private_bus_directory_is_owner_only_and_short() -> None:
         directory.rmdir()
 
 
+def ready_endpoint(ready: Path) -> str | None:
+    """The endpoint a broker wrote to its --ready-file, once the whole file is there (it is written, not renamed)."""
+    try:
+        return json.loads(ready.read_text())["endpoint"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def zddrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zddrl", *args], capture_output=True, text=True, timeout=timeout)
 
@@ -58,9 +67,10 @@ def zddrl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 def test_a_broker_without_a_bind_serves_the_local_bus_and_removes_it(procs: Procs, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = procs.start("broker", "broker", "--ready-file", str(ready))
-    wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
+    wait_for(lambda: ready_endpoint(ready) or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
-    endpoint = json.loads(ready.read_text())["endpoint"]
+    endpoint = ready_endpoint(ready)
+    assert endpoint is not None
     directory = Path(endpoint.removeprefix("ipc://")).parent
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert sorted(os.listdir(directory)) == ["control", "learners", "params", "trajectories"]
@@ -200,9 +210,13 @@ def test_another_local_user_gets_nothing_from_a_running_train(tmp_path: Path) ->
         }  # fmt: skip
         out, err = train.communicate(timeout=300)
     finally:
-        if train.poll() is None:
-            train.kill()
-            train.wait()
+        if train.poll() is None:  # Ctrl-C: it stops its processes and removes its bus directory
+            train.send_signal(signal.SIGINT)
+            try:
+                train.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                train.kill()
+                train.wait()
         subprocess.run(["userdel", user], capture_output=True)
     assert train.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -226,9 +240,10 @@ def local_broker(procs: Procs, name: str, *options: str) -> tuple[str, Path]:
     """A `zddrl broker` given no bind (``options``: e.g. --upstream): its local bus's control endpoint and directory."""
     ready = procs.log_dir / f"{name}-ready.json"
     proc = procs.start(name, "broker", "--ready-file", str(ready), *options)
-    wait_for(lambda: ready.exists() or proc.poll() is not None, 30, f"the {name} to bind")
+    wait_for(lambda: ready_endpoint(ready) or proc.poll() is not None, 30, f"the {name} to bind")
     assert proc.poll() is None, procs.log(name)
-    endpoint = json.loads(ready.read_text())["endpoint"]
+    endpoint = ready_endpoint(ready)
+    assert endpoint is not None
     return endpoint, Path(endpoint.removeprefix("ipc://")).parent
 
 

@@ -143,6 +143,7 @@ def broker(
     from zddrl.broker.relay import Relay, RelayRefused
     from zddrl.broker.sockets import BindError
 
+    bus_dir = None
     try:
         config = load_broker_config(
             profile,
@@ -168,6 +169,8 @@ def broker(
             else Broker(config, key=key_name)
         )
     except ConfigError as exc:
+        if bus_dir is not None:
+            shutil.rmtree(bus_dir, ignore_errors=True)
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()
     try:
@@ -194,6 +197,14 @@ def local_default(config):
     if not config.bind:
         directory = private_bus_dir()
         return dataclasses.replace(config, bind=ipc_endpoint(directory)), directory
+    if is_ipc(config.bind) and not config.keys:
+        directory = Path(config.bind.removeprefix("ipc://")).parent
+        if directory.is_dir() and directory.stat().st_mode & 0o077:
+            click.echo(
+                f"warning: {directory} is open to other users (mode {directory.stat().st_mode & 0o777:o}): any of "
+                "them can join this bus; chmod 700 it",
+                err=True,
+            )
     if not is_ipc(config.bind) and not config.keys and not config.insecure:
         raise ConfigError(
             f"broker: binding {config.bind} without keys is the open TCP bus: anyone who reaches it (on loopback, "
