@@ -93,7 +93,7 @@ def start_run(keys: Path, work: Path) -> tuple[dict[str, subprocess.Popen], str]
     endless += ["--set", "train.max_seconds=100000"]
     learner = ["learner", str(CONFIG), "--connect", endpoint, "--run-dir", str(work / "run"), *endless]
     commands = {
-        "broker": ["broker", "--bind", endpoint, *ports],
+        "broker": ["broker", "--bind", endpoint, "--insecure", *ports],
         "learner": learner,
         "actor": ["actor", "--connect", endpoint],
     }

@@ -72,7 +72,7 @@ class ServiceRig:
         control, traj, learn, params, replay = free_ports(5)
         self.connect = f"tcp://127.0.0.1:{control}"
         broker = ["broker", "--bind", self.connect, "--trajectory-port", str(traj), "--learner-port", str(learn)]
-        broker += ["--params-port", str(params)]
+        broker += ["--params-port", str(params), "--insecure"]
         bind = f"tcp://127.0.0.1:{replay}"
         self.procs = {
             "broker": self._start(log_dir / "broker.log", broker),

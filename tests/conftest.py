@@ -129,6 +129,7 @@ class BrokerHandle:
             str(params_port),
             "--ready-file",
             str(self.ready),
+            *([] if "--keys" in options else ["--insecure"]),  # the open TCP bus, chosen out loud
         )
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
         assert self.proc.poll() is None, self.procs.log("broker")

@@ -6,7 +6,10 @@ from ``zddrl.config``.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,12 @@ else:  # pragma: no cover
 class BrokerConfig:
     """Settings of `zddrl broker`; the `[broker]` table of a profile in brokers/."""
 
-    bind: str = "tcp://127.0.0.1:5555"
-    """Public control endpoint. Port ``*`` binds random free ports for every socket."""
+    bind: str = ""
+    """Control endpoint: ``tcp://HOST:PORT`` (port ``*`` binds random free ports for every socket; without keys only
+    with ``insecure``), or ``ipc://DIR/control``, a local bus: the four sockets are the files ``control``,
+    ``trajectories``, ``learners`` and ``params`` in DIR, which, owner-only (0700), only its owner (and root) can
+    connect to; the ``*_port`` settings do not apply there. Empty: `zddrl broker` makes a local bus in a fresh
+    owner-only directory (``private_bus_dir``) and removes it at exit."""
     trajectory_port: int = 0
     """Port actors PUSH trajectories to; 0 = control port + 1."""
     learner_port: int = 0
@@ -55,8 +62,9 @@ class BrokerConfig:
     """Key directory (docs/security.md): CURVE on every socket, ZAP against each role's allow-list, signed runs
     and parameters. Empty: no keys, which only a loopback bind accepts unless ``insecure``."""
     insecure: bool = False
-    """Allow a non-loopback bind without keys (a loud warning at each start): anyone who can reach the ports
-    can join, inject, read and exhaust."""
+    """Allow a TCP bind without keys (the open TCP bus; a loud warning at each start off loopback): anyone who can
+    reach the ports (on loopback: every local user) can join, inject, read and exhaust. `zddrl broker` refuses a
+    TCP bind without keys or this; over ``ipc://`` the directory's owner-only mode closes the bus instead."""
     peer: str = ""
     """The control endpoint of the other broker of a standby pair (``tcp://HOST:PORT``; docs/deploying.md, "A standby
     broker"): only the active one of the two takes clients. Empty: no pair, the broker is always active."""
@@ -80,10 +88,15 @@ class BrokerConfig:
     trajectory_hwm x trajectory size queued, plus twice the model."""
 
     def __post_init__(self) -> None:
-        _require(
-            self.bind.startswith("tcp://") and ":" in self.bind[6:],
-            f"broker.bind must look like tcp://HOST:PORT, got {self.bind!r}",
-        )
+        if is_ipc(self.bind):
+            ipc_dir(self.bind)
+        elif not self.bind:
+            pass  # the command makes a local bus  # ConfigError naming what is wrong with it
+        else:
+            _require(
+                self.bind.startswith("tcp://") and ":" in self.bind[6:],
+                f"broker.bind must look like tcp://HOST:PORT or ipc://DIR/control, got {self.bind!r}",
+            )
         for name in ("trajectory_port", "learner_port", "params_port"):
             _require(0 <= getattr(self, name) < 65536, f"broker.{name} must be a port number or 0")
         _require(self.trajectory_hwm >= 1 and self.params_hwm >= 1, "broker HWMs must be >= 1")
@@ -126,6 +139,58 @@ def load_broker_config(profile: str | Path | None, overrides: dict[str, Any] | N
     return _build(BrokerConfig, data, "broker.")
 
 
+SOCKET_NAMES = ("control", "trajectories", "learners", "params")
+"""The broker's four sockets; over ipc, also the names of their files in the bus directory."""
+IPC_PATH_MAX = 107
+"""Bytes of a Unix socket's path at most (``sun_path`` is 108 bytes on Linux, with its terminating NUL)."""
+
+
+def is_ipc(endpoint: str) -> bool:
+    """Whether ``endpoint`` is a local bus endpoint (``ipc://``), not TCP."""
+    return endpoint.startswith("ipc://")
+
+
+def ipc_dir(control: str) -> Path:
+    """The bus directory of a local control endpoint ``ipc://DIR/control``; ConfigError if it is not one (an
+    absolute DIR, the file named ``control``, every socket's path within IPC_PATH_MAX bytes)."""
+    path = control[len("ipc://") :]
+    _require(
+        is_ipc(control) and path.startswith("/") and path.endswith("/control") and len(path) > len("/control"),
+        f"a local bus endpoint must be ipc://DIR/control with an absolute DIR, got {control!r}",
+    )
+    directory = Path(path).parent
+    longest = max(len(os.fsencode(str(directory / name))) for name in SOCKET_NAMES)
+    _require(
+        longest <= IPC_PATH_MAX,
+        f"{control!r}: its sockets' paths would be {longest} bytes, past the {IPC_PATH_MAX} a Unix socket takes; "
+        "choose a shorter directory",
+    )
+    return directory
+
+
+def ipc_endpoint(directory: str | Path, name: str = "control") -> str:
+    """The endpoint of the broker socket ``name`` on the local bus in ``directory``."""
+    return f"ipc://{Path(directory) / name}"
+
+
+def private_bus_dir() -> Path:
+    """A fresh owner-only (0700) directory for one local bus, under the temporary directory (short: a Unix
+    socket's path is at most IPC_PATH_MAX bytes), else under /tmp when that is too long. The caller removes it."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) > IPC_PATH_MAX - len("/zddrl-XXXXXXXX/trajectories"):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix="zddrl-", dir=base))  # mkdtemp makes it 0700
+
+
+def socket_endpoint(control: str, name: str, ports: Mapping[str, int]) -> str:
+    """Where a client reaches the broker socket ``name`` (trajectories, learners, params) of the broker it reached
+    on ``control``: over ipc the file ``name`` beside ``control`` (its welcome names no ports), over TCP the port
+    its welcome names (``ports``) on ``control``'s host."""
+    if is_ipc(control):
+        return ipc_endpoint(ipc_dir(control), name)
+    return f"tcp://{split_endpoint(control)[0]}:{ports[name]}"
+
+
 def split_endpoint(endpoint: str) -> tuple[str, str]:
     """``tcp://host:port`` -> ``("host", "port")`` (port may be ``*``)."""
     _require(endpoint.startswith("tcp://") and ":" in endpoint[6:], f"endpoint {endpoint!r} must be tcp://HOST:PORT")
@@ -136,12 +201,16 @@ def split_endpoint(endpoint: str) -> tuple[str, str]:
 def split_endpoints(connect: str) -> tuple[str, ...]:
     """A client's ``--connect``: one broker endpoint, or a comma-separated fallback list, in the order to try
     them (``"tcp://a:5555,tcp://b:5555"`` -> ``("tcp://a:5555", "tcp://b:5555")``). Each entry must be
-    ``tcp://HOST:PORT`` with a port in 1..65535 (a client connects: no ``*``), and none may repeat."""
+    ``tcp://HOST:PORT`` with a port in 1..65535 (a client connects: no ``*``) or a local bus's ``ipc://DIR/control``,
+    and none may repeat."""
     entries = tuple(entry.strip() for entry in connect.split(","))
     for entry in entries:
         _require(bool(entry), f"empty entry in the broker list {connect!r}")
+        _require(entries.count(entry) == 1, f"endpoint {entry!r} is listed twice")
+        if is_ipc(entry):
+            ipc_dir(entry)
+            continue
         host, port = split_endpoint(entry)
         _require(bool(host), f"endpoint {entry!r} names no host")
         _require(port.isdigit() and 0 < int(port) < 65536, f"endpoint {entry!r}: the port must be 1..65535")
-        _require(entries.count(entry) == 1, f"endpoint {entry!r} is listed twice")
     return entries

@@ -32,7 +32,11 @@ from zddrl.algoconf import kind_label as kind_label
 from zddrl.algoconf import run_kind as run_kind
 from zddrl.algoconf import run_kind_args as run_kind_args
 from zddrl.brokerconf import BrokerConfig as BrokerConfig  # re-exported, as ConfigError below
+from zddrl.brokerconf import ipc_endpoint as ipc_endpoint
+from zddrl.brokerconf import is_ipc as is_ipc
 from zddrl.brokerconf import load_broker_config as load_broker_config
+from zddrl.brokerconf import private_bus_dir as private_bus_dir
+from zddrl.brokerconf import socket_endpoint as socket_endpoint
 from zddrl.brokerconf import split_endpoint as split_endpoint
 from zddrl.brokerconf import split_endpoints as split_endpoints
 from zddrl.protocol import PARAM_DTYPES as WIRE_PARAM_DTYPES

@@ -143,3 +143,25 @@ def test_bench_relay_smoke() -> None:
     report = json.loads(proc.stdout)
     assert len(report["ratios"]) == 2 and report["relay_over_direct_median"] > 0
     assert report["accounting"] and all(a["accounted"] for a in report["accounting"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_bus_measures_the_local_bus_beside_loopback_tcp() -> None:
+    """``--ipc``: the broker on the local bus (ipc sockets, `zddrl train`'s default) in the same rounds as the broker
+    on loopback TCP, and their ratio per payload; its directory goes at the end."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "zddrl", "bench", "bus", "--ipc", *TINY],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    local = [r for r in report["results"] if r["path"] == "local"]
+    assert [r["payload_bytes"] for r in local] == [4096, 65536] and all(r["msgs_per_s"] > 0 for r in local)
+    assert all(r["local_over_broker"] > 0 for r in report["ratios"])
+    assert report["settings"]["ipc"] is True
+    counters = report["broker_counters"]
+    assert counters["brokers"] == 4 and counters["accounted"] is True and sum(counters["dropped"].values()) == 0

@@ -28,10 +28,10 @@ CLUSTER = ROOT / "brokers" / "cluster.toml"
 FIELDS = {f.name for f in dataclasses.fields(BrokerConfig)}
 
 
-def test_local_profile_is_the_builtin_defaults_on_loopback() -> None:
+def test_local_profile_is_the_builtin_defaults_on_the_local_bus() -> None:
     config = load_broker_config(LOCAL)
     assert config == BrokerConfig()
-    assert config.bind == "tcp://127.0.0.1:5555"
+    assert config.bind == "", "empty: `zddrl broker` makes the local bus in a fresh owner-only directory"
 
 
 def test_cluster_profile_listens_on_all_interfaces_with_larger_limits() -> None:
@@ -68,6 +68,7 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
         str(profile),
         "--bind",
         f"tcp://127.0.0.1:{c}",
+        "--insecure",
         "--trajectory-port",
         str(t),
         "--learner-port",
@@ -105,7 +106,15 @@ def test_cli_flags_override_the_profile(profile: Path, procs: Procs, tmp_path: P
 def test_a_random_port_bind_overrides_the_profiles_fixed_one(procs: Procs, tmp_path: Path) -> None:
     ready = tmp_path / "ready.json"
     proc = procs.start(
-        "broker", "broker", "--profile", str(LOCAL), "--bind", "tcp://127.0.0.1:*", "--ready-file", str(ready)
+        "broker",
+        "broker",
+        "--profile",
+        str(LOCAL),
+        "--bind",
+        "tcp://127.0.0.1:*",
+        "--insecure",
+        "--ready-file",
+        str(ready),
     )
     wait_for(lambda: ready.exists() or proc.poll() is not None, 20, "the broker to bind")
     assert proc.poll() is None, procs.log("broker")
@@ -145,7 +154,7 @@ def test_a_bad_profile_is_a_clear_cli_error(case: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("]", r"\]")):
         load_broker_config(profile)
     # --bind would override the profile's bind; elsewhere it keeps a broken test off port 5555.
-    bind = [] if "bind" in names else ["--bind", "tcp://127.0.0.1:*"]
+    bind = [] if "bind" in names else ["--bind", "tcp://127.0.0.1:*", "--insecure"]
     out = run_cli("broker", "--profile", str(profile), *bind)
     assert out.returncode == 2, out.stderr
     assert names in out.stderr and "Traceback" not in out.stderr
@@ -160,7 +169,7 @@ def test_a_missing_profile_is_a_clear_cli_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_non_numeric_bind_port_names_the_setting(tmp_path: Path) -> None:
     profile = tmp_path / "port.toml"
-    profile.write_text('[broker]\nbind = "tcp://127.0.0.1:fivefive"\n')
+    profile.write_text('[broker]\nbind = "tcp://127.0.0.1:fivefive"\ninsecure = true\n')
     out = run_cli("broker", "--profile", str(profile))
     assert out.returncode != 0
     assert "broker.bind port must be 1..65535 or *" in out.stderr

@@ -354,7 +354,7 @@ def test_a_taken_port_is_one_line_naming_it(offset: int, role: str, option: str)
     try:
         taken.listen()
         out = subprocess.run(
-            [sys.executable, "-m", "zddrl", "broker", "--bind", f"tcp://127.0.0.1:{base}"],
+            [sys.executable, "-m", "zddrl", "broker", "--bind", f"tcp://127.0.0.1:{base}", "--insecure"],
             capture_output=True,
             text=True,
             timeout=30,

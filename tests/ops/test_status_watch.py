@@ -179,6 +179,7 @@ def fast_broker(procs: Procs, tmp_path: Path) -> BrokerHandle:
         str(profile),
         "--bind",
         handle.connect,
+        "--insecure",
         "--trajectory-port",
         str(traj_port),
         "--learner-port",

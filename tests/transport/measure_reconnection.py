@@ -50,7 +50,16 @@ class Broker:
         ready.unlink(missing_ok=True)
         names = ("--trajectory-port", "--learner-port", "--params-port")
         ports = [a for pair in zip(names, map(str, self.ports[1:])) for a in pair]
-        args = ["--profile", str(self.profile), "--bind", self.connect, *ports, "--ready-file", str(ready)]
+        args = [
+            "--profile",
+            str(self.profile),
+            "--bind",
+            self.connect,
+            "--insecure",
+            *ports,
+            "--ready-file",
+            str(ready),
+        ]
         with open(self.folder / f"{self.name}.log", "a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "zddrl", "broker", *args], stdout=log, stderr=log)
         wait(lambda: ready.exists() or self.proc.poll() is not None, START_S, f"broker {self.name} to bind")

@@ -114,7 +114,7 @@ def test_a_pass_begins_at_the_broker_that_welcomed_us_last() -> None:
     assert (brokers.next(served=False), brokers.current) == (0.0, "tcp://a:1")
     # Back at b, which welcomed us in this pass: the short wait, as after a welcome with one broker.
     assert (brokers.next(served=False), brokers.current) == (RECONNECT_INITIAL_S, "tcp://b:2")
-    assert brokers.host == "b"
+    assert brokers.endpoint("params", {"params": 7}) == "tcp://b:7", "the data sockets are on the current one's host"
     line = brokers.moving("tcp://a:1", RECONNECT_INITIAL_S)
     assert line == "broker at tcp://a:1 silent; moving to the broker at tcp://b:2 in 0.25 s"
     brokers.next(served=False)

@@ -7,6 +7,9 @@ Three measurements, each against a reference measured in the same run:
   payload runs on fresh processes; paths alternate within a round (their order rotates), so machine
   noise hits all of them alike; medians are reported and the broker/proxy ratio is the median of
   per-round ratios;
+* with ``--ipc``, another path: the same broker on the local bus (ipc sockets in an owner-only directory, what
+  `zddrl train` uses), in the same rounds, so what ipc costs or saves against loopback TCP is a ratio measured side
+  by side (local/broker);
 * with ``--secure``, a fourth path: the same broker on a closed bus (CURVE on every hop, keys checked by ZAP),
   in the same rounds, so the cost of encryption is a ratio measured side by side (secure/broker);
 * latency of a parameter broadcast (learner -> broker -> N subscribers holding the verified
@@ -40,6 +43,7 @@ from zddrl.bench import common as C
 from zddrl.bench.broadcast import run_broadcast, run_signing
 from zddrl.bench.bus_report import RATIO_FROM_BYTES, RATIO_TARGET, format_report, size_label, targets
 from zddrl.bench.codec import CODEC_SIZES, run_codec
+from zddrl.config import ipc_endpoint, private_bus_dir
 from zddrl.ops.train import throwaway_keys
 from zddrl.proc import free_ports
 from zddrl.transport.channel import WINDOW_BYTES
@@ -50,6 +54,8 @@ SECURE = "secure"
 """The broker path on a closed bus (``--secure``)."""
 DIRECT_CURVE = "direct-curve"
 """With ``--secure``: the direct PUSH -> PULL pair with CURVE, what encryption costs ZeroMQ alone on one hop."""
+LOCAL = "local"
+"""With ``--ipc``: the broker path on the local bus (ipc sockets in an owner-only directory)."""
 DEFAULT_PAYLOADS = f"4096,65536,1048576,8388608,{C.PIXEL_ROLLOUT_BYTES}"
 """The last: an Atari rollout (128 x 8 envs of 4x84x84 uint8 frames, 29 MB; common.pixel_rollout_arrays)."""
 FIRST_MSG_TIMEOUT_S = 20.0
@@ -94,9 +100,12 @@ class ThroughputRig:
         broker_spec: str,
         window: int = C.CREDIT_WINDOW,
         keys_dir: str | None = None,
+        bus_dir: str | None = None,
     ) -> None:
         self.workers = workers
         self.keys_dir = keys_dir
+        self.bus_dir = bus_dir
+        """A local bus's directory: the ``local`` path runs next to the others."""
         """A closed bus's keys: the ``secure`` path runs next to the others."""
         self.window = window
         self.payloads = payloads
@@ -108,7 +117,7 @@ class ThroughputRig:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return PATHS + ((DIRECT_CURVE, SECURE) if self.keys_dir else ())
+        return paths_of(self.keys_dir, self.bus_dir)
 
     def start(self) -> None:
         ports = free_ports(12)  # one call, so no two sockets are offered the same port
@@ -120,15 +129,22 @@ class ThroughputRig:
         self._start_broker("broker", ports[3:7], None)
         if self.keys_dir:
             self._start_broker(SECURE, ports[7:11], self.keys_dir)
+        if self.bus_dir:
+            self._start_broker(LOCAL, [], None, self.bus_dir)
         for path in self.controls:
             self.workers.wait(
                 partial(self._broker_ready, path), 60, f"the {path} broker, its learner (credit, version 0), its actor"
             )
 
-    def _start_broker(self, path: str, ports: list[int], keys_dir: str | None) -> None:
-        broker = self.workers.start(f"{path}-broker", C.broker_main, ports, self.broker_spec, keys_dir)
-        self.controls[path] = _ep(ports[0])
-        lane = self._start_lane(path, _ep(ports[1]), _ep(ports[2]), self.controls[path], keys_dir)
+    def _start_broker(self, path: str, ports: list[int], keys_dir: str | None, bus_dir: str | None = None) -> None:
+        """A broker path: on ``ports`` (control, trajectories, learners, params), or on the local bus in ``bus_dir``."""
+        bind = ipc_endpoint(bus_dir) if bus_dir else ""
+        broker = self.workers.start(f"{path}-broker", C.broker_main, ports, self.broker_spec, keys_dir, bind)
+        self.controls[path] = bind or _ep(ports[0])
+        send_to, receive_at = (
+            (ipc_endpoint(bus_dir, n) for n in ("trajectories", "learners")) if bus_dir else map(_ep, ports[1:3])
+        )
+        lane = self._start_lane(path, send_to, receive_at, self.controls[path], keys_dir)
         lane.forwarder_pid = broker.pid
 
     def _start_lane(
@@ -217,6 +233,11 @@ class ThroughputRig:
                 last, quiet_since = now, time.monotonic()
 
 
+def paths_of(keys_dir: str | None, bus_dir: str | None) -> tuple[str, ...]:
+    """The paths measured: always PATHS; with keys the closed ones, with a local bus's directory the local one."""
+    return PATHS + ((DIRECT_CURVE, SECURE) if keys_dir else ()) + ((LOCAL,) if bus_dir else ())
+
+
 def run_throughput(
     payloads: list[int],
     rounds: int,
@@ -224,6 +245,7 @@ def run_throughput(
     broker_spec: str,
     window: int = C.CREDIT_WINDOW,
     keys_dir: str | None = None,
+    bus_dir: str | None = None,
 ) -> tuple[list[dict], list[dict], dict]:
     """Every round of every payload on a fresh set of processes and connections.
 
@@ -233,13 +255,13 @@ def run_throughput(
     set of processes lands on the two cores moved the 1 MiB ratio by +-10% from one set to the next, far more
     than rounds within a set differ, so each round draws its own (docs/benchmarks.md).
     """
-    paths = PATHS + ((DIRECT_CURVE, SECURE) if keys_dir else ())
+    paths = paths_of(keys_dir, bus_dir)
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {(p, b): [] for p in paths for b in payloads}
     counters = []
     for size in payloads:
         for r in range(rounds):
             with C.Workers() as workers:
-                rig = ThroughputRig(workers, [size], broker_spec, window, keys_dir)
+                rig = ThroughputRig(workers, [size], broker_spec, window, keys_dir, bus_dir)
                 rig.start()
                 shift = r % len(paths)  # every path takes every position in the order
                 order = paths[shift:] + paths[:shift]
@@ -303,6 +325,8 @@ def _ratios(samples: dict[tuple[str, int], list[dict[str, float]]], payloads: li
         if (SECURE, size) in samples:
             row["secure_over_broker"] = ratio(SECURE, "broker", size)
             row["curve_over_direct"] = ratio(DIRECT_CURVE, "direct", size)
+        if (LOCAL, size) in samples:
+            row["local_over_broker"] = ratio(LOCAL, "broker", size)
         targeted = size >= RATIO_FROM_BYTES
         row["target"] = RATIO_TARGET if targeted else None
         row["met"] = row["broker_over_proxy"] >= RATIO_TARGET if targeted else None
@@ -319,13 +343,17 @@ def run_bench(
     broker_spec: str = C.DEFAULT_BROKER,
     window: int = C.CREDIT_WINDOW,
     secure: bool = False,
+    ipc: bool = False,
 ) -> dict[str, Any]:
     t0 = time.monotonic()
     codec = [row for size in CODEC_SIZES for row in run_codec(size)]  # first: no workers to disturb it
     key_dir = throwaway_keys() if secure else None
     keys_dir = str(key_dir) if key_dir is not None else None
+    bus_dir = private_bus_dir() if ipc else None
     try:
-        results, ratios, counters = run_throughput(payloads, rounds, seconds, broker_spec, window, keys_dir)
+        results, ratios, counters = run_throughput(
+            payloads, rounds, seconds, broker_spec, window, keys_dir, str(bus_dir) if bus_dir else None
+        )
         broadcast = []
         for bus_keys in [None, keys_dir] if keys_dir else [None]:
             with C.Workers() as workers:
@@ -334,6 +362,8 @@ def run_bench(
     finally:
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
+        if bus_dir is not None:
+            shutil.rmtree(bus_dir, ignore_errors=True)
     if counters.get("dropped") and sum(counters["dropped"].values()):
         logger.warning(f"the broker dropped trajectories during the bench: {counters['dropped']}")
     return {
@@ -348,6 +378,7 @@ def run_bench(
             "broker": broker_spec,
             "cpus": os.cpu_count(),
             "secure": secure,
+            "ipc": ipc,
         },
         "results": results,
         "ratios": ratios,
@@ -431,6 +462,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     is_flag=True,
     help="Also the broker on a closed bus (CURVE, signed parameters), side by side with the open one.",
 )
+@click.option(
+    "--ipc",
+    is_flag=True,
+    help="Also the broker on the local bus (ipc sockets, `zddrl train`'s default), side by side with loopback TCP.",
+)
 def bus(
     as_json: bool,
     seconds: float,
@@ -441,9 +477,10 @@ def bus(
     broker_impl: str,
     window: int,
     secure: bool,
+    ipc: bool,
 ) -> None:
     """Bus throughput (broker vs zmq.proxy vs direct), parameter broadcast latency, codec speed."""
     # SIGTERM must unwind like Ctrl-C so that the finally blocks stop every worker process.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
-    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, window, secure)
+    report = run_bench(payloads, rounds, seconds, sizes, counts, broker_impl, window, secure, ipc)
     click.echo(json.dumps(report) if as_json else format_report(report))

@@ -83,10 +83,12 @@ def format_report(report: dict[str, Any]) -> str:
     )
     out += ["", "Ratios (median of per-round ratios)"]
     secure = any("secure_over_broker" in r for r in report["ratios"])
+    local = any("local_over_broker" in r for r in report["ratios"])
     out.append(
         _table(
             ["payload", "broker/proxy", "broker/direct", "proxy/direct", f"target >= {RATIO_TARGET}"]
-            + (["secure/broker", "direct-curve/direct"] if secure else []),
+            + (["secure/broker", "direct-curve/direct"] if secure else [])
+            + (["local(ipc)/broker(tcp)"] if local else []),
             [
                 [
                     size_label(r["payload_bytes"]),
@@ -96,6 +98,7 @@ def format_report(report: dict[str, Any]) -> str:
                     _met(r["met"]),
                 ]
                 + ([f"{r['secure_over_broker']:.2f}x", f"{r['curve_over_direct']:.2f}x"] if secure else [])
+                + ([f"{r['local_over_broker']:.2f}x"] if local else [])
                 for r in report["ratios"]
             ],
         )

@@ -409,20 +409,23 @@ def load_broker(spec: str) -> type:
     return getattr(importlib.import_module(module), name or "Broker")
 
 
-def broker_main(ports: list[int], spec: str = DEFAULT_BROKER, keys_dir: str | None = None) -> None:
+def broker_main(ports: list[int], spec: str = DEFAULT_BROKER, keys_dir: str | None = None, bind: str = "") -> None:
     """A real broker through its Python API, on the given control/trajectory/learner/params ports (a closed bus
-    with ``keys_dir``)."""
+    with ``keys_dir``), or on the local bus ``bind`` (``ipc://DIR/control``; ``ports`` unused)."""
     setup_worker("bench-broker")
     from zddrl.config import BrokerConfig
 
-    control, traj, learners, params = ports
-    config = BrokerConfig(
-        bind=f"tcp://127.0.0.1:{control}",
-        trajectory_port=traj,
-        learner_port=learners,
-        params_port=params,
-        keys=keys_dir or "",
-    )
+    if bind:
+        config = BrokerConfig(bind=bind, keys=keys_dir or "")
+    else:
+        control, traj, learners, params = ports
+        config = BrokerConfig(
+            bind=f"tcp://127.0.0.1:{control}",
+            trajectory_port=traj,
+            learner_port=learners,
+            params_port=params,
+            keys=keys_dir or "",
+        )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # let run() return so close() runs
     broker = load_broker(spec)(config)

@@ -195,6 +195,7 @@ def _pipeline(config: Config, actors: int, seconds: float, flat: np.ndarray, lay
                 "broker",
                 "--bind",
                 connect,
+                "--insecure",
                 "--trajectory-port",
                 str(ports[1]),
                 "--learner-port",

@@ -53,7 +53,7 @@ from zddrl.broker.standby import standby_of
 from zddrl.broker.subtree import Subtrees
 from zddrl.broker.uplink import Uplink
 from zddrl.broker.upstream import Upstream, UpstreamOutlet, relay_hello
-from zddrl.brokerconf import BrokerConfig, split_endpoint
+from zddrl.brokerconf import SOCKET_NAMES, BrokerConfig, is_ipc, split_endpoint
 from zddrl.keys import KeysError
 from zddrl.logs import RateLimitedLog
 from zddrl.protocol.rules import RunBus, run_bus
@@ -170,7 +170,13 @@ class Broker:
             ports=self.ports, auth=self.auth, upstream=self.upstream, standby=self.standby,
         )  # fmt: skip
         closed = "closed (CURVE, keys from " + c.keys + ")" if self.auth is not None else "open (no keys)"
-        self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
+        if is_ipc(c.bind):  # the directory's owner-only mode closes it to other local users (docs/security.md)
+            closed = closed.replace("open (no keys)", "local (ipc, owner-only directory; no keys)")
+            self.log.info(
+                f"broker bound on {c.bind} (and its siblings {', '.join(SOCKET_NAMES[1:])}); the bus is {closed}"
+            )
+        else:
+            self.log.info(f"broker bound on {split_endpoint(c.bind)[0]}: {self.ports}; the bus is {closed}")
         return dict(self.ports)
 
     def _connections_closed(self) -> None:
@@ -185,7 +191,7 @@ class Broker:
     def _relay_outlet(self) -> UpstreamOutlet:
         """A relay's outlet, on a session with its upstream (opened by the loop: ``Upstream.serve``)."""
         c = self.config
-        uplink = Uplink(c.upstream, relay_hello(self.ports["control"]), self.ctx, self.credentials)
+        uplink = Uplink(c.upstream, relay_hello(self.ports.get("control") or c.bind), self.ctx, self.credentials)
         return UpstreamOutlet(uplink, c.upstream_window, self.membership.roster, self.current)
 
     def _upstream(self, outlet: UpstreamOutlet) -> Upstream:

@@ -38,7 +38,7 @@ from zddrl import keys
 from zddrl import protocol as P
 from zddrl.broker.auth import BrokerAuth, is_loopback
 from zddrl.broker.membership import Listener, Member, Membership
-from zddrl.brokerconf import BrokerConfig, split_endpoint
+from zddrl.brokerconf import BrokerConfig, is_ipc, split_endpoint
 from zddrl.tomlconf import ConfigError
 from zddrl.transport import signatures as signing
 
@@ -51,7 +51,8 @@ the broker admits, so one key's churn of ids cannot push another key's reservati
 
 
 class Guard:
-    """The broker's key checks; ``auth`` is None on an open bus (a loopback bind, or ``insecure``)."""
+    """The broker's key checks; ``auth`` is None on a bus without keys (a local ``ipc://`` bus, which its
+    directory's mode closes; a loopback bind; or ``insecure``)."""
 
     def __init__(self, config: BrokerConfig, ctx: zmq.Context, log: Any, key: str | None = None) -> None:
         """Keys, or a loopback bind, or ``insecure`` said out loud: a reachable open bus is never an accident.
@@ -60,14 +61,14 @@ class Guard:
         self.auth: BrokerAuth | None = None
         self.pins: dict[str, Any] | None = None
         """The learners' Ed25519 keys that sign runs and versions; None on an open bus."""
-        host = split_endpoint(config.bind)[0]
+        host = "" if is_ipc(config.bind) or not config.bind else split_endpoint(config.bind)[0]
         if config.keys:
             try:  # the pins first: a ZAP thread started before a failure would be left running
                 self.pins = keys.pinned_learners(config.keys)
                 self.auth = BrokerAuth(ctx, config.keys, key)
             except keys.KeysError as exc:
                 raise ConfigError(f"broker --keys: {exc}") from None
-        elif not is_loopback(host):
+        elif host and not is_loopback(host):
             if not config.insecure:
                 raise ConfigError(
                     f"broker: binding {host} without keys would let anyone who reaches it join, inject, read and "

@@ -5,7 +5,9 @@ Every part of the broker that uses a socket holds the owner and reads the socket
 reset (broker/memory.py) closes and binds the sockets again inside the owner, and no part holds an old one.
 
 Ports: control at the bind port, the trajectories, learners and params sockets at the next three unless the
-profile or the CLI sets them (docs/protocol.md section 1).
+profile or the CLI sets them (docs/protocol.md section 1). On the local bus (``ipc://DIR/control``) the four are
+the files ``control``, ``trajectories``, ``learners`` and ``params`` in DIR, and no port is bound (``ports`` is
+empty, and so is the welcome's map: clients find the files beside the control endpoint, brokerconf.socket_endpoint).
 
 Each socket takes frames no bigger than its messages need (``frame_caps``: libzmq drops the connection of a peer
 that sends a bigger one before it buffers it), and the broker drops a message of more frames than the protocol
@@ -24,13 +26,14 @@ import termios
 import time
 from collections.abc import Callable, Sequence
 from operator import attrgetter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import zmq
 
 from zddrl import protocol as P
 from zddrl.broker.auth import BrokerAuth, HandshakeCounter
-from zddrl.brokerconf import BrokerConfig, split_endpoint
+from zddrl.brokerconf import BrokerConfig, ipc_dir, ipc_endpoint, is_ipc, split_endpoint
 from zddrl.tomlconf import ConfigError
 from zddrl.transport.io import NOBLOCK, send_frames
 
@@ -63,7 +66,7 @@ class SocketSet(NamedTuple):
     params: zmq.Socket
     """PUB: parameter versions to every actor."""
     ports: dict[str, int]
-    """The bound port of each socket, by name."""
+    """The bound port of each socket, by name (empty on the local bus)."""
 
 
 def bind_error(role: str, host: str, port: str, exc: zmq.ZMQError) -> str:
@@ -113,10 +116,15 @@ def open_sockets(
     """Every socket made, configured and bound (CURVE servers of their ZAP domains when ``auth`` is given), on
     ``ports`` if given (a reset binds the ports it just closed, waiting up to REBIND_S for each); ConfigError for a
     bad bind port, BindError for a port that is taken (the sockets made so far are closed first)."""
-    host, port = split_endpoint(c.bind)
+    if not c.bind:
+        raise ConfigError("broker.bind is empty: `zddrl broker` makes a local bus; give ipc://DIR/control or tcp://...")
+    local = is_ipc(c.bind)
+    host, port = (str(ipc_dir(c.bind)), "") if local else split_endpoint(c.bind)
     # BrokerConfig checks only the tcp://HOST:PORT shape: name the bad setting, not a bare int() error.
-    if port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
+    if not local and port != "*" and not (port.isdigit() and 0 < int(port) < 65536):
         raise ConfigError(f"broker.bind port must be 1..65535 or *, got {c.bind!r}")
+    if local and not Path(host).is_dir():
+        raise ConfigError(f"broker.bind {c.bind!r}: the directory {host} does not exist (make it owner-only: 0700)")
     made: list[zmq.Socket] = []
     caps = frame_caps(c)
 
@@ -141,7 +149,7 @@ def open_sockets(
     learners.setsockopt(zmq.RCVHWM, LEARNERS_RCVHWM)  # a full pipe pushes back over TCP: nothing is lost
     params = socket(zmq.PUB, "params")
     params.setsockopt(zmq.SNDHWM, c.params_hwm)
-    base = None if port == "*" else int(port)
+    base = None if port in ("*", "") else int(port)
     plan = [
         ("control", control, base),
         ("trajectories", trajectories, c.trajectory_port),
@@ -150,16 +158,19 @@ def open_sockets(
     ]
     bound: dict[str, int] = {}
     for offset, (name, sock, wanted) in enumerate(plan):
-        if ports is not None:
+        if ports is not None and not local:
             wanted = ports[name]
         port_text = str(wanted) if wanted else ("*" if base is None else str(base + offset))
+        endpoint = ipc_endpoint(host, name) if local else f"tcp://{host}:{port_text}"
         try:
-            _bind(sock, f"tcp://{host}:{port_text}", REBIND_S if ports is not None else 0.0)
+            _bind(sock, endpoint, REBIND_S if ports is not None else 0.0)
         except zmq.ZMQError as exc:  # one line that says which port, whose, and how to choose others
             for made_sock in made:
                 made_sock.close(linger=0)
-            raise BindError(bind_error(name, host, port_text, exc)) from None
-        bound[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            why = f"broker: {endpoint} (the {name} socket) cannot be bound ({exc.strerror})"
+            raise BindError(why if local else bind_error(name, host, port_text, exc)) from None
+        if not local:
+            bound[name] = int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
     return SocketSet(control, trajectories, learners, params, bound)
 
 
@@ -174,9 +185,6 @@ def _bind(sock: zmq.Socket, endpoint: str, wait_s: float) -> None:
             if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
                 raise
         time.sleep(0.01)
-
-
-SOCKET_NAMES = ("control", "trajectories", "learners", "params")
 
 
 class BrokerSockets:

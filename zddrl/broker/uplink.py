@@ -115,23 +115,22 @@ class Uplink:
         return self.send(self.hello)
 
     def welcomed(self, welcome: P.Welcome, now: float) -> zmq.Socket:
-        """A welcome: (re)open the data sockets on the host of the broker that sent it; returns the new SUB."""
+        """A welcome: (re)open the data sockets of the broker that sent it (``Brokers.endpoint``); returns the SUB."""
         self._close_data()
         self._end_credit()  # a re-welcome is a new session for the credit too (the link's rule)
         self.welcome = welcome
         if self.session is not None:
             self.session.welcomed(welcome, now)  # the upstream's schedule from now on
-        host = self.brokers.host
         self.push = self._socket(zmq.PUSH)
         # No high-water mark: the relay's credit (its window) bounds what is queued here, and a send within the
         # window must never fail because the window grew with the fleet since this socket was made.
         self.push.setsockopt(zmq.SNDHWM, 0)
-        self.push.connect(f"tcp://{host}:{welcome.ports['trajectories']}")
+        self.push.connect(self.brokers.endpoint("trajectories", welcome.ports))
         self.sub = self._socket(zmq.SUB)
         self.sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
         self.sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         self.sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
-        self.sub.connect(f"tcp://{host}:{welcome.ports['params']}")
+        self.sub.connect(self.brokers.endpoint("params", welcome.ports))
         self.sessions += 1
         return self.sub
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,10 +67,12 @@ StartRun = Callable[[str, dict, tuple[str, bytes], RunBus], None]
 """Broker.start_run: the broker adopts a run (its id, spec, seal, and what the bus must know of it)."""
 
 
-def relay_hello(control_port: int) -> P.Hello:
-    """The relay's hello to its upstream: its peer id names its host and control port."""
+def relay_hello(control: int | str) -> P.Hello:
+    """The relay's hello to its upstream: its peer id names its host and control port (a local bus's relay: a
+    digest of its control endpoint, the same at each restart)."""
     host = socket.gethostname()
-    return P.Hello(role="relay", peer_id=f"relay-{host}-{control_port}", host=host, pid=os.getpid())
+    tag = control if isinstance(control, int) else f"ipc{zlib.crc32(control.encode()):08x}"
+    return P.Hello(role="relay", peer_id=f"relay-{host}-{tag}", host=host, pid=os.getpid())
 
 
 class RelayRefused(RuntimeError):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import click
@@ -28,7 +30,7 @@ from zddrl.cli.export import export
 from zddrl.cli.keys import keys
 from zddrl.cli.replay import replay
 from zddrl.cli.shards import default_shard_run_dir, launch_shards, run_shard, supervise
-from zddrl.config import ConfigError, load_broker_config
+from zddrl.config import ConfigError, ipc_endpoint, is_ipc, load_broker_config, private_bus_dir
 from zddrl.logs import configure
 from zddrl.plugin import importable_from_environment
 
@@ -64,7 +66,9 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
 @click.option(
     "--bind",
     default=None,
-    help="Public control endpoint, tcp://ADDR:PORT (port * = random).  [default: profile's, else tcp://127.0.0.1:5555]",
+    help="Control endpoint: tcp://ADDR:PORT (port * = random; without --keys it needs --insecure), or the local bus "
+    "ipc://DIR/control (its sockets are files in DIR, which should be owner-only).  [default: profile's, else the "
+    "local bus in a fresh owner-only directory, logged and written to --ready-file]",
 )
 @click.option("--profile", type=click.Path(dir_okay=False), default=None, help="Broker profile TOML (see brokers/).")
 @click.option("--trajectory-port", type=int, default=None, help="Trajectory PULL port (default control+1).")
@@ -89,8 +93,8 @@ def main(ctx: click.Context, log_level: str, log_file: str | None) -> None:
     "--insecure",
     is_flag=True,
     default=None,
-    help="Allow a non-loopback --bind without --keys: anyone who reaches the ports can join, inject, read and "
-    "exhaust the bus (docs/security.md).",
+    help="The open TCP bus: allow a tcp:// --bind without --keys. Anyone who reaches the ports (on 127.0.0.1: every "
+    'local user) can join, inject, read and exhaust the bus (docs/security.md, "Local runs").',
 )
 @click.option(
     "--upstream",
@@ -139,6 +143,7 @@ def broker(
     from zddrl.broker.sockets import BindError
     from zddrl.broker.upstream import RelayRefused
 
+    bus_dir = None
     try:
         config = load_broker_config(
             profile,
@@ -157,9 +162,12 @@ def broker(
         )
         if key_name is not None and not config.keys:
             raise ConfigError("--key names a broker key in --keys: give --keys DIR too")
+        config, bus_dir = local_default(config)
         credentials = relay_credentials(config, key_name) if config.upstream else None
         b = Broker(config, credentials=credentials, key=key_name)
     except ConfigError as exc:
+        if bus_dir is not None:
+            shutil.rmtree(bus_dir, ignore_errors=True)
         raise click.UsageError(str(exc)) from None
     stop = stop_on_signals()
     try:
@@ -167,14 +175,40 @@ def broker(
             ports = b.bind()
         except (BindError, ConfigError) as exc:  # a port taken, a bad bind port: one line, no traceback
             raise click.ClickException(str(exc)) from None
-        if ready_file:
-            Path(ready_file).write_text(json.dumps(ports))
+        if ready_file:  # the ports; on the local bus the control endpoint (its siblings are beside it)
+            Path(ready_file).write_text(json.dumps({"endpoint": config.bind} if is_ipc(config.bind) else ports))
         try:
             b.run(stop)
         except RelayRefused as exc:
             raise click.ClickException(str(exc)) from None
     finally:
         b.close()
+        if bus_dir is not None:
+            shutil.rmtree(bus_dir, ignore_errors=True)
+
+
+def local_default(config):
+    """The broker's bus when no bind was chosen (``broker.bind = ""``): the local bus in a fresh owner-only directory
+    (returned, to remove at exit). A tcp:// bind without keys is the open TCP bus: only with ``insecure``
+    (ConfigError else)."""
+    if not config.bind:
+        directory = private_bus_dir()
+        return dataclasses.replace(config, bind=ipc_endpoint(directory)), directory
+    if is_ipc(config.bind) and not config.keys:
+        directory = Path(config.bind.removeprefix("ipc://")).parent
+        if directory.is_dir() and directory.stat().st_mode & 0o077:
+            click.echo(
+                f"warning: {directory} is open to other users (mode {directory.stat().st_mode & 0o777:o}): any of "
+                "them can join this bus; chmod 700 it",
+                err=True,
+            )
+    if not is_ipc(config.bind) and not config.keys and not config.insecure:
+        raise ConfigError(
+            f"broker: binding {config.bind} without keys is the open TCP bus: anyone who reaches it (on loopback, "
+            "every local user) can join, inject, read and exhaust it; bind the local bus (no --bind, or --bind "
+            "ipc://DIR/control), or pass --keys DIR (docs/security.md), or --insecure to choose the open TCP bus"
+        )
+    return config, None
 
 
 def relay_credentials(config, key_name: str | None = None):
@@ -386,7 +420,14 @@ def _replay_link(config, replays: str, keys_dir: str | None, replay_key: str | N
 @click.option(
     "--secure",
     is_flag=True,
-    help="Close the bus with throwaway keys: CURVE on every socket, signed parameters (docs/security.md).",
+    help="Close the bus with throwaway keys too: CURVE on every socket, signed parameters (docs/security.md).",
+)
+@click.option(
+    "--open-tcp",
+    is_flag=True,
+    help="The open TCP bus: the processes meet on loopback ports, which every local user can reach (join, inject, "
+    "read). Default: the local bus, ipc sockets in an owner-only directory that only you can connect to "
+    '(docs/security.md, "Local runs").',
 )
 @set_option
 def train(
@@ -402,9 +443,13 @@ def train(
     gpus,
     resume_dir,
     secure,
+    open_tcp,
     sets,
 ) -> None:
-    """Run broker, actors and learner on this machine until the first limit is reached."""
+    """Run broker, actors and learner on this machine until the first limit is reached.
+
+    They talk over the local bus (ipc sockets in an owner-only directory, removed at the end: no other local user
+    can connect) unless --open-tcp."""
     from zddrl.ops.train import run_training
 
     config = config_of(
@@ -425,7 +470,9 @@ def train(
         check_env=False,  # run_training probes the env once the learner has started: the learner starts sooner
     )
     checked_run_dir(config, Path(resume_dir or run_dir) if (resume_dir or run_dir) else None, bool(resume_dir))
-    summary = run_training(config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure)
+    summary = run_training(
+        config, run_dir=resume_dir or run_dir, t0=STARTED_AT, resume=bool(resume_dir), secure=secure, open_tcp=open_tcp
+    )
     click.echo(json.dumps(summary))
 
 

@@ -164,6 +164,7 @@ def train(
     run_dir: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,
     secure: bool = False,
+    open_tcp: bool = False,
     progress: bool = True,
     **sections: Any,
 ) -> TrainResult:
@@ -173,7 +174,9 @@ def train(
     section, ``algo={"lr": 1e-3}``, and ``name="..."``; ``overrides``: dotted keys, ``{"algo.lr": 1e-3}``.
     ``env``: an env id, a dict of ``[env]`` keys, or a callable or class returning a gymnasium.Env (a script's or a
     notebook's own; ``env={"kwargs": ...}`` cannot then be given, pass ``overrides={"env.kwargs": ...}``).
-    ``progress``: progress lines on a terminal. Raises ConfigError for a config or env that cannot run."""
+    ``progress``: progress lines on a terminal. The processes meet on the local bus (ipc, owner-only directory) unless
+    ``open_tcp`` (loopback ports any local user can reach); ``secure``: throwaway keys too.
+    Raises ConfigError for a config or env that cannot run."""
     dotted = _dotted(env, overrides, sections)
     cfg = _config(config, dotted)
     run_path = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
@@ -181,7 +184,7 @@ def train(
     if callable(env):
         cfg = cfg.replace({"env.id": pickled_env(env, run_path / ENV_FILE)})
     try:
-        summary = run_training(cfg, run_path, show_progress=progress, secure=secure)
+        summary = run_training(cfg, run_path, show_progress=progress, secure=secure, open_tcp=open_tcp)
     except click.UsageError as exc:
         if made:  # refused before anything ran: what this call made goes again, as `zddrl train` does
             shutil.rmtree(run_path, ignore_errors=True)

@@ -1,7 +1,9 @@
 """`zddrl train`: broker, N actor processes and the learner on this machine, with one command.
 
-Every role runs as its own process through the same CLI commands used across hosts, on free
-loopback ports. All processes start at once (ZeroMQ connects before the broker binds and retries),
+Every role runs as its own process through the same CLI commands used across hosts. They talk over the local bus:
+``ipc://`` sockets in a fresh owner-only directory (``config.private_bus_dir``, removed when the run ends), which no
+other local user can connect to; ``open_tcp`` puts them on free loopback ports instead, open to every local user
+(docs/security.md, "Local runs"). All processes start at once (ZeroMQ connects before the broker binds and retries),
 the learner decides when the run is over (first limit reached), and everything is shut down in
 a ``finally`` (SIGTERM, then SIGKILL after a grace period): no orphans, also on Ctrl-C.
 
@@ -35,7 +37,7 @@ from loguru import logger
 
 from zddrl import plugin
 from zddrl.algos.spec import algorithm_of
-from zddrl.config import Config, ConfigError, TrainConfig, to_toml
+from zddrl.config import Config, ConfigError, TrainConfig, ipc_endpoint, private_bus_dir, to_toml
 from zddrl.keys import new_key
 from zddrl.learner.progress import progress_line
 from zddrl.learner.runlog import latest_checkpoint
@@ -179,26 +181,49 @@ def throwaway_keys() -> Path:
     return root
 
 
+class LocalBus:
+    """Where the processes of one local run meet: the broker's ``connect`` endpoint, its options (``broker_args``)
+    and the replay service's endpoint (``replay``, "" without one). By default the local bus, ``ipc://`` sockets in
+    a fresh owner-only directory (``directory``; ``close`` removes it); ``open_tcp``: free loopback ports."""
+
+    def __init__(self, open_tcp: bool, replay: bool) -> None:
+        self.directory: Path | None = None
+        if open_tcp:
+            control, traj, learn, params, replay_port = free_ports(5)
+            self.connect = f"tcp://127.0.0.1:{control}"
+            ports = ["--trajectory-port", str(traj), "--learner-port", str(learn), "--params-port", str(params)]
+            # the open TCP bus, chosen out loud: `zddrl broker` refuses a TCP bind without keys or --insecure
+            self.broker_args = ["--bind", self.connect, *ports, "--insecure"]
+            self.replay = f"tcp://127.0.0.1:{replay_port}" if replay else ""
+        else:
+            self.directory = private_bus_dir()
+            self.connect = ipc_endpoint(self.directory)
+            self.broker_args = ["--bind", self.connect]
+            self.replay = ipc_endpoint(self.directory, "replay") if replay else ""
+        self.kind = "local (ipc, owner-only directory)" if self.directory else "open (TCP on loopback)"
+
+    def close(self) -> None:
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
 def _start(
     procs: LocalProcesses,
     config: Config,
-    connect: str,
-    data_ports: tuple[int, int, int],
+    bus: LocalBus,
     learner_args: list[str],
     resume: bool,
     keys: list[str],
-    replay_port: int = 0,
     run_dir: Path = Path("."),
 ) -> subprocess.Popen:
-    """The broker (on ``connect`` and the trajectories, learners and params ports), a replay service (on
-    ``replay_port``, if not 0; its state in ``run_dir/replay``), the learner (in a process group of its own, with its
-    shards) and the actors, all with the ``keys`` options; returns the learner."""
-    traj, learn, params = (str(p) for p in data_ports)
-    broker = ["broker", "--bind", connect, "--trajectory-port", traj, "--learner-port", learn, "--params-port", params]
-    procs.start("broker", [*broker, *keys])
-    if replay_port:  # before the learner, which samples from it (ZeroMQ waits for the bind either way)
+    """The broker (on ``bus``), a replay service (on ``bus.replay``, if any; its state in ``run_dir/replay``), the
+    learner (in a process group of its own, with its shards) and the actors, all with the ``keys`` options; returns
+    the learner."""
+    connect = bus.connect
+    procs.start("broker", ["broker", *bus.broker_args, *keys])
+    if bus.replay:  # before the learner, which samples from it (ZeroMQ waits for the bind either way)
         allow = allow_own_code(config)  # the user's own code (see the actors below)
-        bind = f"tcp://127.0.0.1:{replay_port}"
+        bind = bus.replay
         state = ["--state-dir", str(run_dir / "replay")]
         procs.start("replay", ["replay", "--connect", connect, "--bind", bind, *state, *allow, *keys])
     learner = procs.start("learner", [*learner_args, *(["--resume"] if resume else [])], own_group=True)
@@ -226,47 +251,38 @@ def run_training(
     t0: float | None = None,
     resume: bool = False,
     secure: bool = False,
+    open_tcp: bool = False,
 ) -> dict[str, Any]:
     """Run the whole system locally until the learner stops; return its summary.
 
-    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it. ``secure``: the bus
-    is closed with throwaway keys (CURVE on every socket, signed parameters), removed when the run ends.
+    ``t0`` (epoch seconds) is when the command started; wall-clock figures count from it. The processes meet on
+    the local bus (``LocalBus``), or with ``open_tcp`` on loopback TCP ports any local user can reach. ``secure``:
+    the bus is closed with throwaway keys too (CURVE on every socket, signed parameters), removed when the run ends.
     """
     t0 = time.time() if t0 is None else t0
     run_dir = Path(run_dir) if run_dir else default_run_dir(config)
     fresh = _open_run_dir(config, run_dir)
     log_dir = run_dir / "logs"
-    control, traj, learn, params, replay_port = free_ports(5)
-    connect = f"tcp://127.0.0.1:{control}"
-    if not algorithm_of(config).replay or config.replay.placement != "service":
-        replay_port = 0
+    service = bool(algorithm_of(config).replay) and config.replay.placement == "service"
+    bus = LocalBus(open_tcp, replay=service)
+    connect = bus.connect
     procs = LocalProcesses(log_dir)
     budget = RestartBudget(config.train.max_restarts)
     key_dir = throwaway_keys() if secure else None
     keys = ["--keys", str(key_dir)] if key_dir is not None else []
-    learner_args = _learner_args(run_dir, connect, keys, replay_port)
+    learner_args = _learner_args(run_dir, connect, keys, bus.replay)
     restart = partial(_restart_learner, procs, budget, learner_args, run_dir, t0)
     refused = interrupted = False
     filming = Filming(run_dir, config.train, allow_own_code(config)) if config.train.video_every else None
     try:
-        learner = _start(
-            procs,
-            config,
-            connect,
-            (traj, learn, params),
-            [*learner_args, "--t0", repr(t0)],
-            resume,
-            keys,
-            replay_port,
-            run_dir,
-        )
+        learner = _start(procs, config, bus, [*learner_args, "--t0", repr(t0)], resume, keys, run_dir)
         refused = fresh  # until the env passed: a run refused before anything ran leaves no directory behind
         if not algorithm_of(config).replay:
             _check_env(config)  # after the start: the learner, on the critical path, need not wait for this probe
         refused = False
-        bus = "closed (CURVE, throwaway keys)" if secure else "open (loopback)"
-        logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {bus} "
-                    f"(logs in {log_dir})")  # fmt: skip
+        kind = f"{bus.kind}, closed (CURVE, throwaway keys)" if secure else bus.kind
+        logger.info(f"run {run_dir}: broker {connect}, {config.train.actors} actors, learner; the bus is {kind} "
+                    f"(logs in {log_dir}; zddrl status --connect {connect})")  # fmt: skip
         logger.info(tensorboard_hint(run_dir))
         learner = _watch(procs, learner, config, run_dir, t0, show_progress, restart, filming)
         if filming is not None:
@@ -279,6 +295,7 @@ def run_training(
         procs.stop()  # on Ctrl-C, the learner's clean stop writes its final checkpoint: what the message names
         if key_dir is not None:
             shutil.rmtree(key_dir, ignore_errors=True)
+        bus.close()
         if refused:
             shutil.rmtree(run_dir, ignore_errors=True)
     if interrupted:
@@ -313,10 +330,10 @@ def tensorboard_hint(run_dir: Path) -> str:
     return f"TensorBoard: tensorboard --logdir {run_dir / TB_DIR}"
 
 
-def _learner_args(run_dir: Path, connect: str, keys: list[str], replay_port: int) -> list[str]:
+def _learner_args(run_dir: Path, connect: str, keys: list[str], replay: str) -> list[str]:
     """`zddrl learner` of the run: its config.toml, the local broker, the keys, the replay service if any."""
     args = ["learner", str(run_dir / "config.toml"), "--connect", connect, "--run-dir", str(run_dir), *keys]
-    return [*args, "--replay", f"tcp://127.0.0.1:{replay_port}"] if replay_port else args
+    return [*args, "--replay", replay] if replay else args
 
 
 def interrupted_message(run_dir: Path) -> str:

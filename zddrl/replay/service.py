@@ -139,13 +139,17 @@ class ReplayService:
             sock.curve_server = True
             sock.curve_secretkey = self.credentials.client.secret
             sock.curve_publickey = self.credentials.client.public
-        if self.bind.rsplit(":", 1)[-1] in ("0", "*"):
+        if self.bind.startswith("ipc://"):  # a local run's: a file in its owner-only bus directory, no port
+            sock.bind(self.bind)
+            self.port = 0
+        elif self.bind.rsplit(":", 1)[-1] in ("0", "*"):
             self.port = sock.bind_to_random_port(self.bind.rsplit(":", 1)[0])
         else:
             sock.bind(self.bind)
             self.port = int(self.bind.rsplit(":", 1)[-1])
         self.bound.set()
-        self.log.info(f"replay {self.peer_id} serving learners on port {self.port}, broker {self.connect}")
+        where = f"port {self.port}" if self.port else self.bind
+        self.log.info(f"replay {self.peer_id} serving learners on {where}, broker {self.connect}")
         return sock
 
     def _reload_learner_keys(self) -> None:

@@ -10,7 +10,7 @@ RECONNECT_INITIAL_S only: its peer is about to take over, or is there and unreac
 
 from __future__ import annotations
 
-from zddrl.config import split_endpoint, split_endpoints
+from zddrl.config import socket_endpoint, split_endpoints
 from zddrl.transport.session import PASSIVE
 
 RECONNECT_INITIAL_S = 0.25
@@ -44,10 +44,10 @@ class Brokers:
     def current(self) -> str:
         return self.endpoints[self.at]
 
-    @property
-    def host(self) -> str:
-        """The host of ``current``: the data ports its welcome names are on it."""
-        return split_endpoint(self.current)[0]
+    def endpoint(self, name: str, ports: dict[str, int]) -> str:
+        """Where the socket ``name`` of ``current`` is, its welcome having named ``ports``: that port on its host,
+        or on a local bus the file ``name`` beside its control endpoint (config.socket_endpoint)."""
+        return socket_endpoint(self.current, name, ports)
 
     def next(self, served: bool, answered: bool = False) -> float:
         """The session with ``current`` ended (``served``: it had welcomed us; ``answered``: it is a passive standby

@@ -25,6 +25,7 @@ from loguru import logger
 
 from zddrl import keys
 from zddrl import protocol as P
+from zddrl.config import socket_endpoint
 from zddrl.logs import RateLimitedLog
 from zddrl.transport import signatures as signing
 from zddrl.transport.crash import CRASH_MESSAGE_CHARS as CRASH_MESSAGE_CHARS  # re-exported: where callers look
@@ -70,8 +71,8 @@ class BrokerLink:
     ) -> None:
         self.brokers = Brokers(connect)
         """The brokers to try, in order; ``connect`` is the one tried now."""
-        self._welcome_host = ""
-        """The host of the broker that sent ``welcome``: data endpoints are on it."""
+        self._welcome_from = ""
+        """The control endpoint of the broker that sent ``welcome``: its data endpoints are beside it."""
         self.hello = hello
         self.subscribe_params = subscribe_params
         self.ctx = context or zmq.Context.instance()
@@ -101,7 +102,7 @@ class BrokerLink:
         self.fleet_ignored = 0
         """Fleet messages ignored because they named another run than the link's."""
         self._sub: zmq.Socket | None = None
-        self._sub_port: int | None = None
+        self._sub_endpoint: str | None = None
         role, key = (credentials.client.role, credentials.client.name) if credentials else (hello.role, "")
         self.handshakes = HandshakeWatch(role, key, self.log)
         """The control socket's monitor: failed handshakes (a refused key, or no keys on a closed bus, is otherwise
@@ -153,10 +154,11 @@ class BrokerLink:
         return self.brokers.current
 
     def endpoint(self, port_name: str) -> str:
-        """``port_name`` of the current welcome, on the host of the broker that sent it."""
+        """The endpoint of the socket ``port_name`` of the broker that sent the current welcome (the port the welcome
+        names on its host; on a local bus, the file beside its control endpoint)."""
         with self._cond:
             assert self.welcome is not None, "no welcome yet"
-            return f"tcp://{self._welcome_host}:{self.welcome.ports[port_name]}"
+            return socket_endpoint(self._welcome_from, port_name, self.welcome.ports)
 
     def wait_welcome(self, timeout_s: float, need_run: bool = False) -> P.Welcome | None:
         """Block until a welcome (with a run spec if ``need_run``) arrived, or the timeout."""
@@ -377,23 +379,24 @@ class BrokerLink:
         return True
 
     def _resubscribe(self, welcome: P.Welcome, poller: zmq.Poller) -> None:
-        """(Re)subscribe at every welcome that names another params port: a restarted broker may re-welcome this
-        same session on a new one."""
-        if not self.subscribe_params or (self._sub is not None and self._sub_port == welcome.ports.get("params")):
+        """(Re)subscribe at every welcome that names another params endpoint: a restarted broker may re-welcome this
+        same session on a new port."""
+        endpoint = self.brokers.endpoint("params", welcome.ports)
+        if not self.subscribe_params or (self._sub is not None and self._sub_endpoint == endpoint):
             return
         if self._sub is not None:
             poller.unregister(self._sub)
             self._sub.close(linger=0)
-        self._sub = self._subscribe(welcome)
+        self._sub = self._subscribe(welcome, endpoint)
         poller.register(self._sub, zmq.POLLIN)
 
-    def _subscribe(self, welcome: P.Welcome) -> zmq.Socket:
+    def _subscribe(self, welcome: P.Welcome, endpoint: str) -> zmq.Socket:
         sub = self.socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, PARAMS_RCVHWM)
         sub.setsockopt(zmq.MAXMSGSIZE, welcome.max_message_bytes + P.MAX_HEADER_BYTES + 4096)
         sub.setsockopt(zmq.SUBSCRIBE, P.PREAMBLE)
-        sub.connect(f"tcp://{self.brokers.host}:{welcome.ports['params']}")
-        self._sub_port = welcome.ports["params"]
+        sub.connect(endpoint)
+        self._sub_endpoint = endpoint
         return sub
 
     def _drain(self, sock: zmq.Socket) -> list[P.Message]:
@@ -428,7 +431,7 @@ class BrokerLink:
             if self.welcome is not None and msg.run_id and msg.run_id != self.welcome.run_id:
                 self._fleet = None  # the fleet of another run
             self.welcome = msg
-            self._welcome_host = self.brokers.host
+            self._welcome_from = self.brokers.current
             if self.hello.auto_id and msg.peer_id and msg.peer_id != self.hello.peer_id:
                 # the broker assigned our id: every later message, and the hello of a reconnection, names it
                 self.hello = dataclasses.replace(self.hello, peer_id=msg.peer_id)
