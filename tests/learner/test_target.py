@@ -109,6 +109,7 @@ def test_an_honest_target_is_confirmed_at_the_row_that_reaches_it(lines) -> None
     assert any("confirmed by the learner's own evaluation: 500.0" in line for line in lines), lines
 
 
+@pytest.mark.serial
 def test_a_failed_confirmation_is_retried_within_its_share_of_the_learners_time() -> None:
     calls: list[float] = []
 
