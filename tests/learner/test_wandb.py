@@ -13,7 +13,7 @@ from zddrl.config import Config, ConfigError
 from zddrl.learner.runlog import RunLog
 
 wandb = pytest.importorskip("wandb")
-pytestmark = pytest.mark.slow  # wandb starts a service process of its own
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # wandb starts a service process of its own, with its own timeouts
 
 
 def test_an_offline_run_holds_the_figures_and_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
