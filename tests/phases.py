@@ -29,6 +29,22 @@ except ImportError:  # pytest without xdist: the hooks below are never called
 PHASES_DIR = "zddrl_phases_dir"
 """The key of the workers' input that names the folder they write their marked node ids to."""
 
+LONGEST = (
+    "tests/test_train_replay.py::test_sac_reaches_minus_200_on_pendulum",
+    "tests/test_train_replay.py::test_apex_reaches_a_greedy_475_on_cartpole",
+    "tests/test_pixel_learning.py::test_the_atari_examples_settings_learn_from_pixels",
+    "tests/ops/test_filming.py::test_a_run_films_its_policy_every_k_updates",
+    "tests/test_plugins.py::test_a_plugin_algorithm_and_a_plugin_network_train_cartpole",
+    "tests/bench/test_bench_learner.py::test_bench_learner_smoke",
+    "tests/test_train.py::test_scaling_1_and_4_actors_learn_alike_at_a_fixed_total_batch",
+    "tests/ops/test_restart.py::test_train_restarts_the_whole_shard_group_when_one_shard_dies",
+    "tests/test_train_replay.py::test_a_replay_service_on_a_closed_bus_serves_its_learner_at_the_replay_ratio",
+    "tests/test_replay_service_e2e.py::test_the_buffer_survives_a_replay_kill_and_a_learner_restart",
+)
+"""Node id prefixes of the slow tests that took longest (60-270 s each in a run of 2026-12-03), handed out before the
+other slow ones: a long test started last would keep one worker busy long after the others are done. A name no
+longer there only loses its place."""
+
 QUICK_CHUNK = 16
 """Quick tests go to a worker this many at a time at most: few messages, and at most ~2 s of imbalance at the end."""
 
@@ -113,10 +129,15 @@ class PhasedScheduling(LoadScheduling):  # type: ignore[misc,valid-type]
         self.slow = {index[n] for n in marked["slow"] if n in index}
         held = set(self.serial)
         rest = [i for i in range(len(self.collection)) if i not in held]
-        # the slow ones first (collection order among them), so that the quick ones fill the workers' ends
-        self.pending[:] = [i for i in rest if i in self.slow] + [i for i in rest if i not in self.slow]
+        # the slow ones first (the longest known first), so that the quick ones fill the workers' ends
+        slow = sorted((i for i in rest if i in self.slow), key=lambda i: (self._rank(self.collection[i]), i))
+        self.pending[:] = slow + [i for i in rest if i not in self.slow]
         for node in self.nodes:
             self.check_schedule(node)
+
+    @staticmethod
+    def _rank(nodeid: str) -> int:
+        return next((k for k, prefix in enumerate(LONGEST) if nodeid.startswith(prefix)), len(LONGEST))
 
     def _marked(self) -> dict[str, list[str]]:
         folder = Path(getattr(self.config, "_zddrl_phases_dir", ""))

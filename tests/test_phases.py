@@ -100,3 +100,11 @@ def test_each_worker_draws_free_ports_from_a_range_of_its_own(monkeypatch: pytes
     assert ranges[0][0] >= proc.LOWEST_PORT and ranges[-1][1] <= proc._ephemeral_start()
     monkeypatch.setenv(proc.PORT_RANGE_ENV, "not a range")
     assert proc.free_ports(1)[0] > 0
+
+
+def test_the_longest_tests_handed_out_first_exist() -> None:
+    import phases
+
+    for prefix in phases.LONGEST:
+        path, name = prefix.split("::")
+        assert f"def {name}(" in (HERE.parent / path).read_text(), prefix
