@@ -38,6 +38,12 @@ def pytest_configure(config: pytest.Config) -> None:
         width = max(1000, (top - low) // max(1, int(count)))
         start = low + int(worker[2:]) * width % max(1, top - low - width + 1)
         os.environ[zproc.PORT_RANGE_ENV] = f"{start}-{start + width}"
+        # torch's in-process ops: the worker's share of the CPUs, not all of them per worker (oversubscribed threads
+        # spin against each other); the processes a test starts set their own
+        import torch
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // int(count)))
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
