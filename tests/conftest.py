@@ -20,9 +20,30 @@ from typing import Any
 import pytest
 import zmq
 
+from zddrl import proc as zproc
 from zddrl import protocol as P
 from zddrl.proc import free_ports
 from zddrl.transport.link import BrokerLink
+
+pytest_plugins = ("phases",)  # the parallel phase, then the serial one (tests/phases.py)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On an xdist worker: its own slice of the free ports' range, for it and every process it starts, so that two
+    workers never choose the same port (a port another process takes is still passed over, or retried)."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and count.isdigit() and zproc.PORT_RANGE_ENV not in os.environ:
+        low, top = zproc.LOWEST_PORT, zproc._ephemeral_start()
+        # at least the 1,000 ports free_ports draws from at random (past ~22 workers, neighbours' slices overlap)
+        width = max(1000, (top - low) // max(1, int(count)))
+        start = low + int(worker[2:]) * width % max(1, top - low - width + 1)
+        os.environ[zproc.PORT_RANGE_ENV] = f"{start}-{start + width}"
+        # torch's in-process ops: the worker's share of the CPUs, not all of them per worker (oversubscribed threads
+        # spin against each other); the processes a test starts set their own
+        import torch
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cpus // int(count)))
 
 
 def wait_for(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.02) -> object:
@@ -112,7 +133,21 @@ class BrokerHandle:
         self.proc: subprocess.Popen | None = None
 
     def start(self, *options: str) -> BrokerHandle:
-        """Start `zddrl broker` on this handle's ports (``options``: more of its options, e.g. a profile)."""
+        """Start `zddrl broker` on this handle's ports (``options``: more of its options, e.g. a profile). On the
+        first start, a port another process took between the choice and the bind is replaced: new ports, up to
+        three tries (a restart keeps its ports, which its clients know)."""
+        tries = 3 if self.proc is None else 1
+        for _ in range(tries):
+            self._start(*options)
+            assert self.proc is not None
+            if self.proc.poll() is None or ") is in use" not in self.procs.log("broker"):
+                break
+            self.ports = free_ports(4)
+            self.connect = f"tcp://127.0.0.1:{self.ports[0]}"
+        assert self.proc.poll() is None, self.procs.log("broker")
+        return self
+
+    def _start(self, *options: str) -> None:
         self.ready.unlink(missing_ok=True)
         _, traj_port, learner_port, params_port = self.ports
         self.proc = self.procs.start(
@@ -132,8 +167,6 @@ class BrokerHandle:
             *([] if "--keys" in options else ["--insecure"]),  # the open TCP bus, chosen out loud
         )
         wait_for(lambda: self.ready.exists() or self.proc.poll() is not None, 20, "the broker to bind")
-        assert self.proc.poll() is None, self.procs.log("broker")
-        return self
 
     @property
     def bound_ports(self) -> dict[str, int]:

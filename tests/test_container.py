@@ -21,6 +21,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.skipif(
         os.environ.get("ZDDRL_CONTAINER_TEST") != "1",
         reason="building an image takes minutes: set ZDDRL_CONTAINER_TEST=1 to run it",

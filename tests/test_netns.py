@@ -37,6 +37,7 @@ from zddrl.tomlconf import to_toml
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="network namespaces need root here"),
 ]
 

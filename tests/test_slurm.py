@@ -23,6 +23,7 @@ from zddrl.proc import free_ports
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.skipif(sys.platform != "linux" or os.geteuid() != 0, reason="a Slurm cluster needs root here"),
 ]
 

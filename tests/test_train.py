@@ -75,6 +75,7 @@ def nan_every_third_episode() -> gym.Env:
     return _NanEveryThirdEpisode(gym.make("CartPole-v1"))
 
 
+@pytest.mark.serial  # 20 episodes within 60 s (tests/phases.py)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_an_env_that_returns_nan_costs_rollouts_not_actors(
     mode: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -108,6 +109,7 @@ def test_an_env_that_returns_nan_costs_rollouts_not_actors(
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.serial  # no straggler in any sync round (tests/phases.py)
 def test_train_solves_cartpole_writes_the_run_dir_and_leaves_no_process(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     summary = train(run_dir, "--until-return", "475")
@@ -219,6 +221,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     wait_for(lambda: processes_mentioning(str(run_dir)) == [], 15, "every child process to exit")
 
 
+@pytest.mark.serial  # only the slowed actor is ever late (tests/phases.py)
 def test_slow_actor_is_dropped_by_rule_and_the_run_goes_on(procs: Procs, broker: BrokerHandle, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     learner = procs.start(

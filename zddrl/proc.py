@@ -46,6 +46,9 @@ def rss_mb() -> float:
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST_PORT = 10_000
 """Free ports are chosen from LOWEST_PORT up to the kernel's ephemeral range."""
+PORT_RANGE_ENV = "ZDDRL_PORT_RANGE"
+"""``LOW-HIGH`` narrows that range to the ports from LOW up to HIGH: processes that choose ports at once, each in a
+range of its own, cannot choose the same one (the test suite's parallel workers; their children inherit it)."""
 
 
 def _ephemeral_start() -> int:
@@ -62,16 +65,16 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     any socket that connects may be given it by the kernel as its own local port if it lies in the ephemeral range,
     which is where bind(0) picks from; the bind then fails. So ports are drawn at random below that range (where the
     kernel gives none away), each checked by a bind; bind(0)'s pick only where the range leaves no room below it."""
-    top = _ephemeral_start()
+    low, top = _port_range()
     rng = random.SystemRandom()  # not the random module's seeded stream: two processes draw apart
     socks: list[socket.socket] = []
     try:
         for _ in range(20 * n):
-            if len(socks) == n or top - LOWEST_PORT < 1000:
+            if len(socks) == n or top - low < 1000:
                 break
             s = socket.socket()  # no SO_REUSEADDR: a port any socket holds, even in TIME_WAIT, is passed over
             try:
-                s.bind((host, rng.randrange(LOWEST_PORT, top)))
+                s.bind((host, rng.randrange(low, top)))
             except OSError:
                 s.close()
                 continue
@@ -84,6 +87,20 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def _port_range() -> tuple[int, int]:
+    """Where free ports are drawn: [LOWEST_PORT, the ephemeral range's start), narrowed by PORT_RANGE_ENV."""
+    low, top = LOWEST_PORT, _ephemeral_start()
+    value = os.environ.get(PORT_RANGE_ENV, "")
+    if value:
+        try:
+            want_low, want_high = (int(part) for part in value.split("-"))
+        except ValueError:
+            logger.warning(f"{PORT_RANGE_ENV}={value!r} is not LOW-HIGH: ignored")
+        else:
+            low, top = max(low, want_low), min(top, want_high)
+    return low, top
 
 
 def die_with_parent() -> None:

@@ -17,6 +17,8 @@ from benchmarks import fleet as F
 from benchmarks.fleet_report import scaling
 from benchmarks.fleet_sim import raise_nofile
 
+pytestmark = pytest.mark.serial  # its figures need the machine to itself (tests/phases.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["--json", "--actors", "1,8", "--seconds", "1"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.serial  # its figures need the machine to itself (tests/phases.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -67,6 +67,7 @@ def test_bench_learner_smoke() -> None:
     assert set(hardware["cpu_units"]) <= set(CPU_UNITS)
 
 
+@pytest.mark.serial  # a bound on a benchmark's wall time (tests/phases.py)
 @pytest.mark.timeout(200)
 def test_bench_learner_measures_and_profiles_a_run_config_with_and_without_autocast() -> None:
     """``--profile`` applies to every row: each autocast's update is accounted for by region; auto's row says what

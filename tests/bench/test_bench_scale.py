@@ -12,6 +12,8 @@ import pytest
 
 from benchmarks import scale as S
 
+pytestmark = pytest.mark.serial  # its figures need the machine to itself (tests/phases.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

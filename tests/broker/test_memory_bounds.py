@@ -40,6 +40,8 @@ from zddrl.keys import Credentials, credentials, new_key
 from zddrl.transport.signatures import signed_hello, signed_params
 from zddrl.transport.status import request_status
 
+pytestmark = pytest.mark.serial  # its figures need the machine to itself (tests/phases.py)
+
 CARTPOLE = str(Path(__file__).resolve().parents[2] / "examples" / "cartpole_ppo.toml")
 MIB = 1 << 20
 

@@ -69,6 +69,7 @@ def test_status_requests_never_read_queue_a_bounded_amount(broker: BrokerHandle,
     assert grown < answered * MAX_STATUS_BYTES / 2**20 + 32, f"the broker grew by {grown:.0f} MiB"
 
 
+@pytest.mark.serial  # members beat on time until status answers (tests/phases.py)
 def test_two_members_with_0_6_mib_stats_leave_status_working(broker: BrokerHandle, bus: Bus) -> None:
     """Attack: two members with 0.6 MiB stats each pushed the status body over 1 MiB: `zddrl status` failed."""
     for i in range(2):

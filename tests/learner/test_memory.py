@@ -33,7 +33,7 @@ from zddrl.learner.rounds import SyncRounds
 from zddrl.shards.group import ShardGroup
 from zddrl.transport.params import split
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # a memory measurement: alone (tests/phases.py)
 
 HERE = Path(__file__).resolve().parent
 
