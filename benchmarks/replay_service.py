@@ -30,8 +30,10 @@ import zmq
 
 from benchmarks.replay import BATCH, N_ENVS, T_STEPS, WORKLOADS, rollouts_of
 from zddrl import protocol as P
+from zddrl.algos.spec import algorithm_of
 from zddrl.config import Config
 from zddrl.envs import probe_spec
+from zddrl.learner.node import run_bus_of
 from zddrl.proc import free_ports, stop_processes
 from zddrl.replay.client import RemoteReplay
 from zddrl.transport.link import BrokerLink
@@ -85,7 +87,7 @@ class ServiceRig:
             peer_id="learner-0",
             run_id=self.run_id,
             run=self.config.to_dict(),
-            bus=self.config.hello_bus(),
+            bus=run_bus_of(self.config, algorithm_of(self.config), probe_spec(self.config.env)),  # apex's actor_td
         )
         self.learner = BrokerLink(self.connect, hello, context=self.ctx).start()
         if self.learner.wait_welcome(WAIT_S) is None:
@@ -169,6 +171,7 @@ def _wire_arrays(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     out.update(
         logp=np.zeros((T, N), np.float32), values=np.zeros((T, N), np.float32), next_value=np.zeros(N, np.float32)
     )
+    out["actor_td"] = np.zeros((T, N), np.float32)  # apex declares its actors' initial priorities
     if "trunc_idx" in out:
         out["trunc_value"] = np.zeros(len(out["trunc_idx"]), np.float32)
     else:

@@ -381,8 +381,10 @@ class BrokerLink:
     def _resubscribe(self, welcome: P.Welcome, poller: zmq.Poller) -> None:
         """(Re)subscribe at every welcome that names another params endpoint: a restarted broker may re-welcome this
         same session on a new port."""
+        if not self.subscribe_params:  # a monitor: its welcome names no data port (ports {} on a closed bus)
+            return
         endpoint = self.brokers.endpoint("params", welcome.ports)
-        if not self.subscribe_params or (self._sub is not None and self._sub_endpoint == endpoint):
+        if self._sub is not None and self._sub_endpoint == endpoint:
             return
         if self._sub is not None:
             poller.unregister(self._sub)
