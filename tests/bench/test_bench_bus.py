@@ -29,20 +29,25 @@ TINY = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_bench_bus_smoke_with_the_closed_bus_side_by_side() -> None:
-    """One ``--secure`` run: it measures the open paths (broker, direct, proxy) and, in the same rounds, the closed
-    bus's (direct-curve, secure); the broadcast on both buses; signing; the codec."""
+def bench_bus(flag: str) -> dict:
+    """`zddrl bench bus FLAG` with the tiny settings, run to completion: its JSON report."""
     proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "bus", "--secure", *TINY],
+        [sys.executable, "-m", "zddrl", "bench", "bus", flag, *TINY],
         capture_output=True,
         text=True,
         timeout=110,
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_bench_bus_smoke_with_the_closed_bus_side_by_side() -> None:
+    """One ``--secure`` run: it measures the open paths (broker, direct, proxy) and, in the same rounds, the closed
+    bus's (direct-curve, secure); the broadcast on both buses; signing; the codec."""
+    report = bench_bus("--secure")
 
     rows = report["results"]
     paths = ("broker", "direct", "proxy", "direct-curve", "secure")
@@ -152,15 +157,7 @@ def test_bench_relay_smoke() -> None:
 def test_bench_bus_measures_the_local_bus_beside_loopback_tcp() -> None:
     """``--ipc``: the broker on the local bus (ipc sockets, `zddrl train`'s default) in the same rounds as the broker
     on loopback TCP, and their ratio per payload; its directory goes at the end."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "zddrl", "bench", "bus", "--ipc", *TINY],
-        capture_output=True,
-        text=True,
-        timeout=110,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    report = bench_bus("--ipc")
     local = [r for r in report["results"] if r["path"] == "local"]
     assert [r["payload_bytes"] for r in local] == [4096, 65536] and all(r["msgs_per_s"] > 0 for r in local)
     assert all(r["local_over_broker"] > 0 for r in report["ratios"])
